@@ -1,0 +1,1 @@
+"""gpupool controller/services."""

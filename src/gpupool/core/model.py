@@ -1,0 +1,218 @@
+"""The pool's domain words as data: GPUs and their modes, slices, lease requests, quotas."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from gpupool.core.errors import InvalidRequest
+
+MAX_GPUS_PER_LEASE = 256
+MAX_PRIORITY = 1000
+
+
+class GpuMode(StrEnum):
+    """How a GPU is used: sliced and shared, handed out whole, emptying, or out of service."""
+
+    VIRTUAL = "virtual"
+    PHYSICAL = "physical"
+    DRAINING = "draining"
+    ISOLATED = "isolated"
+
+
+class Access(StrEnum):
+    """How a lease's program reaches its GPU (DESIGN.md: Access)."""
+
+    DIRECT = "direct"
+    REMOTE = "remote"
+
+
+class LeaseState(StrEnum):
+    QUEUED = "queued"
+    GRANTED = "granted"
+    ACTIVE = "active"
+    IDLE = "idle"
+    SWAPPED = "swapped"
+    MIGRATING = "migrating"
+    PREEMPTED = "preempted"
+    RELEASED = "released"
+
+
+class ReleaseReason(StrEnum):
+    """Why a lease ended: shown to its holder, so each reason is distinct."""
+
+    HOLDER = "released by holder"
+    EXPIRED = "holder stopped heartbeating"
+    ADMIN = "released by an operator"
+    CANCELLED = "cancelled while queued"
+    GPU_FAILED = "its GPU failed"
+    NODE_REMOVED = "its node was removed"
+
+
+@dataclass(frozen=True, slots=True)
+class Gpu:
+    """One physical GPU as the pool sees it.
+
+    `target_mode` is where a draining GPU goes once it is empty (None: it stays drained),
+    and for an isolated GPU the mode it returns to when an operator clears it.
+    """
+
+    uuid: str
+    node: str
+    model: str
+    memory_mib: int
+    index: int = 0
+    mode: GpuMode = GpuMode.VIRTUAL
+    target_mode: GpuMode | None = None
+    healthy: bool = True
+    simulated: bool = False
+
+    def takes_new_leases(self) -> bool:
+        return self.healthy and self.mode in (GpuMode.VIRTUAL, GpuMode.PHYSICAL)
+
+
+@dataclass(frozen=True, slots=True)
+class Ratios:
+    """Oversubscription of the virtual pool: shares are caps, so compute may exceed 100 %."""
+
+    compute: float = 1.0
+    memory: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1.0 <= self.compute <= 100.0:
+            raise InvalidRequest(f"compute oversubscription ratio must be 1..100, got {self.compute}")
+        if not 1.0 <= self.memory <= 10.0:
+            raise InvalidRequest(f"memory oversubscription ratio must be 1..10, got {self.memory}")
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """What one lease holds on one GPU. `whole` marks an exclusive physical GPU."""
+
+    gpu_uuid: str
+    compute_pct: int
+    memory_mib: int
+    whole: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseRequest:
+    """What a client asks for: N slices of the same size, or N whole physical GPUs.
+
+    `memory_mib=None` on a slice means "memory in proportion to the compute share" of
+    whichever GPU it lands on, which is what most notebook users mean by "25 % of a GPU".
+    """
+
+    tenant: str = "default"
+    gpus: int = 1
+    compute_pct: int = 100
+    memory_mib: int | None = None
+    physical: bool = False
+    priority: int = 0
+    access: Access = Access.DIRECT
+    node: str | None = None
+    gpu_models: tuple[str, ...] = ()
+    span_nodes: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.gpus <= MAX_GPUS_PER_LEASE:
+            raise InvalidRequest(f"gpus must be 1..{MAX_GPUS_PER_LEASE}, got {self.gpus}")
+        if not 1 <= self.compute_pct <= 100:
+            raise InvalidRequest(f"compute share must be 1..100 %, got {self.compute_pct}")
+        if self.memory_mib is not None and self.memory_mib < 1:
+            raise InvalidRequest(f"memory must be at least 1MiB, got {self.memory_mib}MiB")
+        if not 0 <= self.priority <= MAX_PRIORITY:
+            raise InvalidRequest(f"priority must be 0..{MAX_PRIORITY}, got {self.priority}")
+        if self.physical and (self.compute_pct != 100 or self.memory_mib is not None):
+            raise InvalidRequest("a physical lease takes whole GPUs: give no compute or memory")
+        if self.physical and self.access is Access.REMOTE:
+            raise InvalidRequest("physical GPUs are always direct access")
+        if not self.tenant:
+            raise InvalidRequest("tenant must not be empty")
+
+    def slice_memory_mib(self, gpu: Gpu) -> int:
+        if self.physical:
+            return gpu.memory_mib
+        if self.memory_mib is not None:
+            return self.memory_mib
+        return max(1, -(-gpu.memory_mib * self.compute_pct // 100))
+
+    def model_allowed(self, model: str) -> bool:
+        if not self.gpu_models:
+            return True
+        low = model.lower()
+        return any(want.lower() in low for want in self.gpu_models)
+
+
+@dataclass(frozen=True, slots=True)
+class Quota:
+    """A tenant's limits; None means unlimited. Whole GPUs count 100 % compute and all memory."""
+
+    max_gpus: int | None = None
+    max_memory_mib: int | None = None
+    max_compute_pct: int | None = None
+    max_leases: int | None = None
+    max_priority: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_gpus", "max_memory_mib", "max_compute_pct", "max_leases", "max_priority"):
+            value = getattr(self, name)
+            if value is not None and value < 0:
+                raise InvalidRequest(f"{name} must not be negative, got {value}")
+
+
+@dataclass(slots=True)
+class Usage:
+    """What a tenant holds (granted leases) or what one lease would add."""
+
+    gpus: int = 0
+    memory_mib: int = 0
+    compute_pct: int = 0
+    leases: int = 0
+
+    def add(self, other: Usage, sign: int = 1) -> None:
+        self.gpus += sign * other.gpus
+        self.memory_mib += sign * other.memory_mib
+        self.compute_pct += sign * other.compute_pct
+        self.leases += sign * other.leases
+
+
+def usage_of(slices: tuple[Slice, ...]) -> Usage:
+    """Quota usage of one granted lease: whole GPUs count as GPUs, every slice as compute+memory."""
+    return Usage(
+        gpus=sum(1 for s in slices if s.whole),
+        memory_mib=sum(s.memory_mib for s in slices),
+        compute_pct=sum(s.compute_pct for s in slices),
+        leases=1,
+    )
+
+
+def quota_violation(quota: Quota, held: Usage, extra: Usage) -> str | None:
+    """Say which limit `held + extra` breaks, or None when the quota holds."""
+    checks = (
+        ("GPUs", quota.max_gpus, held.gpus + extra.gpus),
+        ("memory MiB", quota.max_memory_mib, held.memory_mib + extra.memory_mib),
+        ("compute %", quota.max_compute_pct, held.compute_pct + extra.compute_pct),
+        ("leases", quota.max_leases, held.leases + extra.leases),
+    )
+    for what, limit, total in checks:
+        if limit is not None and total > limit:
+            return f"{what} would be {total}, quota is {limit}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class QueuedLease:
+    """A waiting request; `seq` orders equals first-come first-served."""
+
+    lease_id: str
+    request: LeaseRequest
+    seq: int
+
+
+@dataclass(slots=True)
+class GpuUsage:
+    compute_pct: int = 0
+    memory_mib: int = 0
+    leases: set[str] = field(default_factory=set)
+    whole: bool = False

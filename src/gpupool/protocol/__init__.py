@@ -1,0 +1,1 @@
+"""Versioned wire protocols between the parts; parts talk only through these modules."""

@@ -1,0 +1,266 @@
+"""Bodies of the REST API `/api/v1`, shared by the controller, the agent, the CLI and the SDK."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from gpupool.core.units import parse_compute_pct, parse_memory_mib
+
+Mode = Literal["virtual", "physical", "draining", "isolated"]
+LeaseStateName = Literal[
+    "queued", "granted", "active", "idle", "swapped", "migrating", "preempted", "released"
+]
+
+
+class Strict(BaseModel):
+    """Unknown fields are errors: a typo in a request must not silently do something else."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+# ---- nodes and GPUs ---------------------------------------------------------------------
+
+
+class GpuInventory(Strict):
+    uuid: Annotated[str, Field(min_length=1, max_length=128)]
+    index: Annotated[int, Field(ge=0)] = 0
+    model: Annotated[str, Field(min_length=1, max_length=128)]
+    memory_mib: Annotated[int, Field(gt=0)]
+    pci_bus_id: str | None = None
+    mig_mode: bool | None = None
+    simulated: bool = False
+
+
+class GpuTelemetry(Strict):
+    uuid: str
+    utilization_pct: float | None = None
+    memory_used_mib: int | None = None
+    temperature_c: float | None = None
+    power_w: float | None = None
+    ecc_uncorrected: int | None = None
+    ecc_corrected: int | None = None
+    sm_clock_mhz: int | None = None
+    mem_clock_mhz: int | None = None
+    processes: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class NodeRegister(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    address: str | None = None
+    agent_url: str | None = None
+    cpu_count: int | None = None
+    memory_mib: int | None = None
+    driver_version: str | None = None
+    cuda_version: str | None = None
+    backend: str = "fake"
+    gpus: list[GpuInventory] = Field(default_factory=list)
+
+
+class NodeHeartbeat(Strict):
+    telemetry: list[GpuTelemetry] = Field(default_factory=list)
+    host: dict[str, Any] = Field(default_factory=dict)
+    gpus: list[GpuInventory] | None = None
+
+
+class NodeOut(BaseModel):
+    name: str
+    address: str | None
+    agent_url: str | None
+    state: Literal["up", "down"]
+    backend: str
+    cpu_count: int | None
+    memory_mib: int | None
+    driver_version: str | None
+    cuda_version: str | None
+    gpu_count: int
+    registered_at: datetime
+    last_seen_at: datetime
+    host: dict[str, Any] = Field(default_factory=dict)
+
+
+class GpuOut(BaseModel):
+    uuid: str
+    node: str
+    index: int
+    model: str
+    memory_mib: int
+    mode: Mode
+    target_mode: Mode | None
+    healthy: bool
+    simulated: bool
+    pci_bus_id: str | None
+    compute_granted_pct: int
+    memory_granted_mib: int
+    leases: list[str]
+    telemetry: dict[str, Any] = Field(default_factory=dict)
+    isolation_reason: str | None = None
+
+
+class GpuModeSet(Strict):
+    mode: Literal["virtual", "physical"]
+
+
+class GpuIsolate(Strict):
+    reason: Annotated[str, Field(min_length=1, max_length=500)]
+
+
+# ---- leases -----------------------------------------------------------------------------
+
+
+class LeaseCreate(Strict):
+    """A lease request. Memory needs a unit (`20GiB`); compute is a whole percent (1..100)."""
+
+    tenant: str = "default"
+    gpus: Annotated[int, Field(ge=1, le=256)] = 1
+    compute_pct: int | None = None
+    memory: str | None = None
+    physical: bool = False
+    priority: Annotated[int, Field(ge=0, le=1000)] = 0
+    access: Literal["direct", "remote"] = "direct"
+    node: str | None = None
+    gpu_models: list[str] = Field(default_factory=list)
+    span_nodes: bool = True
+    holder: Annotated[str, Field(max_length=256)] = ""
+    ttl_s: Annotated[float, Field(gt=0, le=86400)] | None = None
+    wait: bool = True
+    """False: fail with 409 instead of queueing when the request does not fit now."""
+
+    @field_validator("compute_pct", mode="before")
+    @classmethod
+    def _compute(cls, value: object) -> object:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError("compute_pct must be an integer percent 1..100")
+        return parse_compute_pct(value)
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_memory_mib(value)
+        return value
+
+    def memory_mib(self) -> int | None:
+        return None if self.memory is None else parse_memory_mib(self.memory)
+
+
+class SliceOut(BaseModel):
+    gpu_uuid: str
+    node: str
+    gpu_index: int
+    compute_pct: int
+    memory_mib: int
+    whole: bool
+
+
+class LeaseOut(BaseModel):
+    id: str
+    tenant: str
+    state: LeaseStateName
+    gpus: int
+    compute_pct: int | None
+    memory_mib: int | None
+    physical: bool
+    priority: int
+    access: str
+    holder: str
+    ttl_s: float
+    created_at: datetime
+    granted_at: datetime | None
+    released_at: datetime | None
+    last_heartbeat_at: datetime
+    release_reason: str | None
+    slices: list[SliceOut]
+    queue_position: int | None = None
+    waiting_reason: str | None = None
+    node: str | None = None
+    gpu_models: list[str] = Field(default_factory=list)
+
+
+class LeaseHeartbeat(Strict):
+    active: bool | None = None
+
+
+# ---- tenants ----------------------------------------------------------------------------
+
+
+class QuotaIn(Strict):
+    max_gpus: Annotated[int, Field(ge=0)] | None = None
+    max_memory: str | None = None
+    max_compute_pct: Annotated[int, Field(ge=0)] | None = None
+    max_leases: Annotated[int, Field(ge=0)] | None = None
+    max_priority: Annotated[int, Field(ge=0, le=1000)] | None = None
+
+    @field_validator("max_memory")
+    @classmethod
+    def _memory(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_memory_mib(value)
+        return value
+
+
+class TenantCreate(Strict):
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+    weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
+    quota: QuotaIn = Field(default_factory=QuotaIn)
+
+
+class TenantUpdate(Strict):
+    weight: Annotated[float, Field(gt=0, le=1000)] | None = None
+    quota: QuotaIn | None = None
+
+
+class TenantOut(BaseModel):
+    name: str
+    weight: float
+    max_gpus: int | None
+    max_memory_mib: int | None
+    max_compute_pct: int | None
+    max_leases: int | None
+    max_priority: int | None
+    used_gpus: int
+    used_memory_mib: int
+    used_compute_pct: int
+    used_leases: int
+    queued_leases: int
+
+
+# ---- the rest ---------------------------------------------------------------------------
+
+
+class EventOut(BaseModel):
+    id: int
+    at: datetime
+    actor: str
+    kind: str
+    subject: str
+    message: str
+    data: dict[str, Any] = Field(default_factory=dict)
+
+
+class QueueEntryOut(BaseModel):
+    position: int
+    lease: LeaseOut
+
+
+class PoolSummary(BaseModel):
+    nodes_up: int
+    nodes_down: int
+    gpus: dict[str, int]
+    compute_capacity_pct: int
+    compute_granted_pct: int
+    memory_capacity_mib: int
+    memory_granted_mib: int
+    leases: dict[str, int]
+    queued: int
+    ratios: dict[str, float]
+    simulated: bool
+
+
+class ErrorOut(BaseModel):
+    error: str
+    detail: str
