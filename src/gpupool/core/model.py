@@ -80,7 +80,9 @@ class Ratios:
 
     def __post_init__(self) -> None:
         if not 1.0 <= self.compute <= 100.0:
-            raise InvalidRequest(f"compute oversubscription ratio must be 1..100, got {self.compute}")
+            raise InvalidRequest(
+                f"compute oversubscription ratio must be 1..100, got {self.compute}"
+            )
         if not 1.0 <= self.memory <= 10.0:
             raise InvalidRequest(f"memory oversubscription ratio must be 1..10, got {self.memory}")
 

@@ -124,7 +124,7 @@ class Pool:
         # Gang locality: one server is better than several; among servers that fit, the tightest.
         fitting = [(node, gpus) for node, gpus in by_node.items() if len(gpus) >= request.gpus]
         if fitting:
-            node, gpus = min(
+            _node, gpus = min(
                 fitting,
                 key=lambda item: (
                     sum(self._fit_score(g, request)[0] for g in item[1][: request.gpus]),
@@ -199,7 +199,8 @@ class Pool:
                 f"highest allowed priority {quota.max_priority}"
             )
         smallest = min(
-            (request.slice_memory_mib(g) for g in self.gpus.values()), default=request.memory_mib or 1
+            (request.slice_memory_mib(g) for g in self.gpus.values()),
+            default=request.memory_mib or 1,
         )
         alone = Usage(
             gpus=request.gpus if request.physical else 0,
@@ -211,7 +212,9 @@ class Pool:
         if problem is not None:
             raise QuotaExceeded(f"tenant {request.tenant}: {problem} for this request alone")
 
-    def quota_blocks(self, lease_id: str, request: LeaseRequest, slices: tuple[Slice, ...]) -> str | None:
+    def quota_blocks(
+        self, lease_id: str, request: LeaseRequest, slices: tuple[Slice, ...]
+    ) -> str | None:
         quota = self.quotas.get(request.tenant, Quota())
         return quota_violation(quota, self.held_by(request.tenant), usage_of(slices))
 
@@ -335,15 +338,13 @@ class Pool:
         entry = self.queue.get(lease_id)
         if entry is None:
             return ""
-        ahead = [
-            q for q in self.ordered_queue() if q.request.physical == entry.request.physical
-        ]
+        ahead = [q for q in self.ordered_queue() if q.request.physical == entry.request.physical]
         if ahead and ahead[0].lease_id != lease_id:
             try:
-                self.place(entry.request)
+                slices = self.place(entry.request)
             except NoCapacity as exc:
                 return exc.message
-            if self.quota_blocks(lease_id, entry.request, ()) is not None:
+            if self.quota_blocks(lease_id, entry.request, slices) is not None:
                 return "tenant quota"
             return "behind earlier requests of the same kind"
         try:
@@ -368,7 +369,9 @@ class Pool:
             new = replace(gpu, target_mode=None)
         elif busy:
             new = replace(gpu, mode=GpuMode.DRAINING, target_mode=target)
-            if gpu.mode is GpuMode.DRAINING and self._holds_only(uuid, physical=target is GpuMode.PHYSICAL):
+            if gpu.mode is GpuMode.DRAINING and self._holds_only(
+                uuid, physical=target is GpuMode.PHYSICAL
+            ):
                 # Cancelling a drain: the leases it holds already belong to the target pool.
                 new = replace(gpu, mode=target, target_mode=None)
         else:
@@ -407,8 +410,11 @@ class Pool:
             raise Conflict(f"GPU {uuid} is not isolated (it is {gpu.mode.value})")
         back = gpu.target_mode or GpuMode.VIRTUAL
         new = replace(gpu, mode=back, target_mode=None, healthy=True)
+        if not self._holds_only(uuid, physical=back is GpuMode.PHYSICAL):
+            # Isolated mid-drain: its leases belong to the other pool, so the drain goes on.
+            new = replace(new, mode=GpuMode.DRAINING, target_mode=back)
         self.gpus[uuid] = new
-        return ModeChange(uuid, gpu.mode, new.mode, None)
+        return ModeChange(uuid, gpu.mode, new.mode, new.target_mode)
 
     def leases_on(self, uuids: Iterable[str]) -> set[str]:
         out: set[str] = set()

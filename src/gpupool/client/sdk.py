@@ -1,0 +1,414 @@
+"""Python SDK of the controller's REST API `/api/v1`: one method per endpoint, typed answers."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+from urllib.parse import quote
+
+import httpx
+from pydantic import BaseModel, TypeAdapter, ValidationError
+
+from gpupool.protocol.v1.api import (
+    EventOut,
+    GpuIsolate,
+    GpuModeSet,
+    GpuOut,
+    LeaseCreate,
+    LeaseHeartbeat,
+    LeaseOut,
+    NodeHeartbeat,
+    NodeOut,
+    NodeRegister,
+    PoolSummary,
+    QueueEntryOut,
+    TenantCreate,
+    TenantOut,
+    TenantUpdate,
+)
+
+DEFAULT_URL = "http://127.0.0.1:8900"
+URL_ENV = "GPUPOOL_URL"
+API_PREFIX = "/api/v1"
+ACTOR_HEADER = "X-Gpupool-Actor"
+
+_Model = TypeVar("_Model", bound=BaseModel)
+_Params = Mapping[str, str | int | float | None]
+
+
+class ApiError(Exception):
+    """The controller answered a request with an error (4xx or 5xx)."""
+
+    def __init__(self, status: int, code: str, detail: str) -> None:
+        super().__init__(f"{detail} ({code}, HTTP {status})")
+        self.status = status
+        self.code = code
+        self.detail = detail
+
+    @property
+    def is_client_error(self) -> bool:
+        return 400 <= self.status < 500
+
+
+class ControllerUnreachable(Exception):
+    """No answer from the controller: not running, wrong URL, or the network is down."""
+
+    def __init__(self, url: str, reason: str) -> None:
+        super().__init__(
+            f"cannot reach the gpupool controller at {url} ({reason}); is it running? "
+            f"Start one with `gpupool up`, or point to it with --url or {URL_ENV}"
+        )
+        self.url = url
+        self.reason = reason
+
+
+def resolve_url(url: str | None = None) -> str:
+    """The controller's base URL: the argument, else $GPUPOOL_URL, else the local default."""
+    chosen = url or os.environ.get(URL_ENV) or DEFAULT_URL
+    if "://" not in chosen:
+        chosen = f"http://{chosen}"
+    return chosen.rstrip("/")
+
+
+def _q(segment: str) -> str:
+    """Quote one path segment: names and ids are user input."""
+    return quote(segment, safe="")
+
+
+def _error_detail(body: object) -> tuple[str | None, str | None]:
+    """Read `{"error", "detail"}`, and FastAPI's own `{"detail": [...]}` for validation errors."""
+    if not isinstance(body, dict):
+        return None, None
+    code = body.get("error")
+    detail = body.get("detail")
+    if isinstance(detail, list):
+        parts = []
+        for item in detail[:3]:
+            if isinstance(item, dict):
+                where = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+                parts.append(f"{where}: {item.get('msg', '')}" if where else str(item.get("msg")))
+            else:
+                parts.append(str(item))
+        detail = "; ".join(parts)
+    return (
+        str(code) if code is not None else None,
+        str(detail) if detail is not None else None,
+    )
+
+
+def _unreachable_reason(exc: httpx.TransportError) -> str:
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "connection timed out"
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer in time"
+    if isinstance(exc, httpx.ConnectError):
+        text = str(exc)
+        if "refused" in text.lower() or not text:
+            return "connection refused"
+        return text
+    return str(exc) or type(exc).__name__
+
+
+class PoolClient:
+    """A synchronous client of one controller.
+
+    Every method returns the API's pydantic models and raises `ApiError` for an error
+    answer or `ControllerUnreachable` when no answer comes.
+    """
+
+    def __init__(
+        self,
+        url: str | None = None,
+        actor: str | None = None,
+        timeout: float = 10,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = resolve_url(url)
+        self.actor = actor
+        headers = {ACTOR_HEADER: actor} if actor else {}
+        self._http = httpx.Client(
+            base_url=self.url + API_PREFIX,
+            headers=headers,
+            timeout=timeout,
+            transport=transport,
+        )
+
+    # ---- plumbing ------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> PoolClient:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: BaseModel | None = None,
+        params: _Params | None = None,
+        only_set: bool = False,
+    ) -> Any:
+        """Send one request; `only_set` sends just the fields the caller set (for PATCH)."""
+        content = body.model_dump_json(exclude_unset=only_set) if body is not None else None
+        query = {k: v for k, v in (params or {}).items() if v is not None}
+        try:
+            response = self._http.request(
+                method,
+                path,
+                content=content,
+                params=query,
+                headers={"Content-Type": "application/json"} if content is not None else None,
+            )
+        except httpx.TransportError as exc:
+            raise ControllerUnreachable(self.url, _unreachable_reason(exc)) from exc
+        return self._answer(response)
+
+    @staticmethod
+    def _answer(response: httpx.Response) -> Any:
+        try:
+            body: Any = response.json() if response.content else None
+        except ValueError:
+            body = None
+        if response.status_code >= 400:
+            code, detail = _error_detail(body)
+            raise ApiError(
+                response.status_code,
+                code or ("http_error" if response.status_code >= 500 else "bad_request"),
+                detail or response.reason_phrase or response.text[:200] or "no detail",
+            )
+        return body
+
+    def _one(self, model: type[_Model], data: Any) -> _Model:
+        try:
+            return model.model_validate(data)
+        except ValidationError as exc:
+            raise ApiError(
+                502, "bad_answer", f"controller answered an unexpected {model.__name__}: {exc}"
+            ) from exc
+
+    def _many(self, model: type[_Model], data: Any) -> list[_Model]:
+        try:
+            return TypeAdapter(list[model]).validate_python(data)  # type: ignore[valid-type]
+        except ValidationError as exc:
+            raise ApiError(
+                502, "bad_answer", f"controller answered an unexpected {model.__name__} list: {exc}"
+            ) from exc
+
+    # ---- pool ----------------------------------------------------------------------------
+
+    def health(self) -> dict[str, Any]:
+        """`{"status", "version", "db", "simulated"}`."""
+        data = self._request("GET", "/health")
+        return dict(data) if isinstance(data, dict) else {"status": str(data)}
+
+    def pool(self) -> PoolSummary:
+        return self._one(PoolSummary, self._request("GET", "/pool"))
+
+    # ---- nodes ---------------------------------------------------------------------------
+
+    def register_node(self, node: NodeRegister) -> NodeOut:
+        return self._one(NodeOut, self._request("POST", "/nodes", node))
+
+    def heartbeat_node(self, name: str, beat: NodeHeartbeat) -> Any:
+        return self._request("POST", f"/nodes/{_q(name)}/heartbeat", beat)
+
+    def nodes(self) -> list[NodeOut]:
+        return self._many(NodeOut, self._request("GET", "/nodes"))
+
+    def node(self, name: str) -> NodeOut:
+        return self._one(NodeOut, self._request("GET", f"/nodes/{_q(name)}"))
+
+    def remove_node(self, name: str) -> None:
+        self._request("DELETE", f"/nodes/{_q(name)}")
+
+    # ---- GPUs ----------------------------------------------------------------------------
+
+    def gpus(self, node: str | None = None, mode: str | None = None) -> list[GpuOut]:
+        data = self._request("GET", "/gpus", params={"node": node, "mode": mode})
+        return self._many(GpuOut, data)
+
+    def gpu(self, uuid: str) -> GpuOut:
+        return self._one(GpuOut, self._request("GET", f"/gpus/{_q(uuid)}"))
+
+    def set_gpu_mode(self, uuid: str, mode: Literal["virtual", "physical"]) -> GpuOut:
+        body = GpuModeSet(mode=mode)
+        return self._one(GpuOut, self._request("POST", f"/gpus/{_q(uuid)}/mode", body))
+
+    def drain_gpu(self, uuid: str) -> GpuOut:
+        return self._one(GpuOut, self._request("POST", f"/gpus/{_q(uuid)}/drain"))
+
+    def isolate_gpu(self, uuid: str, reason: str) -> GpuOut:
+        body = GpuIsolate(reason=reason)
+        return self._one(GpuOut, self._request("POST", f"/gpus/{_q(uuid)}/isolate", body))
+
+    def clear_gpu(self, uuid: str) -> GpuOut:
+        return self._one(GpuOut, self._request("POST", f"/gpus/{_q(uuid)}/clear"))
+
+    # ---- leases --------------------------------------------------------------------------
+
+    def create_lease(self, request: LeaseCreate) -> LeaseOut:
+        """Ask for a lease; it comes back `granted`, or `queued` with its queue position."""
+        return self._one(LeaseOut, self._request("POST", "/leases", request))
+
+    def leases(
+        self,
+        state: str | None = None,
+        tenant: str | None = None,
+        gpu: str | None = None,
+        node: str | None = None,
+        limit: int | None = None,
+    ) -> list[LeaseOut]:
+        """Live leases by default; `state="all"` for every lease, ended ones included."""
+        params = {"state": state, "tenant": tenant, "gpu": gpu, "node": node, "limit": limit}
+        return self._many(LeaseOut, self._request("GET", "/leases", params=params))
+
+    def lease(self, lease_id: str) -> LeaseOut:
+        return self._one(LeaseOut, self._request("GET", f"/leases/{_q(lease_id)}"))
+
+    def heartbeat_lease(self, lease_id: str, active: bool | None = None) -> LeaseOut:
+        """Keep a lease (granted or queued) alive for another `ttl_s`."""
+        body = LeaseHeartbeat(active=active)
+        return self._one(LeaseOut, self._request("POST", f"/leases/{_q(lease_id)}/heartbeat", body))
+
+    def release_lease(self, lease_id: str) -> LeaseOut:
+        """Give a lease back (or cancel it while queued); releasing twice is harmless."""
+        return self._one(LeaseOut, self._request("DELETE", f"/leases/{_q(lease_id)}"))
+
+    def queue(self) -> list[QueueEntryOut]:
+        return self._many(QueueEntryOut, self._request("GET", "/queue"))
+
+    def wait_for_grant(
+        self,
+        lease_id: str,
+        on_update: Callable[[LeaseOut], None] | None = None,
+        timeout: float | None = None,
+        poll_interval_s: float = 0.5,
+    ) -> LeaseOut:
+        """Poll a queued lease until it leaves the queue, heartbeating it meanwhile.
+
+        Returns the lease in its new state: usually `granted`, but `released` when it was
+        cancelled while waiting (the caller decides what that means). Raises TimeoutError
+        after `timeout` seconds, leaving the lease queued.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            lease = self.heartbeat_lease(lease_id)
+            if on_update is not None:
+                on_update(lease)
+            if lease.state != "queued":
+                return lease
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(f"lease {lease_id} still queued after {timeout:g} s")
+            pause = min(poll_interval_s, max(lease.ttl_s / 3, 0.05))
+            if deadline is not None:
+                pause = max(0.0, min(pause, deadline - time.monotonic()))
+            time.sleep(pause)
+
+    # ---- tenants -------------------------------------------------------------------------
+
+    def tenants(self) -> list[TenantOut]:
+        return self._many(TenantOut, self._request("GET", "/tenants"))
+
+    def tenant(self, name: str) -> TenantOut:
+        return self._one(TenantOut, self._request("GET", f"/tenants/{_q(name)}"))
+
+    def create_tenant(self, tenant: TenantCreate) -> TenantOut:
+        return self._one(TenantOut, self._request("POST", "/tenants", tenant))
+
+    def update_tenant(self, name: str, update: TenantUpdate) -> TenantOut:
+        data = self._request("PATCH", f"/tenants/{_q(name)}", update, only_set=True)
+        return self._one(TenantOut, data)
+
+    def delete_tenant(self, name: str) -> None:
+        self._request("DELETE", f"/tenants/{_q(name)}")
+
+    # ---- events --------------------------------------------------------------------------
+
+    def events(
+        self,
+        since_id: int | None = None,
+        limit: int | None = None,
+        kind: str | None = None,
+        subject: str | None = None,
+    ) -> list[EventOut]:
+        params = {"since_id": since_id, "limit": limit, "kind": kind, "subject": subject}
+        return self._many(EventOut, self._request("GET", "/events", params=params))
+
+
+class LeaseKeeper:
+    """Heartbeats one lease from a background thread until stopped or until the lease ends.
+
+    `on_end(lease)` runs (on the keeper's thread) when the controller says the lease is no
+    longer held (released, preempted, or unknown); `on_error(exc)` when a heartbeat got no
+    answer — the keeper keeps trying, since the lease survives until its ttl runs out.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        lease_id: str,
+        interval_s: float,
+        actor: str | None = None,
+        on_end: Callable[[LeaseOut | None, str], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        self.lease_id = lease_id
+        self.interval_s = interval_s
+        self._client = PoolClient(url, actor=actor, timeout=max(1.0, min(10.0, interval_s)))
+        self._on_end = on_end
+        self._on_error = on_error
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"lease-{lease_id}", daemon=True)
+        self.ended: LeaseOut | None = None
+        self.end_reason: str | None = None
+
+    def start(self) -> LeaseKeeper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=15)
+        self._client.close()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                lease = self._client.heartbeat_lease(self.lease_id)
+            except ApiError as exc:
+                if exc.status == 404:
+                    self._end(None, f"lease {self.lease_id} is unknown to the controller")
+                    return
+                self._report(exc)
+                continue
+            except ControllerUnreachable as exc:
+                self._report(exc)
+                continue
+            if lease.state in ("released", "preempted"):
+                reason = lease.release_reason or lease.state
+                self._end(lease, reason)
+                return
+
+    def _end(self, lease: LeaseOut | None, reason: str) -> None:
+        self.ended = lease
+        self.end_reason = reason
+        if self._on_end is not None and not self._stop.is_set():
+            self._on_end(lease, reason)
+
+    def _report(self, exc: Exception) -> None:
+        if self._on_error is not None:
+            self._on_error(exc)

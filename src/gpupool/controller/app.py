@@ -1,0 +1,90 @@
+"""The controller's FastAPI application: routes under /api/v1, errors as clear 4xx bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from gpupool import __version__
+from gpupool.controller.background import reconcile
+from gpupool.controller.db import make_engine, migrate
+from gpupool.controller.routers import gpus, leases, nodes, pool, tenants
+from gpupool.controller.services.tenants import ensure_default
+from gpupool.controller.settings import ControllerSettings
+from gpupool.controller.store import Store
+from gpupool.core import PoolError
+from gpupool.protocol.v1 import API_PREFIX
+
+
+def open_store(settings: ControllerSettings) -> Store:
+    engine = make_engine(settings.database_url())
+    migrate(engine)
+    store = Store(engine, settings)
+    store.start()
+    store.write_sync(lambda s: ensure_default(store, s))
+    return store
+
+
+def create_app(settings: ControllerSettings) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        store = await asyncio.to_thread(open_store, settings)
+        app.state.store = store
+        stop = asyncio.Event()
+        loop_task = asyncio.create_task(reconcile.run(store, stop))
+        try:
+            yield
+        finally:
+            stop.set()
+            await loop_task
+            await asyncio.to_thread(store.stop)
+            store.engine.dispose()
+
+    app = FastAPI(
+        title="gpupool",
+        version=__version__,
+        description="Pool every GPU of a cluster: slices or whole GPUs on demand.",
+        lifespan=lifespan,
+        openapi_url=f"{API_PREFIX}/openapi.json",
+        docs_url=f"{API_PREFIX}/docs",
+    )
+    for module in (leases, gpus, nodes, tenants, pool):
+        app.include_router(module.router, prefix=API_PREFIX)
+    app.add_exception_handler(PoolError, _pool_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    return app
+
+
+async def _pool_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, PoolError)
+    return JSONResponse({"error": exc.code, "detail": exc.message}, status_code=exc.http_status)
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    errors = exc.errors()
+    first: dict[str, Any] = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        detail = f"malformed JSON: {first.get('ctx', {}).get('error', 'cannot parse body')}"
+        return JSONResponse({"error": "malformed_json", "detail": detail}, status_code=400)
+    where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
+    message = str(first.get("msg", "invalid request"))
+    message = message.removeprefix("Value error, ")
+    detail = f"{where}: {message}" if where else message
+    if len(errors) > 1:
+        detail += f" (and {len(errors) - 1} more problem(s))"
+    return JSONResponse(
+        {
+            "error": "invalid_request",
+            "detail": detail,
+            "problems": json.loads(json.dumps(errors, default=str)),
+        },
+        status_code=422,
+    )

@@ -1,0 +1,160 @@
+"""All tables of the controller's store, in one place (SQLAlchemy 2 declarative)."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    TypeDecorator,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+
+class UtcDateTime(TypeDecorator[datetime]):
+    """Stores UTC and always returns aware datetimes, also on SQLite which drops the zone."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to the store")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UtcDateTime, dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class NodeRow(Base):
+    __tablename__ = "nodes"
+
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    address: Mapped[str | None] = mapped_column(String(256))
+    agent_url: Mapped[str | None] = mapped_column(String(512))
+    state: Mapped[str] = mapped_column(String(16), default="up")
+    backend: Mapped[str] = mapped_column(String(32), default="fake")
+    cpu_count: Mapped[int | None] = mapped_column(Integer)
+    memory_mib: Mapped[int | None] = mapped_column(Integer)
+    driver_version: Mapped[str | None] = mapped_column(String(64))
+    cuda_version: Mapped[str | None] = mapped_column(String(64))
+    registered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+    host: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class GpuRow(Base):
+    __tablename__ = "gpus"
+
+    uuid: Mapped[str] = mapped_column(String(128), primary_key=True)
+    node: Mapped[str] = mapped_column(ForeignKey("nodes.name", ondelete="CASCADE"), index=True)
+    index: Mapped[int] = mapped_column(Integer, default=0)
+    model: Mapped[str] = mapped_column(String(128))
+    memory_mib: Mapped[int] = mapped_column(Integer)
+    mode: Mapped[str] = mapped_column(String(16), default="virtual")
+    target_mode: Mapped[str | None] = mapped_column(String(16))
+    healthy: Mapped[bool] = mapped_column(Boolean, default=True)
+    simulated: Mapped[bool] = mapped_column(Boolean, default=False)
+    pci_bus_id: Mapped[str | None] = mapped_column(String(32))
+    isolation_reason: Mapped[str | None] = mapped_column(String(512))
+    telemetry: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class TenantRow(Base):
+    __tablename__ = "tenants"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    weight: Mapped[float] = mapped_column(Float, default=1.0)
+    max_gpus: Mapped[int | None] = mapped_column(Integer)
+    max_memory_mib: Mapped[int | None] = mapped_column(Integer)
+    max_compute_pct: Mapped[int | None] = mapped_column(Integer)
+    max_leases: Mapped[int | None] = mapped_column(Integer)
+    max_priority: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class LeaseRow(Base):
+    __tablename__ = "leases"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    tenant: Mapped[str] = mapped_column(ForeignKey("tenants.name"))
+    state: Mapped[str] = mapped_column(String(16))
+    gpus: Mapped[int] = mapped_column(Integer)
+    compute_pct: Mapped[int | None] = mapped_column(Integer)
+    memory_mib: Mapped[int | None] = mapped_column(Integer)
+    physical: Mapped[bool] = mapped_column(Boolean, default=False)
+    priority: Mapped[int] = mapped_column(Integer, default=0)
+    access: Mapped[str] = mapped_column(String(16), default="direct")
+    node: Mapped[str | None] = mapped_column(String(128))
+    gpu_models: Mapped[list[Any]] = mapped_column(default=list)
+    span_nodes: Mapped[bool] = mapped_column(Boolean, default=True)
+    holder: Mapped[str] = mapped_column(String(256), default="")
+    ttl_s: Mapped[float] = mapped_column(Float)
+    queue_seq: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    granted_at: Mapped[datetime | None] = mapped_column()
+    released_at: Mapped[datetime | None] = mapped_column()
+    last_heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    release_reason: Mapped[str | None] = mapped_column(String(256))
+
+    slices: Mapped[list[LeaseSliceRow]] = relationship(
+        back_populates="lease",
+        order_by="LeaseSliceRow.position",
+        cascade="all, delete-orphan",
+        lazy="selectin",
+    )
+
+    __table_args__ = (
+        Index("ix_leases_state", "state"),
+        Index("ix_leases_tenant_state", "tenant", "state"),
+    )
+
+
+class LeaseSliceRow(Base):
+    __tablename__ = "lease_slices"
+
+    lease_id: Mapped[str] = mapped_column(
+        ForeignKey("leases.id", ondelete="CASCADE"), primary_key=True
+    )
+    position: Mapped[int] = mapped_column(Integer, primary_key=True)
+    gpu_uuid: Mapped[str] = mapped_column(String(128), index=True)
+    node: Mapped[str] = mapped_column(String(128))
+    gpu_index: Mapped[int] = mapped_column(Integer)
+    compute_pct: Mapped[int] = mapped_column(Integer)
+    memory_mib: Mapped[int] = mapped_column(Integer)
+    whole: Mapped[bool] = mapped_column(Boolean, default=False)
+
+    lease: Mapped[LeaseRow] = relationship(back_populates="slices")
+
+
+class EventRow(Base):
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    actor: Mapped[str] = mapped_column(String(128))
+    kind: Mapped[str] = mapped_column(String(64), index=True)
+    subject: Mapped[str] = mapped_column(String(128), index=True)
+    message: Mapped[str] = mapped_column(String(1024))
+    data: Mapped[dict[str, Any]] = mapped_column(default=dict)

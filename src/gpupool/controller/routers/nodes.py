@@ -1,0 +1,47 @@
+"""Routes of /nodes: agents register and heartbeat here."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends, Response, status
+
+from gpupool.controller.routers.common import get_actor, get_store
+from gpupool.controller.services import nodes
+from gpupool.controller.store import Store
+from gpupool.protocol.v1.api import NodeHeartbeat, NodeOut, NodeRegister
+
+router = APIRouter(tags=["nodes"])
+
+
+@router.post("/nodes", status_code=status.HTTP_201_CREATED, response_model=NodeOut)
+async def register(
+    body: NodeRegister, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+) -> NodeOut:
+    return await store.write(lambda s: nodes.register(store, s, body, actor))
+
+
+@router.post("/nodes/{name}/heartbeat")
+async def heartbeat(
+    name: str, body: NodeHeartbeat, store: Store = Depends(get_store)
+) -> dict[str, Any]:
+    resumed = await store.write(lambda s: nodes.heartbeat(store, s, name, body))
+    return {"ok": True, "resumed": resumed}
+
+
+@router.get("/nodes", response_model=list[NodeOut])
+async def list_nodes(store: Store = Depends(get_store)) -> list[NodeOut]:
+    return await store.read(lambda s: nodes.list_nodes(store, s))
+
+
+@router.get("/nodes/{name}", response_model=NodeOut)
+async def get_node(name: str, store: Store = Depends(get_store)) -> NodeOut:
+    return await store.read(lambda s: nodes.get(store, s, name))
+
+
+@router.delete("/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT)
+async def remove_node(
+    name: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+) -> Response:
+    await store.write(lambda s: nodes.remove(store, s, name, actor))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

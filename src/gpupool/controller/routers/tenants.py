@@ -1,0 +1,47 @@
+"""Routes of /tenants."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Response, status
+
+from gpupool.controller.routers.common import get_actor, get_store
+from gpupool.controller.services import tenants
+from gpupool.controller.store import Store
+from gpupool.protocol.v1.api import TenantCreate, TenantOut, TenantUpdate
+
+router = APIRouter(tags=["tenants"])
+
+
+@router.get("/tenants", response_model=list[TenantOut])
+async def list_tenants(store: Store = Depends(get_store)) -> list[TenantOut]:
+    return await store.read(lambda s: tenants.list_tenants(store, s))
+
+
+@router.post("/tenants", status_code=status.HTTP_201_CREATED, response_model=TenantOut)
+async def create_tenant(
+    body: TenantCreate, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+) -> TenantOut:
+    return await store.write(lambda s: tenants.create(store, s, body, actor))
+
+
+@router.get("/tenants/{name}", response_model=TenantOut)
+async def get_tenant(name: str, store: Store = Depends(get_store)) -> TenantOut:
+    return await store.read(lambda s: tenants.get(store, s, name))
+
+
+@router.patch("/tenants/{name}", response_model=TenantOut)
+async def update_tenant(
+    name: str,
+    body: TenantUpdate,
+    store: Store = Depends(get_store),
+    actor: str = Depends(get_actor),
+) -> TenantOut:
+    return await store.write(lambda s: tenants.update(store, s, name, body, actor))
+
+
+@router.delete("/tenants/{name}", status_code=status.HTTP_204_NO_CONTENT)
+async def delete_tenant(
+    name: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+) -> Response:
+    await store.write(lambda s: tenants.delete(store, s, name, actor))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -1,0 +1,105 @@
+"""GPUs: list and show, and the operator's switches (mode, drain, isolate, clear)."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpupool.controller.models import GpuRow, utcnow
+from gpupool.controller.services.events import record
+from gpupool.controller.services.leases import persist_grants
+from gpupool.controller.store import Store
+from gpupool.controller.views import gpu_out
+from gpupool.core import GpuMode, InvalidRequest, ModeChange, NotFound
+from gpupool.protocol.v1.api import GpuOut
+
+
+def _row(session: Session, uuid: str) -> GpuRow:
+    row = session.get(GpuRow, uuid)
+    if row is None:
+        raise NotFound(f"no GPU {uuid!r}")
+    return row
+
+
+def _after_change(
+    store: Store,
+    session: Session,
+    row: GpuRow,
+    change: ModeChange,
+    actor: str,
+    kind: str,
+    message: str,
+) -> GpuOut:
+    gpu = store.pool.gpus[row.uuid]
+    row.mode = gpu.mode.value
+    row.target_mode = gpu.target_mode.value if gpu.target_mode else None
+    row.healthy = gpu.healthy
+    record(session, actor, kind, row.uuid, message, old=change.old.value, new=change.new.value)
+    persist_grants(store, session, store.pool.serve_queue(), utcnow())
+    return gpu_out(row, store.pool, store.live.telemetry.get(row.uuid))
+
+
+def set_mode(store: Store, session: Session, uuid: str, mode: str, actor: str) -> GpuOut:
+    row = _row(session, uuid)
+    try:
+        target = GpuMode(mode)
+    except ValueError:
+        raise InvalidRequest(f"unknown mode {mode!r} (virtual or physical)") from None
+    change = store.pool.set_mode(uuid, target)
+    if change.new is GpuMode.DRAINING:
+        message = (
+            f"draining to {target.value}: waits for {len(store.pool.usage[uuid].leases)} lease(s)"
+        )
+    else:
+        message = f"mode {change.old.value} -> {change.new.value}"
+    return _after_change(store, session, row, change, actor, "gpu.mode", message)
+
+
+def drain(store: Store, session: Session, uuid: str, actor: str) -> GpuOut:
+    row = _row(session, uuid)
+    change = store.pool.drain(uuid)
+    return _after_change(store, session, row, change, actor, "gpu.drain", "draining: no new leases")
+
+
+def isolate(store: Store, session: Session, uuid: str, reason: str, actor: str) -> GpuOut:
+    row = _row(session, uuid)
+    change = store.pool.isolate(uuid)
+    row.isolation_reason = reason
+    return _after_change(store, session, row, change, actor, "gpu.isolated", f"isolated: {reason}")
+
+
+def clear(store: Store, session: Session, uuid: str, actor: str) -> GpuOut:
+    row = _row(session, uuid)
+    change = store.pool.clear(uuid)
+    row.isolation_reason = None
+    return _after_change(
+        store,
+        session,
+        row,
+        change,
+        actor,
+        "gpu.cleared",
+        f"isolation cleared, back to {change.new.value}",
+    )
+
+
+def list_gpus(
+    store: Store, session: Session, node: str | None = None, mode: str | None = None
+) -> list[GpuOut]:
+    query = select(GpuRow).order_by(GpuRow.node, GpuRow.index)
+    if node:
+        query = query.where(GpuRow.node == node)
+    rows = list(session.scalars(query))
+    with store.lock:
+        out = [gpu_out(r, store.pool, store.live.telemetry.get(r.uuid)) for r in rows]
+    if mode:
+        if mode not in {m.value for m in GpuMode}:
+            raise InvalidRequest(f"unknown mode {mode!r}")
+        out = [g for g in out if g.mode == mode]
+    return out
+
+
+def get(store: Store, session: Session, uuid: str) -> GpuOut:
+    row = _row(session, uuid)
+    with store.lock:
+        return gpu_out(row, store.pool, store.live.telemetry.get(uuid))

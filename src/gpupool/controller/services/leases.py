@@ -1,0 +1,318 @@
+"""Leases: create (grant or queue), heartbeat, release, expire, and serving the queue."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from datetime import datetime
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from gpupool.controller.models import GpuRow, LeaseRow, LeaseSliceRow, utcnow
+from gpupool.controller.services.events import record
+from gpupool.controller.store import Store
+from gpupool.controller.views import lease_out
+from gpupool.core import (
+    HOLDING,
+    LIVE,
+    Access,
+    Grant,
+    InvalidRequest,
+    LeaseRequest,
+    LeaseState,
+    ModeChange,
+    NoCapacity,
+    NotFound,
+    QuotaExceeded,
+    ReleaseReason,
+    transition,
+)
+from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
+
+
+def new_lease_id() -> str:
+    return "l-" + uuid.uuid4().hex[:12]
+
+
+def request_from(body: LeaseCreate) -> LeaseRequest:
+    if body.physical and (body.compute_pct is not None or body.memory is not None):
+        raise InvalidRequest("a physical lease takes whole GPUs: give no compute or memory")
+    return LeaseRequest(
+        tenant=body.tenant,
+        gpus=body.gpus,
+        compute_pct=100 if body.compute_pct is None else body.compute_pct,
+        memory_mib=body.memory_mib(),
+        physical=body.physical,
+        priority=body.priority,
+        access=Access(body.access),
+        node=body.node,
+        gpu_models=tuple(m.strip() for m in body.gpu_models if m.strip()),
+        span_nodes=body.span_nodes,
+    )
+
+
+def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> LeaseOut:
+    """Grant the request now if it fits behind everything already waiting, else queue it."""
+    pool = store.pool
+    request = request_from(body)
+    if request.tenant not in pool.quotas:
+        raise InvalidRequest(f"no tenant {request.tenant!r}")
+    if request.node is not None and request.node not in {g.node for g in pool.gpus.values()}:
+        raise InvalidRequest(f"no node {request.node!r} with GPUs in this pool")
+    pool.check_quota_ever(request)
+    pool.check_can_ever_fit(request)
+    limit = pool.quotas[request.tenant].max_leases
+    if limit is not None:
+        waiting = sum(1 for q in pool.queue.values() if q.request.tenant == request.tenant)
+        if pool.held_by(request.tenant).leases + waiting + 1 > limit:
+            raise QuotaExceeded(
+                f"tenant {request.tenant}: leases would be "
+                f"{pool.held_by(request.tenant).leases + waiting + 1}, quota is {limit}"
+            )
+    lease_id = new_lease_id()
+    entry = pool.enqueue(lease_id, request)
+    grants = pool.serve_queue()
+    mine = next((g for g in grants if g.lease_id == lease_id), None)
+    now = utcnow()
+    others = [g for g in grants if g.lease_id != lease_id]
+    if mine is None and not body.wait:
+        reason = pool.why_waiting(lease_id)
+        pool.queue.pop(lease_id, None)
+        persist_grants(store, session, others, now)
+        raise NoCapacity(f"does not fit now ({reason}) and wait=false")
+    ttl = body.ttl_s if body.ttl_s is not None else store.settings.lease_ttl_s
+    row = LeaseRow(
+        id=lease_id,
+        tenant=request.tenant,
+        state=LeaseState.QUEUED.value,
+        gpus=request.gpus,
+        compute_pct=None if request.physical else request.compute_pct,
+        memory_mib=request.memory_mib,
+        physical=request.physical,
+        priority=request.priority,
+        access=request.access.value,
+        node=request.node,
+        gpu_models=list(request.gpu_models),
+        span_nodes=request.span_nodes,
+        holder=body.holder or actor,
+        ttl_s=ttl,
+        queue_seq=entry.seq,
+        created_at=now,
+        last_heartbeat_at=now,
+    )
+    session.add(row)
+    store.live.lease_seen[lease_id] = time.time()
+    record(
+        session,
+        actor,
+        "lease.created",
+        lease_id,
+        f"{describe(request)} requested",
+        tenant=request.tenant,
+    )
+    if mine is not None:
+        _apply_grant(store, row, mine, now)
+        record(
+            session, "controller", "lease.granted", lease_id, f"granted on {_where(store, mine)}"
+        )
+    else:
+        record(session, "controller", "lease.queued", lease_id, pool.why_waiting(lease_id))
+    persist_grants(store, session, others, now)
+    return lease_out(row, pool)
+
+
+def describe(request: LeaseRequest) -> str:
+    if request.physical:
+        return f"{request.gpus} whole physical GPU(s)"
+    memory = "proportional memory" if request.memory_mib is None else f"{request.memory_mib}MiB"
+    return f"{request.gpus} slice(s) of {request.compute_pct}% and {memory}"
+
+
+def _where(store: Store, grant: Grant) -> str:
+    names = []
+    for s in grant.slices:
+        gpu = store.pool.gpus.get(s.gpu_uuid)
+        names.append(f"{gpu.node}/{gpu.index}" if gpu else s.gpu_uuid)
+    return ", ".join(names)
+
+
+def _apply_grant(store: Store, row: LeaseRow, grant: Grant, now: datetime) -> None:
+    row.state = transition(LeaseState(row.state), LeaseState.GRANTED).value
+    row.granted_at = now
+    row.queue_seq = None
+    row.slices = [
+        LeaseSliceRow(
+            position=i,
+            gpu_uuid=s.gpu_uuid,
+            node=store.pool.gpus[s.gpu_uuid].node,
+            gpu_index=store.pool.gpus[s.gpu_uuid].index,
+            compute_pct=s.compute_pct,
+            memory_mib=s.memory_mib,
+            whole=s.whole,
+        )
+        for i, s in enumerate(grant.slices)
+    ]
+
+
+def persist_grants(store: Store, session: Session, grants: Iterable[Grant], now: datetime) -> None:
+    """Write grants the pool made while serving the queue."""
+    for grant in grants:
+        row = session.get(LeaseRow, grant.lease_id)
+        if row is None:  # pragma: no cover - the pool and the database always agree
+            raise RuntimeError(f"pool granted unknown lease {grant.lease_id}")
+        _apply_grant(store, row, grant, now)
+        # The wait is over: the holder's clock starts again so a long queue is not an expiry.
+        store.live.lease_seen[grant.lease_id] = time.time()
+        record(
+            session,
+            "controller",
+            "lease.granted",
+            grant.lease_id,
+            f"granted on {_where(store, grant)}",
+        )
+
+
+def persist_mode_changes(store: Store, session: Session, changes: Iterable[ModeChange]) -> None:
+    for change in changes:
+        row = session.get(GpuRow, change.gpu_uuid)
+        if row is None:
+            continue
+        row.mode = change.new.value
+        row.target_mode = change.target.value if change.target else None
+        record(
+            session,
+            "controller",
+            "gpu.mode",
+            change.gpu_uuid,
+            f"mode {change.old.value} -> {change.new.value}",
+        )
+
+
+def release(
+    store: Store,
+    session: Session,
+    lease_id: str,
+    actor: str,
+    reason: ReleaseReason = ReleaseReason.HOLDER,
+) -> LeaseOut:
+    row = session.get(LeaseRow, lease_id)
+    if row is None:
+        raise NotFound(f"no lease {lease_id!r}")
+    if row.state == LeaseState.RELEASED.value:
+        return lease_out(row)
+    was = LeaseState(row.state)
+    if was is LeaseState.QUEUED and reason is ReleaseReason.HOLDER:
+        reason = ReleaseReason.CANCELLED
+    row.state = transition(was, LeaseState.RELEASED).value
+    now = utcnow()
+    row.released_at = now
+    row.release_reason = reason.value
+    row.queue_seq = None
+    changes = store.pool.release(lease_id)
+    store.live.lease_seen.pop(lease_id, None)
+    store.live.dirty_leases.discard(lease_id)
+    record(session, actor, "lease.released", lease_id, reason.value, was=was.value)
+    persist_mode_changes(store, session, changes)
+    persist_grants(store, session, store.pool.serve_queue(), now)
+    return lease_out(row)
+
+
+def heartbeat(store: Store, session: Session, lease_id: str, active: bool | None) -> LeaseOut:
+    row = session.get(LeaseRow, lease_id)
+    if row is None:
+        raise NotFound(f"no lease {lease_id!r}")
+    state = LeaseState(row.state)
+    if state in LIVE:
+        store.live.lease_seen[lease_id] = time.time()
+        row.last_heartbeat_at = utcnow()
+        if active is not None and state in HOLDING and state is not LeaseState.MIGRATING:
+            target = LeaseState.ACTIVE if active else LeaseState.IDLE
+            if target is not state:
+                row.state = transition(state, target).value
+    return lease_out(row, store.pool)
+
+
+def expire(store: Store, session: Session) -> int:
+    """Release every lease whose holder has been silent for longer than its ttl."""
+    now = time.time()
+    candidates = [lid for lid, seen in store.live.lease_seen.items() if now - seen > 1.0]
+    if not candidates:
+        return 0
+    rows = session.scalars(select(LeaseRow).where(LeaseRow.id.in_(candidates))).all()
+    count = 0
+    for row in rows:
+        seen = store.live.lease_seen.get(row.id)
+        if seen is None or row.state == LeaseState.RELEASED.value:
+            store.live.lease_seen.pop(row.id, None)
+            continue
+        if now - seen > row.ttl_s:
+            release(store, session, row.id, "controller", ReleaseReason.EXPIRED)
+            count += 1
+    return count
+
+
+def serve(store: Store, session: Session) -> int:
+    grants = store.pool.serve_queue()
+    persist_grants(store, session, grants, utcnow())
+    return len(grants)
+
+
+def list_leases(
+    store: Store,
+    session: Session,
+    state: str | None = None,
+    tenant: str | None = None,
+    gpu: str | None = None,
+    node: str | None = None,
+    limit: int = 1000,
+) -> list[LeaseOut]:
+    query = select(LeaseRow)
+    if state is None:
+        query = query.where(LeaseRow.state != LeaseState.RELEASED.value)
+    elif state != "all":
+        states = [s.strip() for s in state.split(",")]
+        valid = {s.value for s in LeaseState}
+        bad = [s for s in states if s not in valid]
+        if bad:
+            raise InvalidRequest(
+                f"unknown lease state {bad[0]!r} (one of {', '.join(sorted(valid))}, all)"
+            )
+        query = query.where(LeaseRow.state.in_(states))
+    if tenant:
+        query = query.where(LeaseRow.tenant == tenant)
+    if gpu or node:
+        sub = select(LeaseSliceRow.lease_id)
+        if gpu:
+            sub = sub.where(LeaseSliceRow.gpu_uuid == gpu)
+        if node:
+            sub = sub.where(LeaseSliceRow.node == node)
+        query = query.where(LeaseRow.id.in_(sub))
+    query = query.order_by(LeaseRow.created_at.desc()).limit(limit)
+    rows = list(session.scalars(query))
+    with store.lock:
+        return [lease_out(r, store.pool) for r in rows]
+
+
+def get(store: Store, session: Session, lease_id: str) -> LeaseOut:
+    row = session.get(LeaseRow, lease_id)
+    if row is None:
+        raise NotFound(f"no lease {lease_id!r}")
+    with store.lock:
+        return lease_out(row, store.pool)
+
+
+def queue(store: Store, session: Session) -> list[tuple[int, LeaseOut]]:
+    with store.lock:
+        ordered = [q.lease_id for q in store.pool.ordered_queue()]
+    if not ordered:
+        return []
+    rows = {r.id: r for r in session.scalars(select(LeaseRow).where(LeaseRow.id.in_(ordered)))}
+    out = []
+    with store.lock:
+        for position, lease_id in enumerate(ordered, start=1):
+            row = rows.get(lease_id)
+            if row is not None and row.state == LeaseState.QUEUED.value:
+                out.append((position, lease_out(row, store.pool)))
+    return out

@@ -1,0 +1,172 @@
+"""Nodes: registration with their GPU inventory, heartbeats, and marking silent nodes down."""
+
+from __future__ import annotations
+
+import time
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from gpupool.controller.models import GpuRow, NodeRow, utcnow
+from gpupool.controller.services.events import record
+from gpupool.controller.services.leases import persist_grants
+from gpupool.controller.store import Store, gpu_of
+from gpupool.controller.views import node_out
+from gpupool.core import Conflict, GpuMode, NotFound
+from gpupool.protocol.v1.api import NodeHeartbeat, NodeOut, NodeRegister
+
+
+def register(store: Store, session: Session, body: NodeRegister, actor: str) -> NodeOut:
+    """Add or refresh a node; GPUs it no longer reports are removed or, if leased, isolated."""
+    pool = store.pool
+    now = utcnow()
+    for gpu in body.gpus:
+        other = pool.gpus.get(gpu.uuid)
+        if other is not None and other.node != body.name:
+            raise Conflict(f"GPU {gpu.uuid} is already registered by node {other.node}")
+    row = session.get(NodeRow, body.name)
+    fresh = row is None
+    if row is None:
+        row = NodeRow(name=body.name, registered_at=now)
+        session.add(row)
+    row.address = body.address
+    row.agent_url = body.agent_url
+    row.cpu_count = body.cpu_count
+    row.memory_mib = body.memory_mib
+    row.driver_version = body.driver_version
+    row.cuda_version = body.cuda_version
+    row.backend = body.backend
+    row.state = "up"
+    row.last_seen_at = now
+    reported = {g.uuid for g in body.gpus}
+    for gpu in body.gpus:
+        grow = session.get(GpuRow, gpu.uuid)
+        if grow is None:
+            grow = GpuRow(uuid=gpu.uuid, node=body.name, mode=GpuMode.VIRTUAL.value, healthy=True)
+            session.add(grow)
+        grow.index = gpu.index
+        grow.model = gpu.model
+        grow.memory_mib = gpu.memory_mib
+        grow.simulated = gpu.simulated
+        grow.pci_bus_id = gpu.pci_bus_id
+        pool.upsert_gpu(gpu_of(grow))
+    for grow in list(session.scalars(select(GpuRow).where(GpuRow.node == body.name))):
+        if grow.uuid in reported:
+            continue
+        if pool.usage.get(grow.uuid) is not None and pool.usage[grow.uuid].leases:
+            pool.isolate(grow.uuid)
+            grow.mode = GpuMode.ISOLATED.value
+            grow.target_mode = GpuMode.VIRTUAL.value
+            grow.isolation_reason = "no longer reported by its agent"
+            record(
+                session,
+                "controller",
+                "gpu.isolated",
+                grow.uuid,
+                "isolated: no longer reported by its agent",
+            )
+        else:
+            pool.remove_gpu(grow.uuid)
+            session.delete(grow)
+            record(
+                session, "controller", "gpu.removed", grow.uuid, "no longer reported by its agent"
+            )
+    pool.set_node_up(body.name, True)
+    store.live.node_seen[body.name] = time.time()
+    simulated = " (simulated)" if any(g.simulated for g in body.gpus) else ""
+    record(
+        session,
+        actor,
+        "node.registered" if fresh else "node.reregistered",
+        body.name,
+        f"{len(body.gpus)} GPU(s){simulated}, backend {body.backend}",
+    )
+    persist_grants(store, session, pool.serve_queue(), now)
+    return node_out(row, len(body.gpus))
+
+
+def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) -> bool:
+    """Note a node's heartbeat; returns whether the node had been down (and is up again)."""
+    row = session.get(NodeRow, name)
+    if row is None:
+        raise NotFound(f"no node {name!r}: register it first")
+    store.live.node_seen[name] = time.time()
+    for t in body.telemetry:
+        store.live.telemetry[t.uuid] = t.model_dump(exclude_none=True, exclude={"uuid"})
+    store.live.host[name] = body.host
+    store.live.dirty_nodes.add(name)
+    if row.state != "up":
+        row.state = "up"
+        row.last_seen_at = utcnow()
+        store.pool.set_node_up(name, True)
+        record(session, "controller", "node.up", name, "heartbeats resumed")
+        persist_grants(store, session, store.pool.serve_queue(), utcnow())
+        return True
+    return False
+
+
+def mark_silent_down(store: Store, session: Session) -> list[str]:
+    now = time.time()
+    down = []
+    for row in session.scalars(select(NodeRow).where(NodeRow.state == "up")):
+        seen = store.live.node_seen.get(row.name, store.started_at)
+        if now - seen > store.settings.node_timeout_s:
+            row.state = "down"
+            store.pool.set_node_up(row.name, False)
+            record(
+                session,
+                "controller",
+                "node.down",
+                row.name,
+                f"no heartbeat for {now - seen:.0f}s "
+                f"(timeout {store.settings.node_timeout_s:.0f}s)",
+            )
+            down.append(row.name)
+    return down
+
+
+def flush_liveness(store: Store, session: Session) -> None:
+    """Write the latest node heartbeats and telemetry in one batch."""
+    for name in list(store.live.dirty_nodes):
+        row = session.get(NodeRow, name)
+        if row is None:
+            continue
+        seen = store.live.node_seen.get(name)
+        if seen is not None:
+            row.last_seen_at = utcnow().fromtimestamp(seen, tz=utcnow().tzinfo)
+        row.host = store.live.host.get(name, {})
+        for grow in session.scalars(select(GpuRow).where(GpuRow.node == name)):
+            if grow.uuid in store.live.telemetry:
+                grow.telemetry = store.live.telemetry[grow.uuid]
+    store.live.dirty_nodes.clear()
+
+
+def remove(store: Store, session: Session, name: str, actor: str) -> None:
+    row = session.get(NodeRow, name)
+    if row is None:
+        raise NotFound(f"no node {name!r}")
+    uuids = [g.uuid for g in session.scalars(select(GpuRow).where(GpuRow.node == name))]
+    held = store.pool.leases_on(uuids)
+    if held:
+        raise Conflict(f"node {name} still holds {len(held)} lease(s): release or drain them first")
+    for uuid in uuids:
+        store.pool.remove_gpu(uuid)
+    store.pool.set_node_up(name, False)
+    session.delete(row)
+    record(session, actor, "node.removed", name, f"removed with {len(uuids)} GPU(s)")
+
+
+def list_nodes(store: Store, session: Session) -> list[NodeOut]:
+    counts = dict(
+        session.execute(select(GpuRow.node, func.count()).group_by(GpuRow.node)).tuples().all()
+    )
+    rows = list(session.scalars(select(NodeRow).order_by(NodeRow.name)))
+    return [node_out(r, counts.get(r.name, 0), store.live.host.get(r.name)) for r in rows]
+
+
+def get(store: Store, session: Session, name: str) -> NodeOut:
+    row = session.get(NodeRow, name)
+    if row is None:
+        raise NotFound(f"no node {name!r}")
+    count = session.scalar(select(func.count()).select_from(GpuRow).where(GpuRow.node == name)) or 0
+    return node_out(row, count, store.live.host.get(name))

@@ -1,0 +1,111 @@
+"""Tenants and their quotas."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from gpupool.controller.models import LeaseRow, TenantRow, utcnow
+from gpupool.controller.services.events import record
+from gpupool.controller.services.leases import persist_grants
+from gpupool.controller.store import Store, quota_of
+from gpupool.controller.views import tenant_out
+from gpupool.core import Conflict, LeaseState, NotFound
+from gpupool.core.units import parse_memory_mib
+from gpupool.protocol.v1.api import QuotaIn, TenantCreate, TenantOut, TenantUpdate
+
+DEFAULT_TENANT = "default"
+
+
+def _apply_quota(row: TenantRow, quota: QuotaIn, only_set: bool) -> None:
+    fields = quota.model_fields_set if only_set else set(type(quota).model_fields)
+    if "max_gpus" in fields:
+        row.max_gpus = quota.max_gpus
+    if "max_memory" in fields:
+        row.max_memory_mib = (
+            None if quota.max_memory is None else parse_memory_mib(quota.max_memory)
+        )
+    if "max_compute_pct" in fields:
+        row.max_compute_pct = quota.max_compute_pct
+    if "max_leases" in fields:
+        row.max_leases = quota.max_leases
+    if "max_priority" in fields:
+        row.max_priority = quota.max_priority
+
+
+def _out(store: Store, row: TenantRow) -> TenantOut:
+    queued = sum(1 for q in store.pool.queue.values() if q.request.tenant == row.name)
+    return tenant_out(row, store.pool.held_by(row.name), queued)
+
+
+def ensure_default(store: Store, session: Session) -> None:
+    if session.get(TenantRow, DEFAULT_TENANT) is None:
+        row = TenantRow(name=DEFAULT_TENANT, weight=1.0, created_at=utcnow())
+        session.add(row)
+        store.pool.quotas[DEFAULT_TENANT] = quota_of(row)
+        record(session, "controller", "tenant.created", DEFAULT_TENANT, "default tenant, no limits")
+
+
+def create(store: Store, session: Session, body: TenantCreate, actor: str) -> TenantOut:
+    if session.get(TenantRow, body.name) is not None:
+        raise Conflict(f"tenant {body.name!r} exists already")
+    row = TenantRow(name=body.name, weight=body.weight, created_at=utcnow())
+    _apply_quota(row, body.quota, only_set=False)
+    session.add(row)
+    store.pool.quotas[row.name] = quota_of(row)
+    record(session, actor, "tenant.created", row.name, f"quota {quota_of(row)}")
+    return _out(store, row)
+
+
+def update(store: Store, session: Session, name: str, body: TenantUpdate, actor: str) -> TenantOut:
+    row = session.get(TenantRow, name)
+    if row is None:
+        raise NotFound(f"no tenant {name!r}")
+    if body.weight is not None:
+        row.weight = body.weight
+    if body.quota is not None:
+        _apply_quota(row, body.quota, only_set=True)
+    store.pool.quotas[name] = quota_of(row)
+    record(session, actor, "tenant.updated", name, f"quota {quota_of(row)}, weight {row.weight}")
+    # A raised quota may let queued requests of this tenant through.
+    persist_grants(store, session, store.pool.serve_queue(), utcnow())
+    return _out(store, row)
+
+
+def delete(store: Store, session: Session, name: str, actor: str) -> None:
+    row = session.get(TenantRow, name)
+    if row is None:
+        raise NotFound(f"no tenant {name!r}")
+    if name == DEFAULT_TENANT:
+        raise Conflict("the default tenant cannot be deleted")
+    live = session.scalar(
+        select(func.count())
+        .select_from(LeaseRow)
+        .where(LeaseRow.tenant == name, LeaseRow.state != LeaseState.RELEASED.value)
+    )
+    if live:
+        raise Conflict(f"tenant {name} has {live} live lease(s): release them first")
+    total = session.scalar(
+        select(func.count()).select_from(LeaseRow).where(LeaseRow.tenant == name)
+    )
+    if total:
+        raise Conflict(
+            f"tenant {name} has {total} lease(s) in its history; set its quota to 0 instead"
+        )
+    session.delete(row)
+    store.pool.quotas.pop(name, None)
+    record(session, actor, "tenant.deleted", name, "deleted")
+
+
+def list_tenants(store: Store, session: Session) -> list[TenantOut]:
+    rows = list(session.scalars(select(TenantRow).order_by(TenantRow.name)))
+    with store.lock:
+        return [_out(store, r) for r in rows]
+
+
+def get(store: Store, session: Session, name: str) -> TenantOut:
+    row = session.get(TenantRow, name)
+    if row is None:
+        raise NotFound(f"no tenant {name!r}")
+    with store.lock:
+        return _out(store, row)

@@ -1,0 +1,202 @@
+"""The controller's state: the pool in memory, mirrored from the database it is loaded from.
+
+Every change runs as a command on one writer thread, in a database transaction, and
+commands that arrive together share one commit (group commit). The in-memory `Pool` is
+changed only by those commands, so it always equals what the database holds; reads of
+rows go to the database on other threads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from sqlalchemy import Engine, select
+from sqlalchemy.orm import Session
+
+from gpupool.controller.models import GpuRow, LeaseRow, NodeRow, TenantRow
+from gpupool.controller.settings import ControllerSettings
+from gpupool.core import HOLDING, Gpu, GpuMode, LeaseState, Pool, PoolError, Quota, Ratios, Slice
+from gpupool.core.model import Access, LeaseRequest, QueuedLease
+
+log = logging.getLogger("gpupool.controller")
+
+T = TypeVar("T")
+Command = Callable[[Session], Any]
+
+BATCH_MAX = 128
+
+
+@dataclass(slots=True)
+class Liveness:
+    """Heartbeat times kept in memory; the database gets them in periodic batches."""
+
+    lease_seen: dict[str, float] = field(default_factory=dict)
+    node_seen: dict[str, float] = field(default_factory=dict)
+    telemetry: dict[str, dict[str, Any]] = field(default_factory=dict)
+    host: dict[str, dict[str, Any]] = field(default_factory=dict)
+    dirty_leases: set[str] = field(default_factory=set)
+    dirty_nodes: set[str] = field(default_factory=set)
+
+
+class Store:
+    """Owns the pool, the writer thread and the reader threads."""
+
+    def __init__(self, engine: Engine, settings: ControllerSettings) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.pool = Pool(ratios=Ratios(settings.compute_ratio, settings.memory_ratio))
+        self.lock = threading.RLock()
+        self.live = Liveness()
+        self._commands: queue.SimpleQueue[tuple[Command, Future[Any]] | None] = queue.SimpleQueue()
+        self._writer = threading.Thread(target=self._write_loop, name="gpupool-writer", daemon=True)
+        self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpupool-reader")
+        self.started_at = time.time()
+
+    # ---- lifecycle -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.load()
+        self._writer.start()
+
+    def stop(self) -> None:
+        self._commands.put(None)
+        self._writer.join(timeout=10)
+        self._readers.shutdown(wait=True)
+
+    def load(self) -> None:
+        """Rebuild the pool from the database: after a start, or after a failed commit."""
+        grace_start = time.time()
+        with Session(self.engine) as session, self.lock:
+            pool = Pool(ratios=self.pool.ratios)
+            for tenant in session.scalars(select(TenantRow)):
+                pool.quotas[tenant.name] = quota_of(tenant)
+            for node in session.scalars(select(NodeRow)):
+                pool.set_node_up(node.name, node.state == "up")
+                self.live.node_seen.setdefault(node.name, grace_start)
+            for row in session.scalars(select(GpuRow)):
+                pool.upsert_gpu(gpu_of(row))
+            live_states = [s.value for s in LeaseState if s is not LeaseState.RELEASED]
+            for lease in session.scalars(select(LeaseRow).where(LeaseRow.state.in_(live_states))):
+                state = LeaseState(lease.state)
+                if state in HOLDING:
+                    pool.grant(lease.id, lease.tenant, slices_of(lease))
+                elif state is LeaseState.QUEUED and lease.queue_seq is not None:
+                    pool.restore_queued(QueuedLease(lease.id, request_of(lease), lease.queue_seq))
+                seen = max(lease.last_heartbeat_at.timestamp(), grace_start)
+                self.live.lease_seen.setdefault(lease.id, seen)
+            self.pool = pool
+
+    # ---- commands --------------------------------------------------------------------
+
+    async def write(self, command: Callable[[Session], T]) -> T:
+        """Run `command` on the writer thread in a transaction; return after it committed."""
+        future: Future[T] = Future()
+        self._commands.put((command, future))
+        return await asyncio.wrap_future(future)
+
+    def write_sync(self, command: Callable[[Session], T]) -> T:
+        future: Future[T] = Future()
+        self._commands.put((command, future))
+        return future.result()
+
+    async def read(self, query: Callable[[Session], T]) -> T:
+        def run() -> T:
+            with Session(self.engine) as session:
+                return query(session)
+
+        return await asyncio.get_running_loop().run_in_executor(self._readers, run)
+
+    def _write_loop(self) -> None:
+        while True:
+            item = self._commands.get()
+            if item is None:
+                return
+            batch = [item]
+            while len(batch) < BATCH_MAX:
+                try:
+                    nxt = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._commands.put(None)
+                    break
+                batch.append(nxt)
+            self._run_batch(batch)
+
+    def _run_batch(self, batch: list[tuple[Command, Future[Any]]]) -> None:
+        outcomes: list[tuple[Future[Any], Any, BaseException | None]] = []
+        try:
+            with Session(self.engine, expire_on_commit=False) as session, self.lock:
+                for command, future in batch:
+                    try:
+                        outcomes.append((future, command(session), None))
+                    except PoolError as exc:
+                        # Commands raise domain errors before they change anything.
+                        outcomes.append((future, None, exc))
+                session.commit()
+        except Exception as exc:
+            log.exception("a write batch failed; reloading the pool from the database")
+            try:
+                self.load()
+            except Exception:
+                log.exception("reloading the pool failed")
+            for _command, future in batch:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for future, result, error in outcomes:
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)
+
+
+def quota_of(row: TenantRow) -> Quota:
+    return Quota(
+        max_gpus=row.max_gpus,
+        max_memory_mib=row.max_memory_mib,
+        max_compute_pct=row.max_compute_pct,
+        max_leases=row.max_leases,
+        max_priority=row.max_priority,
+    )
+
+
+def gpu_of(row: GpuRow) -> Gpu:
+    return Gpu(
+        uuid=row.uuid,
+        node=row.node,
+        model=row.model,
+        memory_mib=row.memory_mib,
+        index=row.index,
+        mode=GpuMode(row.mode),
+        target_mode=GpuMode(row.target_mode) if row.target_mode else None,
+        healthy=row.healthy,
+        simulated=row.simulated,
+    )
+
+
+def slices_of(row: LeaseRow) -> tuple[Slice, ...]:
+    return tuple(Slice(s.gpu_uuid, s.compute_pct, s.memory_mib, s.whole) for s in row.slices)
+
+
+def request_of(row: LeaseRow) -> LeaseRequest:
+    return LeaseRequest(
+        tenant=row.tenant,
+        gpus=row.gpus,
+        compute_pct=row.compute_pct or 100,
+        memory_mib=row.memory_mib,
+        physical=row.physical,
+        priority=row.priority,
+        access=Access(row.access),
+        node=row.node,
+        gpu_models=tuple(row.gpu_models or ()),
+        span_nodes=row.span_nodes,
+    )

@@ -1,0 +1,415 @@
+"""Properties of the allocator under random operations: never over-allocates, quotas hold,
+modes stay consistent, releases restore capacity exactly."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from gpupool.core.errors import Conflict
+from gpupool.core.model import (
+    Gpu,
+    GpuMode,
+    LeaseRequest,
+    Quota,
+    Ratios,
+    Slice,
+    Usage,
+    quota_violation,
+    usage_of,
+)
+from gpupool.core.pool import Pool
+
+TENANTS = ("alice", "bob", "carol")
+MODELS = ("NVIDIA H200", "NVIDIA L4")
+
+memory_sizes = st.one_of(
+    st.sampled_from([1024, 16 * 1024, 24 * 1024, 80 * 1024, 141 * 1024]),
+    st.integers(min_value=100, max_value=150_000),
+)
+
+quotas = st.builds(
+    Quota,
+    max_gpus=st.none() | st.integers(0, 4),
+    max_memory_mib=st.none() | st.integers(0, 300_000),
+    max_compute_pct=st.none() | st.integers(0, 500),
+    max_leases=st.none() | st.integers(0, 6),
+)
+
+ratios = st.builds(
+    Ratios,
+    compute=st.sampled_from([1.0, 1.5, 2.0, 4.0]),
+    memory=st.sampled_from([1.0, 1.25, 2.0]),
+)
+
+
+@st.composite
+def requests(draw: st.DrawFn, nodes: list[str]) -> LeaseRequest:
+    physical = draw(st.booleans())
+    return LeaseRequest(
+        tenant=draw(st.sampled_from(TENANTS)),
+        gpus=draw(st.integers(1, 4)),
+        compute_pct=100 if physical else draw(st.integers(1, 100)),
+        memory_mib=None
+        if physical
+        else draw(st.none() | st.integers(1, 8192) | st.integers(1, 160_000)),
+        physical=physical,
+        priority=draw(st.integers(0, 3)),
+        node=draw(st.none() | st.sampled_from(nodes)),
+        gpu_models=draw(st.sampled_from([(), ("h200",), ("L4",)])),
+        span_nodes=draw(st.booleans()),
+    )
+
+
+def state_of(pool: Pool) -> tuple[object, ...]:
+    """Everything that matters about a pool, with a tenant that holds nothing counted as absent."""
+    return (
+        pool.ratios,
+        dict(pool.gpus),
+        set(pool.nodes_up),
+        dict(pool.quotas),
+        dict(pool.holdings),
+        dict(pool.owners),
+        dict(pool.queue),
+        {
+            uuid: (u.compute_pct, u.memory_mib, frozenset(u.leases), u.whole)
+            for uuid, u in pool.usage.items()
+        },
+        {t: u for t, u in pool.tenant_usage.items() if u != Usage()},
+        pool.next_seq,
+    )
+
+
+class PoolMachine(RuleBasedStateMachine):
+    """Drives one Pool through random requests, releases, mode switches and node changes."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = Pool()
+        self.nodes: list[str] = []
+        self.requested: dict[str, LeaseRequest] = {}
+        self.next_id = 0
+        self.modes_touched = False
+        self.initial_gpus: dict[str, Gpu] = {}
+
+    # ---- setup -------------------------------------------------------------------------
+
+    @initialize(
+        layout=st.lists(
+            st.lists(
+                st.tuples(memory_sizes, st.sampled_from(MODELS), st.booleans()),
+                min_size=1,
+                max_size=4,
+            ),
+            min_size=1,
+            max_size=4,
+        ),
+        ratios=ratios,
+        tenant_quotas=st.tuples(quotas, quotas, quotas),
+    )
+    def make_pool(
+        self,
+        layout: list[list[tuple[int, str, bool]]],
+        ratios: Ratios,
+        tenant_quotas: tuple[Quota, Quota, Quota],
+    ) -> None:
+        self.pool = Pool(ratios=ratios)
+        for n, gpus in enumerate(layout):
+            node = f"n{n}"
+            self.nodes.append(node)
+            self.pool.set_node_up(node, True)
+            for i, (memory_mib, model, physical) in enumerate(gpus):
+                mode = GpuMode.PHYSICAL if physical else GpuMode.VIRTUAL
+                self.pool.upsert_gpu(Gpu(f"{node}-g{i}", node, model, memory_mib, i, mode))
+        self.pool.quotas.update(zip(TENANTS, tenant_quotas, strict=True))
+        self.initial_gpus = dict(self.pool.gpus)
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def new_id(self) -> str:
+        self.next_id += 1
+        return f"L{self.next_id}"
+
+    def pick_gpu(self, n: int) -> str:
+        uuids = sorted(self.pool.gpus)
+        return uuids[n % len(uuids)]
+
+    def check_grant(self, request: LeaseRequest, slices: tuple[Slice, ...]) -> None:
+        """A grant just made obeys its request, and went only where new leases may go."""
+        pool = self.pool
+        assert len(slices) == request.gpus
+        assert len({s.gpu_uuid for s in slices}) == request.gpus
+        nodes = {pool.gpus[s.gpu_uuid].node for s in slices}
+        if not request.span_nodes:
+            assert len(nodes) == 1
+        if request.node is not None:
+            assert nodes == {request.node}
+        for s in slices:
+            gpu = pool.gpus[s.gpu_uuid]
+            assert gpu.healthy and gpu.node in pool.nodes_up
+            assert request.model_allowed(gpu.model)
+            assert s.whole is request.physical
+            if request.physical:
+                assert gpu.mode is GpuMode.PHYSICAL
+                assert (s.compute_pct, s.memory_mib) == (100, gpu.memory_mib)
+            else:
+                assert gpu.mode is GpuMode.VIRTUAL
+                assert s.compute_pct == request.compute_pct
+                assert s.memory_mib == request.slice_memory_mib(gpu)
+
+    def release_everything(self) -> None:
+        pool = self.pool
+        finishing = {
+            uuid: gpu.target_mode
+            for uuid, gpu in pool.gpus.items()
+            if gpu.mode is GpuMode.DRAINING and gpu.target_mode is not None
+        }
+        for lease_id in sorted(set(pool.holdings) | set(pool.queue)):
+            for change in pool.release(lease_id):
+                assert finishing.pop(change.gpu_uuid) is change.new
+        assert not finishing, "a drain with a target outlived its last lease"
+        self.requested.clear()
+
+        assert pool.holdings == {} and pool.owners == {} and pool.queue == {}
+        for u in pool.usage.values():
+            assert (u.compute_pct, u.memory_mib, u.leases, u.whole) == (0, 0, set(), False)
+        assert all(u == Usage() for u in pool.tenant_usage.values())
+        # Exactly where a pool with these GPUs, nodes and quotas starts.
+        fresh = Pool(ratios=pool.ratios, nodes_up=set(pool.nodes_up), quotas=dict(pool.quotas))
+        for gpu in pool.gpus.values():
+            fresh.upsert_gpu(gpu)
+        fresh.next_seq = pool.next_seq
+        assert state_of(pool) == state_of(fresh)
+        if not self.modes_touched:
+            assert pool.gpus == self.initial_gpus
+
+    # ---- rules: leases -----------------------------------------------------------------
+
+    @rule(data=st.data())
+    def try_grant(self, data: st.DataObject) -> None:
+        request = data.draw(requests(self.nodes))
+        lease_id = self.new_id()
+        before = copy.deepcopy(self.pool)
+        result = self.pool.try_grant(lease_id, request)
+        if isinstance(result, str):
+            assert result
+            assert state_of(self.pool) == state_of(before), "a refused grant changed the pool"
+            return
+        assert self.pool.holdings[lease_id] == result
+        self.check_grant(request, result)
+        self.requested[lease_id] = request
+
+    @rule(data=st.data())
+    def enqueue_and_serve(self, data: st.DataObject) -> None:
+        request = data.draw(requests(self.nodes))
+        self.pool.enqueue(self.new_id(), request)
+        self.serve()
+
+    @rule()
+    def serve(self) -> None:
+        pool = self.pool
+        order = [q.lease_id for q in pool.ordered_queue()]
+        waiting = {q.lease_id: q.request for q in pool.queue.values()}
+        grants = pool.serve_queue()
+        served = [g.lease_id for g in grants]
+        assert served == [lid for lid in order if lid in served], "served out of queue order"
+        for g in grants:
+            assert g.lease_id not in pool.queue
+            assert pool.holdings[g.lease_id] == g.slices
+            self.check_grant(waiting[g.lease_id], g.slices)
+            self.requested[g.lease_id] = waiting[g.lease_id]
+
+    @rule(data=st.data())
+    def grant_then_release_restores_exactly(self, data: st.DataObject) -> None:
+        request = data.draw(requests(self.nodes))
+        before = copy.deepcopy(self.pool)
+        lease_id = self.new_id()
+        if not isinstance(self.pool.try_grant(lease_id, request), str):
+            assert self.pool.release(lease_id) == []
+        assert state_of(self.pool) == state_of(before)
+
+    @precondition(lambda self: self.pool.holdings or self.pool.queue)
+    @rule(data=st.data())
+    def release(self, data: st.DataObject) -> None:
+        pool = self.pool
+        lease_id = data.draw(st.sampled_from(sorted(set(pool.holdings) | set(pool.queue))))
+        gpus = {s.gpu_uuid for s in pool.holdings.get(lease_id, ())}
+        for change in pool.release(lease_id):
+            assert change.gpu_uuid in gpus
+            assert change.old is GpuMode.DRAINING
+            assert pool.gpus[change.gpu_uuid].mode is change.new
+            assert not pool.usage[change.gpu_uuid].leases
+        assert lease_id not in pool.holdings and lease_id not in pool.queue
+        self.requested.pop(lease_id, None)
+
+    @rule()
+    def release_all(self) -> None:
+        self.release_everything()
+
+    # ---- rules: GPUs and nodes ---------------------------------------------------------
+
+    @rule(n=st.integers(0, 15), physical=st.booleans())
+    def set_mode(self, n: int, physical: bool) -> None:
+        uuid = self.pick_gpu(n)
+        target = GpuMode.PHYSICAL if physical else GpuMode.VIRTUAL
+        self.modes_touched = True
+        if self.pool.gpus[uuid].mode is GpuMode.ISOLATED:
+            try:
+                self.pool.set_mode(uuid, target)
+            except Conflict:
+                return
+            raise AssertionError("an isolated GPU switched mode")
+        change = self.pool.set_mode(uuid, target)
+        gpu = self.pool.gpus[uuid]
+        assert gpu.mode is change.new
+        if self.pool.usage[uuid].leases:
+            assert gpu.mode in (target, GpuMode.DRAINING)
+        else:
+            assert gpu.mode is target and gpu.target_mode is None
+
+    @rule(n=st.integers(0, 15))
+    def drain(self, n: int) -> None:
+        uuid = self.pick_gpu(n)
+        self.modes_touched = True
+        if self.pool.gpus[uuid].mode is GpuMode.ISOLATED:
+            try:
+                self.pool.drain(uuid)
+            except Conflict:
+                return
+            raise AssertionError("an isolated GPU was drained")
+        self.pool.drain(uuid)
+        assert self.pool.gpus[uuid].mode is GpuMode.DRAINING
+
+    @rule(n=st.integers(0, 15))
+    def isolate(self, n: int) -> None:
+        uuid = self.pick_gpu(n)
+        self.modes_touched = True
+        self.pool.isolate(uuid)
+        gpu = self.pool.gpus[uuid]
+        assert gpu.mode is GpuMode.ISOLATED
+        assert gpu.target_mode in (GpuMode.VIRTUAL, GpuMode.PHYSICAL)
+
+    @rule(n=st.integers(0, 15))
+    def clear(self, n: int) -> None:
+        uuid = self.pick_gpu(n)
+        self.modes_touched = True
+        was = self.pool.gpus[uuid]
+        if was.mode is not GpuMode.ISOLATED:
+            try:
+                self.pool.clear(uuid)
+            except Conflict:
+                return
+            raise AssertionError("a GPU that was not isolated was cleared")
+        change = self.pool.clear(uuid)
+        gpu = self.pool.gpus[uuid]
+        assert gpu.healthy
+        assert gpu.mode is change.new
+        assert gpu.mode is was.target_mode or (
+            gpu.mode is GpuMode.DRAINING and gpu.target_mode is was.target_mode
+        )
+
+    @rule(n=st.integers(0, 15))
+    def gpu_fails(self, n: int) -> None:
+        uuid = self.pick_gpu(n)
+        self.modes_touched = True
+        self.pool.upsert_gpu(replace(self.pool.gpus[uuid], healthy=False))
+        self.pool.isolate(uuid)
+
+    @rule(n=st.integers(0, 15), up=st.booleans())
+    def set_node_up(self, n: int, up: bool) -> None:
+        self.pool.set_node_up(self.nodes[n % len(self.nodes)], up)
+
+    # ---- invariants --------------------------------------------------------------------
+
+    @invariant()
+    def never_over_allocates(self) -> None:
+        pool = self.pool
+        for uuid, gpu in pool.gpus.items():
+            used = pool.usage[uuid]
+            assert used.compute_pct <= int(100 * pool.ratios.compute)
+            assert used.memory_mib <= int(gpu.memory_mib * pool.ratios.memory)
+            assert used.compute_pct >= 0 and used.memory_mib >= 0
+
+    @invariant()
+    def usage_is_the_sum_of_holdings(self) -> None:
+        pool = self.pool
+        expected = {uuid: (0, 0, set(), False) for uuid in pool.gpus}
+        for lease_id, slices in pool.holdings.items():
+            for s in slices:
+                compute, memory, leases, whole = expected[s.gpu_uuid]
+                expected[s.gpu_uuid] = (
+                    compute + s.compute_pct,
+                    memory + s.memory_mib,
+                    leases | {lease_id},
+                    whole or s.whole,
+                )
+        actual = {
+            uuid: (u.compute_pct, u.memory_mib, u.leases, u.whole) for uuid, u in pool.usage.items()
+        }
+        assert actual == expected
+
+    @invariant()
+    def tenant_usage_is_the_sum_of_holdings_and_within_quota(self) -> None:
+        pool = self.pool
+        assert set(pool.owners) == set(pool.holdings)
+        expected: dict[str, Usage] = {}
+        for lease_id, slices in pool.holdings.items():
+            expected.setdefault(pool.owners[lease_id], Usage()).add(usage_of(slices))
+        actual = {t: u for t, u in pool.tenant_usage.items() if u != Usage()}
+        assert actual == {t: u for t, u in expected.items() if u != Usage()}
+        for tenant, held in expected.items():
+            assert quota_violation(pool.quotas[tenant], Usage(), held) is None
+
+    @invariant()
+    def whole_gpu_slice_is_alone_on_its_gpu(self) -> None:
+        for uuid, used in self.pool.usage.items():
+            if used.whole:
+                assert len(used.leases) == 1, f"{uuid} is held whole and shared"
+
+    @invariant()
+    def gang_leases_are_all_or_nothing(self) -> None:
+        pool = self.pool
+        assert set(pool.holdings) == set(self.requested)
+        assert not set(pool.holdings) & set(pool.queue)
+        for lease_id, slices in pool.holdings.items():
+            request = self.requested[lease_id]
+            assert len(slices) == request.gpus
+            assert len({s.gpu_uuid for s in slices}) == request.gpus
+            assert all(s.whole is request.physical for s in slices)
+
+    @invariant()
+    def mode_matches_the_leases_a_gpu_holds(self) -> None:
+        pool = self.pool
+        for uuid, gpu in pool.gpus.items():
+            kinds = {s.whole for lid in pool.usage[uuid].leases for s in pool.holdings[lid]
+                     if s.gpu_uuid == uuid}
+            assert len(kinds) <= 1, f"{uuid} holds whole and partial slices at once"
+            if gpu.mode is GpuMode.VIRTUAL:
+                assert True not in kinds, f"virtual {uuid} holds a whole-GPU lease"
+            if gpu.mode is GpuMode.PHYSICAL:
+                assert False not in kinds, f"physical {uuid} holds a slice"
+            if gpu.mode is GpuMode.DRAINING and gpu.target_mode is not None:
+                assert kinds, f"{uuid} is draining to {gpu.target_mode} but already empty"
+
+    def teardown(self) -> None:
+        if self.pool.gpus:
+            self.release_everything()
+
+
+PoolMachine.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestPoolProperties = PoolMachine.TestCase
