@@ -140,9 +140,17 @@ class PoolMachine(RuleBasedStateMachine):
         self.next_id += 1
         return f"L{self.next_id}"
 
-    def pick_gpu(self, n: int) -> str:
-        uuids = sorted(self.pool.gpus)
-        return uuids[n % len(uuids)]
+    def pick_gpu(self, data: st.DataObject) -> str:
+        """Any GPU, but most often one that holds leases or is between modes: where bugs hide."""
+        pool = self.pool
+        busy = sorted(uuid for uuid, used in pool.usage.items() if used.leases)
+        unsettled = sorted(
+            uuid
+            for uuid, gpu in pool.gpus.items()
+            if gpu.mode in (GpuMode.DRAINING, GpuMode.ISOLATED)
+        )
+        choices = [c for c in (busy, unsettled) if c] + [sorted(pool.gpus)]
+        return data.draw(st.sampled_from(data.draw(st.sampled_from(choices))))
 
     def check_grant(self, request: LeaseRequest, slices: tuple[Slice, ...]) -> None:
         """A grant just made obeys its request, and went only where new leases may go."""
@@ -258,9 +266,9 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ---- rules: GPUs and nodes ---------------------------------------------------------
 
-    @rule(n=st.integers(0, 15), physical=st.booleans())
-    def set_mode(self, n: int, physical: bool) -> None:
-        uuid = self.pick_gpu(n)
+    @rule(data=st.data(), physical=st.booleans())
+    def set_mode(self, data: st.DataObject, physical: bool) -> None:
+        uuid = self.pick_gpu(data)
         target = GpuMode.PHYSICAL if physical else GpuMode.VIRTUAL
         self.modes_touched = True
         if self.pool.gpus[uuid].mode is GpuMode.ISOLATED:
@@ -277,9 +285,9 @@ class PoolMachine(RuleBasedStateMachine):
         else:
             assert gpu.mode is target and gpu.target_mode is None
 
-    @rule(n=st.integers(0, 15))
-    def drain(self, n: int) -> None:
-        uuid = self.pick_gpu(n)
+    @rule(data=st.data())
+    def drain(self, data: st.DataObject) -> None:
+        uuid = self.pick_gpu(data)
         self.modes_touched = True
         if self.pool.gpus[uuid].mode is GpuMode.ISOLATED:
             try:
@@ -290,18 +298,18 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.drain(uuid)
         assert self.pool.gpus[uuid].mode is GpuMode.DRAINING
 
-    @rule(n=st.integers(0, 15))
-    def isolate(self, n: int) -> None:
-        uuid = self.pick_gpu(n)
+    @rule(data=st.data())
+    def isolate(self, data: st.DataObject) -> None:
+        uuid = self.pick_gpu(data)
         self.modes_touched = True
         self.pool.isolate(uuid)
         gpu = self.pool.gpus[uuid]
         assert gpu.mode is GpuMode.ISOLATED
         assert gpu.target_mode in (GpuMode.VIRTUAL, GpuMode.PHYSICAL)
 
-    @rule(n=st.integers(0, 15))
-    def clear(self, n: int) -> None:
-        uuid = self.pick_gpu(n)
+    @rule(data=st.data())
+    def clear(self, data: st.DataObject) -> None:
+        uuid = self.pick_gpu(data)
         self.modes_touched = True
         was = self.pool.gpus[uuid]
         if was.mode is not GpuMode.ISOLATED:
@@ -318,9 +326,9 @@ class PoolMachine(RuleBasedStateMachine):
             gpu.mode is GpuMode.DRAINING and gpu.target_mode is was.target_mode
         )
 
-    @rule(n=st.integers(0, 15))
-    def gpu_fails(self, n: int) -> None:
-        uuid = self.pick_gpu(n)
+    @rule(data=st.data())
+    def gpu_fails(self, data: st.DataObject) -> None:
+        uuid = self.pick_gpu(data)
         self.modes_touched = True
         self.pool.upsert_gpu(replace(self.pool.gpus[uuid], healthy=False))
         self.pool.isolate(uuid)

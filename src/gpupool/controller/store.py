@@ -59,6 +59,15 @@ class Store:
         self._writer = threading.Thread(target=self._write_loop, name="gpupool-writer", daemon=True)
         self._readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="gpupool-reader")
         self.started_at = time.time()
+        # The writer's session lives across batches: rows of live leases, GPUs and nodes stay
+        # in it (held by these dicts), so most commands touch the database only to write.
+        self.session = self._new_session()
+        self.lease_rows: dict[str, LeaseRow] = {}
+        self.gpu_rows: dict[str, GpuRow] = {}
+        self.node_rows: dict[str, NodeRow] = {}
+
+    def _new_session(self) -> Session:
+        return Session(self.engine, expire_on_commit=False)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -70,21 +79,42 @@ class Store:
         self._commands.put(None)
         self._writer.join(timeout=10)
         self._readers.shutdown(wait=True)
+        self.session.close()
+
+    # ---- rows the writer keeps ---------------------------------------------------------
+
+    def lease_row(self, session: Session, lease_id: str) -> LeaseRow | None:
+        row = self.lease_rows.get(lease_id)
+        return row if row is not None else session.get(LeaseRow, lease_id)
+
+    def gpu_row(self, session: Session, uuid: str) -> GpuRow | None:
+        row = self.gpu_rows.get(uuid)
+        return row if row is not None else session.get(GpuRow, uuid)
+
+    def node_row(self, session: Session, name: str) -> NodeRow | None:
+        row = self.node_rows.get(name)
+        return row if row is not None else session.get(NodeRow, name)
 
     def load(self) -> None:
         """Rebuild the pool from the database: after a start, or after a failed commit."""
         grace_start = time.time()
-        with Session(self.engine) as session, self.lock:
+        self.session.close()
+        self.session = session = self._new_session()
+        with self.lock:
             pool = Pool(ratios=self.pool.ratios)
+            self.lease_rows, self.gpu_rows, self.node_rows = {}, {}, {}
             for tenant in session.scalars(select(TenantRow)):
                 pool.quotas[tenant.name] = quota_of(tenant)
             for node in session.scalars(select(NodeRow)):
                 pool.set_node_up(node.name, node.state == "up")
                 self.live.node_seen.setdefault(node.name, grace_start)
+                self.node_rows[node.name] = node
             for row in session.scalars(select(GpuRow)):
                 pool.upsert_gpu(gpu_of(row))
+                self.gpu_rows[row.uuid] = row
             live_states = [s.value for s in LeaseState if s is not LeaseState.RELEASED]
             for lease in session.scalars(select(LeaseRow).where(LeaseRow.state.in_(live_states))):
+                self.lease_rows[lease.id] = lease
                 state = LeaseState(lease.state)
                 if state in HOLDING:
                     pool.grant(lease.id, lease.tenant, slices_of(lease))
@@ -92,6 +122,7 @@ class Store:
                     pool.restore_queued(QueuedLease(lease.id, request_of(lease), lease.queue_seq))
                 seen = max(lease.last_heartbeat_at.timestamp(), grace_start)
                 self.live.lease_seen.setdefault(lease.id, seen)
+            session.commit()
             self.pool = pool
 
     # ---- commands --------------------------------------------------------------------
@@ -133,8 +164,9 @@ class Store:
 
     def _run_batch(self, batch: list[tuple[Command, Future[Any]]]) -> None:
         outcomes: list[tuple[Future[Any], Any, BaseException | None]] = []
+        session = self.session
         try:
-            with Session(self.engine, expire_on_commit=False) as session, self.lock:
+            with self.lock:
                 for command, future in batch:
                     try:
                         outcomes.append((future, command(session), None))
@@ -145,6 +177,7 @@ class Store:
         except Exception as exc:
             log.exception("a write batch failed; reloading the pool from the database")
             try:
+                session.rollback()
                 self.load()
             except Exception:
                 log.exception("reloading the pool failed")

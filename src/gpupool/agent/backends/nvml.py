@@ -587,8 +587,7 @@ class NvmlBackend:
                     uuid,
                     "temperature",
                     temperature_c,
-                    f"temperature {temperature_c:g} C reached the slowdown threshold "
-                    f"{threshold} C",
+                    f"temperature {temperature_c:g} C reached the slowdown threshold {threshold} C",
                 )
             )
         elif temperature_c < threshold - TEMPERATURE_HYSTERESIS_C:

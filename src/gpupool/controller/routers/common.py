@@ -7,10 +7,10 @@ from fastapi import Header, Request
 from gpupool.controller.store import Store
 
 
-def get_store(request: Request) -> Store:
+async def get_store(request: Request) -> Store:
     store: Store = request.app.state.store
     return store
 
 
-def get_actor(x_gpupool_actor: str | None = Header(default=None, max_length=128)) -> str:
+async def get_actor(x_gpupool_actor: str | None = Header(default=None, max_length=128)) -> str:
     return x_gpupool_actor or "anonymous"

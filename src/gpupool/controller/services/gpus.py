@@ -14,8 +14,8 @@ from gpupool.core import GpuMode, InvalidRequest, ModeChange, NotFound
 from gpupool.protocol.v1.api import GpuOut
 
 
-def _row(session: Session, uuid: str) -> GpuRow:
-    row = session.get(GpuRow, uuid)
+def _row(store: Store, session: Session, uuid: str) -> GpuRow:
+    row = store.gpu_row(session, uuid)
     if row is None:
         raise NotFound(f"no GPU {uuid!r}")
     return row
@@ -40,7 +40,7 @@ def _after_change(
 
 
 def set_mode(store: Store, session: Session, uuid: str, mode: str, actor: str) -> GpuOut:
-    row = _row(session, uuid)
+    row = _row(store, session, uuid)
     try:
         target = GpuMode(mode)
     except ValueError:
@@ -56,20 +56,20 @@ def set_mode(store: Store, session: Session, uuid: str, mode: str, actor: str) -
 
 
 def drain(store: Store, session: Session, uuid: str, actor: str) -> GpuOut:
-    row = _row(session, uuid)
+    row = _row(store, session, uuid)
     change = store.pool.drain(uuid)
     return _after_change(store, session, row, change, actor, "gpu.drain", "draining: no new leases")
 
 
 def isolate(store: Store, session: Session, uuid: str, reason: str, actor: str) -> GpuOut:
-    row = _row(session, uuid)
+    row = _row(store, session, uuid)
     change = store.pool.isolate(uuid)
     row.isolation_reason = reason
     return _after_change(store, session, row, change, actor, "gpu.isolated", f"isolated: {reason}")
 
 
 def clear(store: Store, session: Session, uuid: str, actor: str) -> GpuOut:
-    row = _row(session, uuid)
+    row = _row(store, session, uuid)
     change = store.pool.clear(uuid)
     row.isolation_reason = None
     return _after_change(
@@ -100,6 +100,6 @@ def list_gpus(
 
 
 def get(store: Store, session: Session, uuid: str) -> GpuOut:
-    row = _row(session, uuid)
+    row = _row(store, session, uuid)
     with store.lock:
         return gpu_out(row, store.pool, store.live.telemetry.get(uuid))

@@ -10,7 +10,7 @@ from datetime import datetime
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from gpupool.controller.models import GpuRow, LeaseRow, LeaseSliceRow, utcnow
+from gpupool.controller.models import LeaseRow, LeaseSliceRow, utcnow
 from gpupool.controller.services.events import record
 from gpupool.controller.store import Store
 from gpupool.controller.views import lease_out
@@ -103,6 +103,7 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
         last_heartbeat_at=now,
     )
     session.add(row)
+    store.lease_rows[lease_id] = row
     store.live.lease_seen[lease_id] = time.time()
     record(
         session,
@@ -159,7 +160,7 @@ def _apply_grant(store: Store, row: LeaseRow, grant: Grant, now: datetime) -> No
 def persist_grants(store: Store, session: Session, grants: Iterable[Grant], now: datetime) -> None:
     """Write grants the pool made while serving the queue."""
     for grant in grants:
-        row = session.get(LeaseRow, grant.lease_id)
+        row = store.lease_row(session, grant.lease_id)
         if row is None:  # pragma: no cover - the pool and the database always agree
             raise RuntimeError(f"pool granted unknown lease {grant.lease_id}")
         _apply_grant(store, row, grant, now)
@@ -176,7 +177,7 @@ def persist_grants(store: Store, session: Session, grants: Iterable[Grant], now:
 
 def persist_mode_changes(store: Store, session: Session, changes: Iterable[ModeChange]) -> None:
     for change in changes:
-        row = session.get(GpuRow, change.gpu_uuid)
+        row = store.gpu_row(session, change.gpu_uuid)
         if row is None:
             continue
         row.mode = change.new.value
@@ -197,7 +198,7 @@ def release(
     actor: str,
     reason: ReleaseReason = ReleaseReason.HOLDER,
 ) -> LeaseOut:
-    row = session.get(LeaseRow, lease_id)
+    row = store.lease_row(session, lease_id)
     if row is None:
         raise NotFound(f"no lease {lease_id!r}")
     if row.state == LeaseState.RELEASED.value:
@@ -213,6 +214,7 @@ def release(
     changes = store.pool.release(lease_id)
     store.live.lease_seen.pop(lease_id, None)
     store.live.dirty_leases.discard(lease_id)
+    store.lease_rows.pop(lease_id, None)
     record(session, actor, "lease.released", lease_id, reason.value, was=was.value)
     persist_mode_changes(store, session, changes)
     persist_grants(store, session, store.pool.serve_queue(), now)
@@ -220,7 +222,7 @@ def release(
 
 
 def heartbeat(store: Store, session: Session, lease_id: str, active: bool | None) -> LeaseOut:
-    row = session.get(LeaseRow, lease_id)
+    row = store.lease_row(session, lease_id)
     if row is None:
         raise NotFound(f"no lease {lease_id!r}")
     state = LeaseState(row.state)
@@ -240,7 +242,7 @@ def expire(store: Store, session: Session) -> int:
     candidates = [lid for lid, seen in store.live.lease_seen.items() if now - seen > 1.0]
     if not candidates:
         return 0
-    rows = session.scalars(select(LeaseRow).where(LeaseRow.id.in_(candidates))).all()
+    rows = [r for r in (store.lease_row(session, lid) for lid in candidates) if r is not None]
     count = 0
     for row in rows:
         seen = store.live.lease_seen.get(row.id)

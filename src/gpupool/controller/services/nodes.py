@@ -24,11 +24,12 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
         other = pool.gpus.get(gpu.uuid)
         if other is not None and other.node != body.name:
             raise Conflict(f"GPU {gpu.uuid} is already registered by node {other.node}")
-    row = session.get(NodeRow, body.name)
+    row = store.node_row(session, body.name)
     fresh = row is None
     if row is None:
         row = NodeRow(name=body.name, registered_at=now)
         session.add(row)
+        store.node_rows[body.name] = row
     row.address = body.address
     row.agent_url = body.agent_url
     row.cpu_count = body.cpu_count
@@ -40,10 +41,11 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
     row.last_seen_at = now
     reported = {g.uuid for g in body.gpus}
     for gpu in body.gpus:
-        grow = session.get(GpuRow, gpu.uuid)
+        grow = store.gpu_row(session, gpu.uuid)
         if grow is None:
             grow = GpuRow(uuid=gpu.uuid, node=body.name, mode=GpuMode.VIRTUAL.value, healthy=True)
             session.add(grow)
+            store.gpu_rows[gpu.uuid] = grow
         grow.index = gpu.index
         grow.model = gpu.model
         grow.memory_mib = gpu.memory_mib
@@ -67,6 +69,7 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
             )
         else:
             pool.remove_gpu(grow.uuid)
+            store.gpu_rows.pop(grow.uuid, None)
             session.delete(grow)
             record(
                 session, "controller", "gpu.removed", grow.uuid, "no longer reported by its agent"
@@ -87,7 +90,7 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
 
 def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) -> bool:
     """Note a node's heartbeat; returns whether the node had been down (and is up again)."""
-    row = session.get(NodeRow, name)
+    row = store.node_row(session, name)
     if row is None:
         raise NotFound(f"no node {name!r}: register it first")
     store.live.node_seen[name] = time.time()
@@ -108,7 +111,7 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
 def mark_silent_down(store: Store, session: Session) -> list[str]:
     now = time.time()
     down = []
-    for row in session.scalars(select(NodeRow).where(NodeRow.state == "up")):
+    for row in [r for r in store.node_rows.values() if r.state == "up"]:
         seen = store.live.node_seen.get(row.name, store.started_at)
         if now - seen > store.settings.node_timeout_s:
             row.state = "down"
@@ -128,21 +131,21 @@ def mark_silent_down(store: Store, session: Session) -> list[str]:
 def flush_liveness(store: Store, session: Session) -> None:
     """Write the latest node heartbeats and telemetry in one batch."""
     for name in list(store.live.dirty_nodes):
-        row = session.get(NodeRow, name)
+        row = store.node_row(session, name)
         if row is None:
             continue
         seen = store.live.node_seen.get(name)
         if seen is not None:
             row.last_seen_at = utcnow().fromtimestamp(seen, tz=utcnow().tzinfo)
         row.host = store.live.host.get(name, {})
-        for grow in session.scalars(select(GpuRow).where(GpuRow.node == name)):
+        for grow in [g for g in store.gpu_rows.values() if g.node == name]:
             if grow.uuid in store.live.telemetry:
                 grow.telemetry = store.live.telemetry[grow.uuid]
     store.live.dirty_nodes.clear()
 
 
 def remove(store: Store, session: Session, name: str, actor: str) -> None:
-    row = session.get(NodeRow, name)
+    row = store.node_row(session, name)
     if row is None:
         raise NotFound(f"no node {name!r}")
     uuids = [g.uuid for g in session.scalars(select(GpuRow).where(GpuRow.node == name))]
@@ -151,7 +154,9 @@ def remove(store: Store, session: Session, name: str, actor: str) -> None:
         raise Conflict(f"node {name} still holds {len(held)} lease(s): release or drain them first")
     for uuid in uuids:
         store.pool.remove_gpu(uuid)
+        store.gpu_rows.pop(uuid, None)
     store.pool.set_node_up(name, False)
+    store.node_rows.pop(name, None)
     session.delete(row)
     record(session, actor, "node.removed", name, f"removed with {len(uuids)} GPU(s)")
 

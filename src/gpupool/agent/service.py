@@ -1,0 +1,359 @@
+"""The agent's main loop: register this node with the controller, then heartbeat forever."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import signal
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from gpupool.agent.backends import Backend, FakeBackend, GpuEvent, detect
+from gpupool.protocol.v1.api import GpuInventory, NodeHeartbeat, NodeRegister
+
+log = logging.getLogger(__name__)
+
+MIB = 1024 * 1024
+_NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+FIRST_RETRY_S = 0.25
+EVENT_POLL_MS = 250
+HTTP_TIMEOUT_S = 5.0
+KEPT_EVENTS = 1000
+
+
+class NoGpuFound(Exception):
+    """Neither real GPUs nor a fake spec: the agent would have nothing to offer the pool."""
+
+
+class ControllerRefused(Exception):
+    """The controller answered, but not with success (nor with the 404 that asks to register)."""
+
+    def __init__(self, what: str, response: httpx.Response) -> None:
+        detail = response.text.strip().replace("\n", " ")[:300]
+        super().__init__(f"{what}: HTTP {response.status_code} {detail}")
+        self.status_code = response.status_code
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentSettings:
+    """How one agent runs; `retry_max_s` caps the pause between tries to reach the controller."""
+
+    controller_url: str
+    data_dir: Path
+    node_name: str = field(default_factory=socket.gethostname)
+    fake_spec: str | None = None
+    heartbeat_interval_s: float = 2.0
+    address: str | None = None
+    retry_max_s: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not _NODE_NAME.match(self.node_name):
+            raise ValueError(
+                f"node name {self.node_name!r} must be 1-128 letters, digits, '.', '_' or '-'"
+            )
+        if self.heartbeat_interval_s <= 0:
+            raise ValueError(f"heartbeat interval must be > 0 s, got {self.heartbeat_interval_s}")
+        if self.retry_max_s <= 0:
+            raise ValueError(f"retry_max_s must be > 0 s, got {self.retry_max_s}")
+        if not self.controller_url.startswith(("http://", "https://")):
+            raise ValueError(
+                f"controller URL must start with http:// or https://: {self.controller_url!r}"
+            )
+
+
+def open_backend(settings: AgentSettings) -> Backend:
+    """The fake backend when a spec is given, else real GPUs; blocks (NVML starts here)."""
+    if settings.fake_spec is not None:
+        return FakeBackend.from_spec(settings.fake_spec, node_name=settings.node_name)
+    backend = detect(settings.node_name)
+    if backend is None:
+        raise NoGpuFound(
+            "no NVIDIA GPU found (NVML did not start or sees no GPU); "
+            "give a fake spec such as '4xH100-80GB' for simulated GPUs"
+        )
+    return backend
+
+
+def describe(gpus: list[GpuInventory]) -> str:
+    """`2 x NVIDIA H200 (143771 MiB), 1 x NVIDIA L4 (23034 MiB)` for logs and banners."""
+    counts: dict[tuple[str, int], int] = {}
+    for gpu in gpus:
+        key = (gpu.model, gpu.memory_mib)
+        counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return "no GPUs"
+    return ", ".join(f"{n} x {model} ({mib} MiB)" for (model, mib), n in counts.items())
+
+
+class Backoff:
+    """Waits that double from `first_s` up to `max_s`, and start over after a success."""
+
+    def __init__(self, first_s: float, max_s: float) -> None:
+        self.first_s = min(first_s, max_s)
+        self.max_s = max_s
+        self._next_s = self.first_s
+
+    def next_s(self) -> float:
+        wait_s = self._next_s
+        self._next_s = min(self._next_s * 2, self.max_s)
+        return wait_s
+
+    def reset(self) -> None:
+        self._next_s = self.first_s
+
+
+class Agent:
+    """One node's agent. `backend` may be given (tests, demos); else it comes from settings."""
+
+    def __init__(
+        self,
+        settings: AgentSettings,
+        backend: Backend | None = None,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.settings = settings
+        self.backend = backend
+        self.registered = False
+        self.controller_reachable: bool | None = None
+        self.heartbeats_sent = 0
+        self.registrations = 0
+        self.health_events: deque[GpuEvent] = deque(maxlen=KEPT_EVENTS)
+        self._transport = transport
+        self._sent_gpus: list[GpuInventory] | None = None
+        self._refusal_logged: str | None = None
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Register, then heartbeat until `stop` is set; a missing controller never ends it."""
+        if self.backend is None:
+            self.backend = await asyncio.to_thread(open_backend, self.settings)
+        backend = self.backend
+        await asyncio.to_thread(self.settings.data_dir.mkdir, parents=True, exist_ok=True)
+        await self._log_banner(backend)
+        # The first cpu_percent() reading is meaningless (no interval yet): prime it now.
+        await asyncio.to_thread(psutil.cpu_percent, None)
+        done = asyncio.Event()
+        watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")
+        try:
+            async with httpx.AsyncClient(
+                base_url=self.settings.controller_url.rstrip("/"),
+                timeout=HTTP_TIMEOUT_S,
+                transport=self._transport,
+            ) as client:
+                await self._heartbeat_loop(client, backend, stop)
+        finally:
+            done.set()
+            await watcher
+            await asyncio.to_thread(backend.close)
+            log.info("agent %s stopped", self.settings.node_name)
+
+    # ---- the loop -------------------------------------------------------------------------
+
+    async def _heartbeat_loop(
+        self, client: httpx.AsyncClient, backend: Backend, stop: asyncio.Event
+    ) -> None:
+        backoff = Backoff(
+            min(FIRST_RETRY_S, self.settings.heartbeat_interval_s), self.settings.retry_max_s
+        )
+        while not stop.is_set():
+            started = time.monotonic()
+            try:
+                if not self.registered:
+                    # The first heartbeat follows at once, so telemetry is there from the start.
+                    await self._register(client, backend)
+                    wait_s = 0.0
+                elif await self._heartbeat(client, backend):
+                    backoff.reset()
+                    wait_s = self.settings.heartbeat_interval_s - (time.monotonic() - started)
+                else:
+                    # Registering again; through the backoff, so that a controller which keeps
+                    # forgetting the node cannot make the agent spin.
+                    wait_s = backoff.next_s()
+                self._controller_answered()
+            except httpx.TransportError as exc:
+                self._controller_away(exc)
+                wait_s = backoff.next_s()
+            except ControllerRefused as exc:
+                self._controller_answered()
+                self._log_refusal(exc)
+                wait_s = backoff.next_s()
+            if wait_s > 0:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=wait_s)
+
+    async def _register(self, client: httpx.AsyncClient, backend: Backend) -> None:
+        body = await asyncio.to_thread(self._registration, backend)
+        response = await client.post("/api/v1/nodes", json=body.model_dump(mode="json"))
+        if response.is_error:
+            raise ControllerRefused("registering the node", response)
+        self.registered = True
+        self.registrations += 1
+        self._sent_gpus = body.gpus
+        self._refusal_logged = None
+        log.info(
+            "registered node %s with %s: %s",
+            body.name,
+            self.settings.controller_url,
+            describe(body.gpus),
+        )
+
+    async def _heartbeat(self, client: httpx.AsyncClient, backend: Backend) -> bool:
+        """Send one heartbeat; False when the node must register again first."""
+        body, gpus = await asyncio.to_thread(self._heartbeat_body, backend)
+        if gpus != self._sent_gpus:
+            # Registering is how the controller adds and removes GPUs of a node; a heartbeat
+            # only refreshes readings.
+            log.warning("GPU inventory changed (%s): registering again", describe(gpus))
+            self.registered = False
+            return False
+        response = await client.post(
+            f"/api/v1/nodes/{self.settings.node_name}/heartbeat", json=body.model_dump(mode="json")
+        )
+        if response.status_code == 404:
+            # The controller forgot this node (a new database, an operator removed it): the
+            # next turn of the loop registers it again, with its full inventory.
+            log.warning(
+                "controller does not know node %s: registering again", self.settings.node_name
+            )
+            self.registered = False
+            return False
+        if response.is_error:
+            raise ControllerRefused("heartbeat", response)
+        self.heartbeats_sent += 1
+        self._refusal_logged = None
+        return True
+
+    async def _watch_health(
+        self, backend: Backend, stop: asyncio.Event, done: asyncio.Event
+    ) -> None:
+        """Log health events and keep the latest (NodeHeartbeat has no field for them yet)."""
+        while not (stop.is_set() or done.is_set()):
+            try:
+                events = await asyncio.to_thread(backend.poll_events, EVENT_POLL_MS)
+            except Exception:
+                # A broken event source must not stop heartbeats, which carry the telemetry.
+                log.exception("watching GPU health failed; retrying")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.settings.retry_max_s)
+                continue
+            for event in events:
+                self.health_events.append(event)
+                log.warning("GPU %s: %s (%s)", event.gpu_uuid, event.message, event.kind)
+
+    # ---- bodies (blocking: run in a thread) -------------------------------------------------
+
+    def _registration(self, backend: Backend) -> NodeRegister:
+        return NodeRegister(
+            name=self.settings.node_name,
+            address=self.settings.address,
+            cpu_count=psutil.cpu_count(),
+            memory_mib=int(psutil.virtual_memory().total) // MIB,
+            driver_version=backend.driver_version(),
+            cuda_version=backend.cuda_version(),
+            backend=backend.name,
+            gpus=backend.inventory(),
+        )
+
+    def _heartbeat_body(self, backend: Backend) -> tuple[NodeHeartbeat, list[GpuInventory]]:
+        gpus = backend.inventory()
+        body = NodeHeartbeat(telemetry=backend.telemetry(), host=host_stats(self.settings.data_dir))
+        return body, gpus
+
+    # ---- what people see --------------------------------------------------------------------
+
+    async def _log_banner(self, backend: Backend) -> None:
+        gpus, driver, cuda = await asyncio.to_thread(
+            lambda: (backend.inventory(), backend.driver_version(), backend.cuda_version())
+        )
+        if backend.simulated:
+            log.warning(
+                "SIMULATED GPUs (fake backend): %s. Not real hardware: nothing runs on them.",
+                describe(gpus),
+            )
+        else:
+            log.info(
+                "GPUs (%s backend, driver %s, CUDA %s): %s",
+                backend.name,
+                driver or "unknown",
+                cuda or "unknown",
+                describe(gpus),
+            )
+        log.info(
+            "agent %s reports to %s every %gs",
+            self.settings.node_name,
+            self.settings.controller_url,
+            self.settings.heartbeat_interval_s,
+        )
+
+    def _controller_away(self, exc: httpx.TransportError) -> None:
+        # Once per outage: an agent left running for a day must not fill the log.
+        if self.controller_reachable is not False:
+            log.warning(
+                "controller %s unreachable (%s: %s); retrying every %gs at most",
+                self.settings.controller_url,
+                type(exc).__name__,
+                exc or "no detail",
+                self.settings.retry_max_s,
+            )
+        self.controller_reachable = False
+
+    def _controller_answered(self) -> None:
+        if self.controller_reachable is False:
+            log.warning("controller %s reachable again", self.settings.controller_url)
+        self.controller_reachable = True
+
+    def _log_refusal(self, exc: ControllerRefused) -> None:
+        text = str(exc)
+        if text != self._refusal_logged:
+            log.error("controller refused %s; retrying", text)
+            self._refusal_logged = text
+
+
+def host_stats(data_dir: Path) -> dict[str, Any]:
+    """This server's load as the dashboard shows it; blocks briefly (psutil reads /proc)."""
+    memory = psutil.virtual_memory()
+    net = psutil.net_io_counters()
+    stats: dict[str, Any] = {
+        "cpu_pct": float(psutil.cpu_percent(None)),
+        "load1": os.getloadavg()[0],
+        # "Used" as people mean it: what programs hold, page cache excluded.
+        "memory_used_mib": int(memory.total - memory.available) // MIB,
+        "memory_total_mib": int(memory.total) // MIB,
+        "net_sent_bytes": int(net.bytes_sent) if net is not None else None,
+        "net_recv_bytes": int(net.bytes_recv) if net is not None else None,
+    }
+    try:
+        disk = psutil.disk_usage(str(data_dir))
+    except OSError:
+        stats.update(disk_used_mib=None, disk_total_mib=None)
+    else:
+        stats.update(disk_used_mib=int(disk.used) // MIB, disk_total_mib=int(disk.total) // MIB)
+    return stats
+
+
+def run_agent(settings: AgentSettings) -> None:
+    """Run the agent until SIGINT or SIGTERM; the entry point of `gpupool agent`."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(
+            level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        )
+    asyncio.run(_serve(settings))
+
+
+async def _serve(settings: AgentSettings) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):  # not on Windows
+            loop.add_signal_handler(sig, stop.set)
+    await Agent(settings).run(stop)

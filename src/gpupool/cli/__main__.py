@@ -1,0 +1,5 @@
+"""`python -m gpupool.cli`: the same as the `gpupool` command."""
+
+from gpupool.cli.main import main
+
+main()

@@ -1,0 +1,130 @@
+"""`gpupool gpus` and `gpupool gpu ...`: see GPUs, move them between pools, take them out."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+import typer
+
+from gpupool.cli.context import cli_context
+from gpupool.cli.errors import EXIT_BAD_INPUT, CommandFailed
+from gpupool.cli.output import OutputFormat, OutputOption, gpu_detail, gpus_table, print_json, show
+from gpupool.client.sdk import ApiError, PoolClient
+from gpupool.protocol.v1.api import GpuOut
+
+app = typer.Typer(no_args_is_help=True)
+
+
+class PoolMode(StrEnum):
+    VIRTUAL = "virtual"
+    PHYSICAL = "physical"
+
+
+class ModeFilter(StrEnum):
+    VIRTUAL = "virtual"
+    PHYSICAL = "physical"
+    DRAINING = "draining"
+    ISOLATED = "isolated"
+
+
+GpuArgument = Annotated[
+    str,
+    typer.Argument(metavar="GPU", help="UUID, a unique prefix of it, or NODE:INDEX."),
+]
+
+
+def find_gpu(client: PoolClient, ref: str) -> GpuOut:
+    """The GPU a user means: its full UUID, a unique UUID prefix, or `node:index`."""
+    try:
+        return client.gpu(ref)
+    except ApiError as exc:
+        if exc.status != 404:
+            raise
+    every = client.gpus()
+    node, _, index = ref.rpartition(":")
+    matches = [g for g in every if node and index.isdigit() and (g.node, g.index) == (node, int(index))]
+    if not matches:
+        matches = [g for g in every if g.uuid.lower().startswith(ref.lower())]
+    if not matches:
+        raise CommandFailed(f"no GPU {ref!r} in the pool (see `gpupool gpus`)", EXIT_BAD_INPUT)
+    if len(matches) > 1:
+        names = ", ".join(g.uuid for g in matches[:4])
+        raise CommandFailed(f"{ref!r} matches {len(matches)} GPUs: {names}", EXIT_BAD_INPUT)
+    return matches[0]
+
+
+def _report(output: OutputFormat, gpu: GpuOut, done: str) -> None:
+    if output is OutputFormat.JSON:
+        print_json(gpu)
+        return
+    if gpu.mode == "draining":
+        target = f", then {gpu.target_mode}" if gpu.target_mode else ""
+        typer.echo(
+            f"GPU {gpu.uuid} is draining: no new leases; {len(gpu.leases)} lease(s) to end{target}"
+        )
+    else:
+        typer.echo(f"GPU {gpu.uuid} {done}: now {gpu.mode}")
+
+
+def list_gpus(
+    ctx: typer.Context,
+    node: Annotated[str | None, typer.Option("--node", help="Only GPUs of this node.")] = None,
+    mode: Annotated[ModeFilter | None, typer.Option("--mode", help="Only GPUs in this mode.")] = None,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    with cli_context(ctx).client() as client:
+        found = client.gpus(node=node, mode=None if mode is None else mode.value)
+    show(output, found, gpus_table(found))
+
+
+@app.command("show")
+def show_gpu(ctx: typer.Context, ref: GpuArgument, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Show one GPU: mode, grants, leases and telemetry."""
+    with cli_context(ctx).client() as client:
+        gpu = find_gpu(client, ref)
+    show(output, gpu, gpu_detail(gpu))
+
+
+@app.command("mode")
+def set_mode(
+    ctx: typer.Context,
+    ref: GpuArgument,
+    mode: Annotated[PoolMode, typer.Argument(help="virtual (sliced, shared) or physical (whole).")],
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Move a GPU to the virtual or the physical pool; a busy GPU drains first."""
+    with cli_context(ctx).client() as client:
+        gpu = client.set_gpu_mode(find_gpu(client, ref).uuid, "virtual" if mode is PoolMode.VIRTUAL else "physical")
+    _report(output, gpu, "switched")
+
+
+@app.command("drain")
+def drain(ctx: typer.Context, ref: GpuArgument, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Take no new leases on a GPU; the running ones finish."""
+    with cli_context(ctx).client() as client:
+        gpu = client.drain_gpu(find_gpu(client, ref).uuid)
+    _report(output, gpu, "drained")
+
+
+@app.command("isolate")
+def isolate(
+    ctx: typer.Context,
+    ref: GpuArgument,
+    reason: Annotated[str, typer.Option("--reason", "-r", help="Why, shown to everyone.")] = (
+        "isolated by an operator"
+    ),
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Take a faulty GPU out of service at once."""
+    with cli_context(ctx).client() as client:
+        gpu = client.isolate_gpu(find_gpu(client, ref).uuid, reason)
+    _report(output, gpu, "isolated")
+
+
+@app.command("clear")
+def clear(ctx: typer.Context, ref: GpuArgument, output: OutputOption = OutputFormat.TABLE) -> None:
+    """Put an isolated or drained GPU back in service."""
+    with cli_context(ctx).client() as client:
+        gpu = client.clear_gpu(find_gpu(client, ref).uuid)
+    _report(output, gpu, "back in service")

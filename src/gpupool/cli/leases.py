@@ -1,0 +1,306 @@
+"""`gpupool lease ...` and `gpupool queue`: ask for GPUs, wait for them, give them back."""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Annotated
+
+import typer
+from pydantic import ValidationError
+
+from gpupool.cli.context import cli_context, default_actor
+from gpupool.cli.errors import BadInput, CommandFailed, validation_message
+from gpupool.cli.output import (
+    OutputFormat,
+    OutputOption,
+    lease_detail,
+    leases_table,
+    note,
+    print_json,
+    queue_table,
+    show,
+    stderr_console,
+)
+from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
+from gpupool.core.units import format_mib, parse_compute_pct, parse_memory_mib
+from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
+
+app = typer.Typer(no_args_is_help=True)
+
+LEASE_TTL_S = 3600.0
+EXIT_INTERRUPTED = 130
+
+
+def build_request(
+    *,
+    gpus: int,
+    compute: str | None,
+    memory: str | None,
+    physical: bool,
+    priority: int,
+    tenant: str,
+    node: str | None,
+    gpu_models: str | None,
+    holder: str,
+    ttl_s: float,
+    wait: bool,
+) -> LeaseCreate:
+    """Check the user's request here, so that bad input fails before anything is sent."""
+    if not 1 <= gpus <= 256:
+        raise BadInput(f"--gpus must be 1..256, got {gpus}")
+    if not 0 <= priority <= 1000:
+        raise BadInput(f"--priority must be 0..1000, got {priority}")
+    if not 0 < ttl_s <= 86400:
+        raise BadInput(f"--ttl must be more than 0 and at most 86400 s, got {ttl_s:g}")
+    if physical and (compute is not None or memory is not None):
+        raise BadInput("a physical lease takes whole GPUs: give no --compute or --memory")
+    compute_pct = None if compute is None else parse_compute_pct(compute)
+    memory_text = None if memory is None else f"{parse_memory_mib(memory)}MiB"
+    models = [m.strip() for m in (gpu_models or "").split(",") if m.strip()]
+    try:
+        return LeaseCreate(
+            tenant=tenant,
+            gpus=gpus,
+            compute_pct=compute_pct,
+            memory=memory_text,
+            physical=physical,
+            priority=priority,
+            access="direct",
+            node=node,
+            gpu_models=models,
+            holder=holder[:256],
+            ttl_s=ttl_s,
+            wait=wait,
+        )
+    except ValidationError as exc:
+        raise BadInput(validation_message(exc)) from None
+
+
+def default_holder() -> str:
+    return f"{default_actor()}@{socket.gethostname()}"
+
+
+def _wait_text(lease: LeaseOut, waited_s: float) -> str:
+    position = f"#{lease.queue_position}" if lease.queue_position is not None else "?"
+    why = f" - {lease.waiting_reason}" if lease.waiting_reason else ""
+    return f"lease {lease.id} queued at position {position}, waiting {waited_s:.0f}s{why}"
+
+
+def await_grant(client: PoolClient, lease: LeaseOut) -> LeaseOut:
+    """Wait for a queued lease with a live status line, heartbeating it; Ctrl-C cancels it."""
+    if lease.state != "queued":
+        return lease
+    console = stderr_console()
+    started = time.monotonic()
+    try:
+        if console.is_terminal:
+            with console.status(_wait_text(lease, 0.0)) as status:
+                return _checked(
+                    client.wait_for_grant(
+                        lease.id,
+                        on_update=lambda now: status.update(
+                            _wait_text(now, time.monotonic() - started)
+                        ),
+                    )
+                )
+        seen: set[tuple[int | None, str | None]] = set()
+
+        def log_change(now: LeaseOut) -> None:
+            key = (now.queue_position, now.waiting_reason)
+            if now.state == "queued" and key not in seen:
+                seen.add(key)
+                note(_wait_text(now, time.monotonic() - started))
+
+        return _checked(client.wait_for_grant(lease.id, on_update=log_change))
+    except KeyboardInterrupt:
+        cancel(client, lease.id)
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def _checked(lease: LeaseOut) -> LeaseOut:
+    if lease.state in ("released", "preempted"):
+        raise CommandFailed(
+            f"lease {lease.id} ended while queued: {lease.release_reason or lease.state}"
+        )
+    return lease
+
+
+def cancel(client: PoolClient, lease_id: str) -> None:
+    try:
+        client.release_lease(lease_id)
+        note(f"cancelled lease {lease_id}")
+    except (ApiError, ControllerUnreachable) as exc:
+        note(f"[yellow]could not cancel lease {lease_id}: {exc}[/yellow]")
+
+
+def granted_text(lease: LeaseOut) -> str:
+    """One line saying what was granted where."""
+    pieces = []
+    for piece in lease.slices:
+        size = "whole GPU" if piece.whole else f"{piece.compute_pct}% + {format_mib(piece.memory_mib)}"
+        pieces.append(f"{size} of {piece.node}:{piece.gpu_index} ({piece.gpu_uuid})")
+    return f"lease {lease.id} granted: " + ("; ".join(pieces) or "no slices")
+
+
+@app.command("create")
+def create(
+    ctx: typer.Context,
+    gpus: Annotated[int, typer.Option("--gpus", "-n", help="How many GPUs (slices).")] = 1,
+    compute: Annotated[
+        str | None,
+        typer.Option("--compute", "-c", help="Compute share of each GPU, e.g. 25%."),
+    ] = None,
+    memory: Annotated[
+        str | None,
+        typer.Option("--memory", "-m", help="Memory on each GPU, e.g. 20GiB or 512MiB."),
+    ] = None,
+    physical: Annotated[
+        bool, typer.Option("--physical", help="Whole, exclusive GPUs from the physical pool.")
+    ] = False,
+    priority: Annotated[int, typer.Option("--priority", "-p", help="0..1000, higher first.")] = 0,
+    tenant: Annotated[str, typer.Option("--tenant", "-t", help="Tenant to charge.")] = "default",
+    node: Annotated[str | None, typer.Option("--node", help="Only GPUs of this node.")] = None,
+    gpu_model: Annotated[
+        str | None, typer.Option("--gpu-model", help="Allowed models, e.g. H100,A100.")
+    ] = None,
+    ttl: Annotated[
+        float,
+        typer.Option(
+            "--ttl",
+            help="Seconds the lease lives without a renewal (gpupool lease renew ID).",
+        ),
+    ] = LEASE_TTL_S,
+    holder: Annotated[
+        str | None, typer.Option("--holder", help="Who holds it (default: user@host).")
+    ] = None,
+    wait: Annotated[
+        bool,
+        typer.Option("--wait/--no-wait", help="Wait here until granted, or print it queued."),
+    ] = True,
+    queue: Annotated[
+        bool,
+        typer.Option(
+            "--queue/--no-queue",
+            help="Queue when it does not fit now, or fail at once (exit 2).",
+        ),
+    ] = True,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Ask for GPUs. The lease outlives this command: renew it within its ttl with
+    `gpupool lease renew ID`, and give it back with `gpupool lease release ID`.
+    """
+    request = build_request(
+        gpus=gpus,
+        compute=compute,
+        memory=memory,
+        physical=physical,
+        priority=priority,
+        tenant=tenant,
+        node=node,
+        gpu_models=gpu_model,
+        holder=holder or default_holder(),
+        ttl_s=ttl,
+        wait=queue,
+    )
+    with cli_context(ctx).client() as client:
+        lease = client.create_lease(request)
+        if wait:
+            lease = await_grant(client, lease)
+    show(output, lease, lease_detail(lease))
+    if lease.state == "queued":
+        note(
+            f"lease {lease.id} is queued at position {lease.queue_position}; "
+            f"it is kept for {lease.ttl_s:g} s without `gpupool lease renew {lease.id}`"
+        )
+    else:
+        note(
+            f"renew within {lease.ttl_s:g} s with `gpupool lease renew {lease.id}`, "
+            f"give it back with `gpupool lease release {lease.id}`"
+        )
+
+
+@app.command("ls")
+def list_leases(
+    ctx: typer.Context,
+    state: Annotated[
+        str | None, typer.Option("--state", help="Only this state (or 'all').")
+    ] = None,
+    tenant: Annotated[str | None, typer.Option("--tenant", "-t")] = None,
+    gpu: Annotated[str | None, typer.Option("--gpu", help="Only leases on this GPU.")] = None,
+    node: Annotated[str | None, typer.Option("--node", help="Only leases on this node.")] = None,
+    every: Annotated[
+        bool, typer.Option("--all", "-a", help="Ended leases too (same as --state all).")
+    ] = False,
+    limit: Annotated[int | None, typer.Option("--limit", help="At most this many.")] = None,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """List live leases (granted, active, queued...)."""
+    if every and state is not None and state != "all":
+        raise BadInput("give --all or --state, not both")
+    if limit is not None and limit < 1:
+        raise BadInput(f"--limit must be at least 1, got {limit}")
+    with cli_context(ctx).client() as client:
+        found = client.leases(
+            state="all" if every else state, tenant=tenant, gpu=gpu, node=node, limit=limit
+        )
+    show(output, found, leases_table(found))
+
+
+@app.command("show")
+def show_lease(
+    ctx: typer.Context,
+    lease_id: Annotated[str, typer.Argument(metavar="ID")],
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Show one lease and its slices."""
+    with cli_context(ctx).client() as client:
+        lease = client.lease(lease_id)
+    show(output, lease, lease_detail(lease))
+
+
+@app.command("renew")
+def renew(
+    ctx: typer.Context,
+    lease_ids: Annotated[list[str], typer.Argument(metavar="ID...")],
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Heartbeat leases so they live another ttl."""
+    renewed = []
+    with cli_context(ctx).client() as client:
+        for lease_id in lease_ids:
+            lease = client.heartbeat_lease(lease_id)
+            if lease.state in ("released", "preempted"):
+                raise CommandFailed(
+                    f"lease {lease.id} is {lease.state}: {lease.release_reason or 'ended'}"
+                )
+            renewed.append(lease)
+    if output is OutputFormat.JSON:
+        print_json(renewed)
+        return
+    for lease in renewed:
+        typer.echo(f"renewed lease {lease.id} ({lease.state}) for {lease.ttl_s:g} s")
+
+
+@app.command("release")
+def release(
+    ctx: typer.Context,
+    lease_ids: Annotated[list[str], typer.Argument(metavar="ID...")],
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Give leases back (a queued one is cancelled). Releasing twice is harmless."""
+    released = []
+    with cli_context(ctx).client() as client:
+        for lease_id in lease_ids:
+            released.append(client.release_lease(lease_id))
+    if output is OutputFormat.JSON:
+        print_json(released)
+        return
+    for lease in released:
+        typer.echo(f"released lease {lease.id}")
+
+
+def show_queue(ctx: typer.Context, output: OutputOption = OutputFormat.TABLE) -> None:
+    with cli_context(ctx).client() as client:
+        entries = client.queue()
+    show(output, entries, queue_table(entries))

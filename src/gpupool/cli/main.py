@@ -1,0 +1,114 @@
+"""The `gpupool` command: wires the resource commands together and turns failures into exit codes."""
+
+from __future__ import annotations
+
+import os
+from typing import Annotated, Any
+
+import typer
+from typer.core import TyperGroup
+
+from gpupool import __version__
+from gpupool.cli import events, gpus, leases, nodes, pool, run, tenants
+from gpupool.cli.context import CliContext, default_actor
+from gpupool.cli.errors import describe
+from gpupool.client.sdk import URL_ENV, resolve_url
+
+DEBUG_ENV = "GPUPOOL_DEBUG"
+
+
+def print_error(message: str) -> None:
+    """One line on stderr: scripts grep it, people read it; never a traceback."""
+    typer.secho("error: ", fg=typer.colors.RED, bold=True, err=True, nl=False)
+    typer.echo(" ".join(message.split()), err=True)
+
+
+def _is_framework_signal(exc: BaseException) -> bool:
+    """Exit, Abort and usage errors belong to typer/click, which print and exit themselves."""
+    module = type(exc).__module__
+    return module.startswith(("typer", "click"))
+
+
+class PoolGroup(TyperGroup):
+    """The root group: every command runs inside it, so its `invoke` sees every failure."""
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except Exception as exc:
+            if _is_framework_signal(exc):
+                raise
+            known = describe(exc)
+            if known is None:
+                if os.environ.get(DEBUG_ENV):
+                    raise
+                message = f"unexpected {type(exc).__name__}: {exc} (set {DEBUG_ENV}=1 for details)"
+                code = 1
+            else:
+                message, code = known
+            print_error(message)
+            raise typer.Exit(code) from None
+
+
+app = typer.Typer(
+    cls=PoolGroup,
+    name="gpupool",
+    help="Pool every GPU of a cluster: slices or whole GPUs on demand, from any server.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"gpupool {__version__}")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def root(
+    ctx: typer.Context,
+    url: Annotated[
+        str | None,
+        typer.Option(
+            "--url",
+            envvar=URL_ENV,
+            help="Controller URL (default http://127.0.0.1:8900).",
+            show_default=False,
+        ),
+    ] = None,
+    actor: Annotated[
+        str | None,
+        typer.Option("--as", help="Who acts, as recorded in events (default: $USER)."),
+    ] = None,
+    version: Annotated[
+        bool,
+        typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
+    ] = False,
+) -> None:
+    ctx.obj = CliContext(url=resolve_url(url), actor=actor or default_actor())
+
+
+app.add_typer(leases.app, name="lease", help="Ask for GPU slices or whole GPUs and give them back.")
+app.command("queue", help="Show the requests waiting for GPUs, in grant order.")(leases.show_queue)
+app.command("nodes", help="List the GPU servers of the pool.")(nodes.list_nodes)
+app.add_typer(nodes.app, name="node", help="Look at or remove one GPU server.")
+app.command("gpus", help="List the GPUs of the pool.")(gpus.list_gpus)
+app.add_typer(gpus.app, name="gpu", help="Look at one GPU, switch its mode, drain or isolate it.")
+app.add_typer(tenants.app, name="tenant", help="Tenants, their quotas and fair-share weights.")
+app.command("events", help="What happened in the pool, newest last.")(events.list_events)
+app.command("pool", help="The pool at a glance: capacity, grants, queue.")(pool.show_pool)
+app.command(
+    "run",
+    help=run.HELP,
+    context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
+)(run.run)
+app.command("up", help="Start a pool on this machine: the controller and a local agent.")(pool.up)
+app.command("controller", help="Run the controller in the foreground.")(pool.controller)
+app.command("agent", help="Run the agent of this GPU server in the foreground.")(pool.agent)
+app.command("demo", help="Start a throw-away pool and run two jobs sharing one GPU.")(pool.demo)
+
+
+def main() -> None:
+    app()

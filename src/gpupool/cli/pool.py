@@ -1,0 +1,285 @@
+"""`gpupool pool|up|controller|agent|demo`: look at the pool, and start its processes."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.panel import Panel
+
+from gpupool.cli.context import cli_context
+from gpupool.cli.errors import BadInput, CommandFailed
+from gpupool.cli.output import OutputFormat, OutputOption, pool_panel, show, stderr_console
+from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
+
+DEFAULT_FAKE_SPEC = "4xH100-80GB"
+DEFAULT_PORT = 8900
+DEFAULT_DATA_DIR = Path(".gpupool")
+STOP_GRACE_S = 10.0
+
+HostOption = Annotated[str, typer.Option("--host", help="Address to listen on.")]
+PortOption = Annotated[int, typer.Option("--port", help="Port to listen on.")]
+DataDirOption = Annotated[
+    Path, typer.Option("--data-dir", help="Where the SQLite database and logs live.")
+]
+DbOption = Annotated[
+    str | None,
+    typer.Option("--db", help="Database URL, e.g. postgresql://...; default SQLite in --data-dir."),
+]
+FakeOption = Annotated[
+    str | None,
+    typer.Option("--fake", help="Simulate GPUs instead of using real ones, e.g. 4xH100-80GB."),
+]
+
+
+def show_pool(ctx: typer.Context, output: OutputOption = OutputFormat.TABLE) -> None:
+    with cli_context(ctx).client() as client:
+        summary = client.pool()
+    show(output, summary, pool_panel(summary))
+
+
+# ---- processes ----------------------------------------------------------------------------
+
+
+def simulated_banner(spec: str, why: str) -> Panel:
+    return Panel(
+        f"[bold]SIMULATED GPUs[/bold]: {spec} ({why}).\n"
+        "Leases, quotas and the queue are real; the GPUs and their telemetry are not.",
+        border_style="yellow",
+        style="yellow",
+        expand=False,
+    )
+
+
+def choose_fake_spec(fake: str | None) -> tuple[str | None, str]:
+    """The fake backend's spec to use (None: real GPUs), and why, for the banner."""
+    if fake is not None:
+        return fake, "--fake was given"
+    from gpupool.agent.backends import detect
+
+    backend = detect()
+    if backend is not None:
+        close = getattr(backend, "close", None)
+        if callable(close):
+            close()
+        return None, "NVML found GPUs"
+    return DEFAULT_FAKE_SPEC, "no NVIDIA GPU found on this machine"
+
+
+def local_url(host: str, port: int) -> str:
+    """Where a process on this machine reaches a controller listening on host:port."""
+    if host in ("0.0.0.0", "::", ""):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def agent_command(
+    url: str,
+    data_dir: Path,
+    fake_spec: str | None,
+    node: str | None = None,
+    interval_s: float | None = None,
+) -> list[str]:
+    cmd = [sys.executable, "-m", "gpupool.cli", "agent", "--url", url, "--data-dir", str(data_dir)]
+    if fake_spec is not None:
+        cmd += ["--fake", fake_spec]
+    if node is not None:
+        cmd += ["--node", node]
+    if interval_s is not None:
+        cmd += ["--interval", f"{interval_s:g}"]
+    return cmd
+
+
+def controller_healthy(url: str) -> bool:
+    try:
+        with PoolClient(url, timeout=2) as client:
+            return client.health().get("status") == "ok"
+    except (ApiError, ControllerUnreachable):
+        return False
+
+
+def wait_until_healthy(url: str, timeout_s: float, alive: subprocess.Popen[bytes] | None = None) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if controller_healthy(url):
+            return True
+        if alive is not None and alive.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def stop_process(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+    """TERM, then KILL after the grace period."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+class LocalAgent:
+    """The agent `gpupool up` starts as a child, once the controller answers."""
+
+    def __init__(self, url: str, cmd: list[str]) -> None:
+        self.url = url
+        self.cmd = cmd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._start_when_ready, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _start_when_ready(self) -> None:
+        while not self._stopping.is_set():
+            if controller_healthy(self.url):
+                if not self._stopping.is_set():
+                    self.proc = subprocess.Popen(self.cmd)
+                return
+            self._stopping.wait(0.2)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+        if self.proc is not None:
+            stop_process(self.proc)
+
+
+def up(
+    host: HostOption = "127.0.0.1",
+    port: PortOption = DEFAULT_PORT,
+    data_dir: DataDirOption = DEFAULT_DATA_DIR,
+    db: DbOption = None,
+    fake: FakeOption = None,
+) -> None:
+    """Controller in the foreground, plus an agent for this machine's GPUs as a child."""
+    from gpupool.controller.server import serve
+    from gpupool.controller.settings import ControllerSettings
+
+    fake_spec, why = choose_fake_spec(fake)
+    console = stderr_console()
+    if fake_spec is not None:
+        console.print(simulated_banner(fake_spec, why))
+    url = local_url(host, port)
+    agent = LocalAgent(url, agent_command(url, data_dir / "agent", fake_spec))
+    agent.start()
+    console.print(f"gpupool controller on {url} (dashboard {url}/); Ctrl-C stops the pool")
+    try:
+        serve(ControllerSettings(host=host, port=port, data_dir=data_dir, db_url=db))
+    finally:
+        agent.stop()
+
+
+def controller(
+    host: HostOption = "127.0.0.1",
+    port: PortOption = DEFAULT_PORT,
+    data_dir: DataDirOption = DEFAULT_DATA_DIR,
+    db: DbOption = None,
+    lease_ttl: Annotated[
+        float, typer.Option("--lease-ttl", help="Default seconds a lease lives without heartbeat.")
+    ] = 30.0,
+    node_timeout: Annotated[
+        float, typer.Option("--node-timeout", help="Seconds without heartbeat before a node is down.")
+    ] = 15.0,
+    compute_ratio: Annotated[
+        float, typer.Option("--compute-ratio", help="Compute oversubscription, 1 = none.")
+    ] = 1.0,
+    memory_ratio: Annotated[
+        float, typer.Option("--memory-ratio", help="Memory oversubscription, 1 = none.")
+    ] = 1.0,
+) -> None:
+    if lease_ttl <= 0 or node_timeout <= 0:
+        raise BadInput("--lease-ttl and --node-timeout must be more than 0")
+    if not 1.0 <= compute_ratio <= 100.0:
+        raise BadInput(f"--compute-ratio must be 1..100, got {compute_ratio:g}")
+    if not 1.0 <= memory_ratio <= 10.0:
+        raise BadInput(f"--memory-ratio must be 1..10, got {memory_ratio:g}")
+    from gpupool.controller.server import serve
+    from gpupool.controller.settings import ControllerSettings
+
+    serve(
+        ControllerSettings(
+            host=host,
+            port=port,
+            data_dir=data_dir,
+            db_url=db,
+            lease_ttl_s=lease_ttl,
+            node_timeout_s=node_timeout,
+            compute_ratio=compute_ratio,
+            memory_ratio=memory_ratio,
+        )
+    )
+
+
+def agent(
+    ctx: typer.Context,
+    url: Annotated[
+        str | None, typer.Option("--url", help="Controller URL (default: gpupool --url).")
+    ] = None,
+    node: Annotated[
+        str | None, typer.Option("--node", help="Node name (default: this host's name).")
+    ] = None,
+    fake: FakeOption = None,
+    interval: Annotated[
+        float, typer.Option("--interval", help="Seconds between heartbeats.")
+    ] = 2.0,
+    data_dir: Annotated[
+        Path, typer.Option("--data-dir", help="Where the agent keeps its state.")
+    ] = DEFAULT_DATA_DIR / "agent",
+    address: Annotated[
+        str | None, typer.Option("--address", help="Address other hosts reach this node at.")
+    ] = None,
+) -> None:
+    if interval <= 0:
+        raise BadInput(f"--interval must be more than 0, got {interval:g}")
+    from gpupool.agent.service import AgentSettings, run_agent
+
+    if fake is None:
+        from gpupool.agent.backends import detect
+
+        if detect() is None:
+            raise CommandFailed(
+                f"no NVIDIA GPU found on this machine; use --fake {DEFAULT_FAKE_SPEC} "
+                "to simulate GPUs"
+            )
+    else:
+        stderr_console().print(simulated_banner(fake, "--fake was given"))
+    run_agent(
+        AgentSettings(
+            controller_url=url or cli_context(ctx).url,
+            node_name=node or socket.gethostname(),
+            fake_spec=fake,
+            heartbeat_interval_s=interval,
+            data_dir=data_dir,
+            address=address,
+        )
+    )
+
+
+def demo(
+    ctx: typer.Context,
+    keep: Annotated[
+        bool,
+        typer.Option("--keep", help="Keep the pool running after the demo, until Ctrl-C."),
+    ] = False,
+    seconds: Annotated[
+        float, typer.Option("--seconds", help="How long each training job runs.")
+    ] = 4.0,
+) -> None:
+    from gpupool.cli.demo import run_demo
+
+    if not 0.5 <= seconds <= 600:
+        raise BadInput(f"--seconds must be 0.5..600, got {seconds:g}")
+    raise typer.Exit(run_demo(keep=keep, job_seconds=seconds))

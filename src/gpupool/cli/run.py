@@ -1,0 +1,295 @@
+"""`gpupool run -- CMD`: lease GPUs of this server, run CMD on them, give them back when it ends."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from types import FrameType
+from typing import Annotated
+
+import typer
+
+from gpupool.cli.context import CliContext, cli_context
+from gpupool.cli.errors import BadInput, CommandFailed
+from gpupool.cli.leases import await_grant, build_request, granted_text
+from gpupool.cli.output import note
+from gpupool.client.sdk import URL_ENV, ApiError, ControllerUnreachable, LeaseKeeper, PoolClient
+from gpupool.protocol.v1.api import GpuOut, LeaseOut
+
+HELP = """Run a command on GPUs of this server and give them back when it ends.
+
+Example: gpupool run --compute 30% --memory 8GiB -- python train.py
+
+The command sees its GPUs as CUDA_VISIBLE_DEVICES (their UUIDs, in lease order) and, for
+slices, the MPS limits CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT;
+GPUPOOL_LEASE_ID and GPUPOOL_URL name its lease, GPUPOOL_SIMULATED=1 says the GPUs are simulated.
+The lease is heartbeated while the command runs and released when it exits, crashes or is
+interrupted. Exit status: the command's own (128+N when killed by signal N).
+"""
+
+RUN_TTL_S = 30.0
+STOP_GRACE_S = 10.0
+EXIT_CANNOT_EXECUTE = 126
+EXIT_NOT_FOUND = 127
+EXIT_LEASE_LOST = 1
+_FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Variables a surrounding `gpupool run` may have set that must not leak into this one.
+_OWN_VARIABLES = (
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "GPUPOOL_LEASE_ID",
+    "GPUPOOL_SIMULATED",
+)
+
+
+def lease_env(lease: LeaseOut, gpus: Sequence[GpuOut], url: str) -> dict[str, str]:
+    """The variables that point a CUDA program at its lease's GPUs and hold it to its limits."""
+    env = {
+        "CUDA_VISIBLE_DEVICES": ",".join(piece.gpu_uuid for piece in lease.slices),
+        "GPUPOOL_LEASE_ID": lease.id,
+        URL_ENV: url,
+    }
+    if any(gpu.simulated for gpu in gpus):
+        env["GPUPOOL_SIMULATED"] = "1"
+    slices = [piece for piece in lease.slices if not piece.whole]
+    if not lease.physical and slices:
+        env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(slices[0].compute_pct)
+        env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
+            f"{index}={piece.memory_mib}M" for index, piece in enumerate(lease.slices)
+        )
+    return env
+
+
+def child_env(base: Mapping[str, str], lease_vars: Mapping[str, str]) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in _OWN_VARIABLES}
+    env.update(lease_vars)
+    return env
+
+
+def exit_status(returncode: int) -> int:
+    """A shell's view of a child's end: its code, or 128+N when signal N killed it."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def _terminal_sends_sigint_to_child() -> bool:
+    """Ctrl-C in a terminal reaches the whole foreground group, the child included."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False
+
+
+class Supervisor:
+    """Runs CMD, forwards our signals to it, and stops it when its lease is taken away."""
+
+    def __init__(self, cmd: Sequence[str], env: Mapping[str, str], grace_s: float) -> None:
+        self.cmd = list(cmd)
+        self.env = dict(env)
+        self.grace_s = grace_s
+        self.lost_reason: str | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._pending: list[int] = []
+        self._skip_sigint = _terminal_sends_sigint_to_child()
+
+    def start(self) -> None:
+        try:
+            self._proc = subprocess.Popen(self.cmd, env=self.env)
+        except FileNotFoundError:
+            raise CommandFailed(f"cannot run {self.cmd[0]!r}: not found", EXIT_NOT_FOUND) from None
+        except PermissionError:
+            raise CommandFailed(
+                f"cannot run {self.cmd[0]!r}: permission denied", EXIT_CANNOT_EXECUTE
+            ) from None
+        except OSError as exc:
+            raise CommandFailed(
+                f"cannot run {self.cmd[0]!r}: {exc.strerror or exc}", EXIT_CANNOT_EXECUTE
+            ) from None
+        for signum in self._pending:
+            self._proc.send_signal(signum)
+
+    def forward(self, signum: int, _frame: FrameType | None) -> None:
+        if signum == signal.SIGINT and self._skip_sigint:
+            return
+        proc = self._proc
+        if proc is None:
+            self._pending.append(signum)
+        elif proc.poll() is None:
+            proc.send_signal(signum)
+
+    def wait(self) -> int:
+        assert self._proc is not None
+        return self._proc.wait()
+
+    def lease_lost(self, _lease: LeaseOut | None, reason: str) -> None:
+        """Called from the heartbeat thread: TERM now, KILL after the grace period."""
+        self.lost_reason = reason
+        proc = self._proc
+        if proc is None or proc.poll() is not None:
+            return
+        note(f"[red]lease taken away ({reason}): stopping the command[/red]")
+        proc.terminate()
+        deadline = time.monotonic() + self.grace_s
+        while proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if proc.poll() is None:
+            proc.kill()
+
+
+class _Warner:
+    """Says once that heartbeats fail, not every ttl/3 seconds."""
+
+    def __init__(self, lease_id: str) -> None:
+        self.lease_id = lease_id
+        self._said = threading.Event()
+
+    def __call__(self, exc: Exception) -> None:
+        if not self._said.is_set():
+            self._said.set()
+            note(f"[yellow]warning: cannot heartbeat lease {self.lease_id}: {exc}[/yellow]")
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """While queued there is no child yet: SIGTERM cancels the wait like Ctrl-C does."""
+
+    def interrupt(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _gpus_of(client: PoolClient, lease: LeaseOut) -> list[GpuOut]:
+    seen: dict[str, GpuOut] = {}
+    for piece in lease.slices:
+        if piece.gpu_uuid not in seen:
+            seen[piece.gpu_uuid] = client.gpu(piece.gpu_uuid)
+    return list(seen.values())
+
+
+def _release(client: PoolClient, lease: LeaseOut) -> None:
+    try:
+        client.release_lease(lease.id)
+    except (ApiError, ControllerUnreachable) as exc:
+        note(
+            f"[yellow]warning: could not release lease {lease.id} ({exc}); "
+            f"it expires within {lease.ttl_s:g} s[/yellow]"
+        )
+
+
+def _run_on_lease(
+    context: CliContext, client: PoolClient, lease: LeaseOut, cmd: Sequence[str], grace_s: float
+) -> int:
+    here = socket.gethostname()
+    elsewhere = sorted({piece.node for piece in lease.slices if piece.node != here})
+    if elsewhere:
+        note(
+            f"[yellow]warning: lease {lease.id} is on {', '.join(elsewhere)}, not on {here}; "
+            "direct access only works on the GPU's own server[/yellow]"
+        )
+    gpus = _gpus_of(client, lease)
+    env = child_env(os.environ, lease_env(lease, gpus, context.url))
+    note(granted_text(lease) + (" [yellow](SIMULATED)[/yellow]" if "GPUPOOL_SIMULATED" in env else ""))
+    supervisor = Supervisor(cmd, env, grace_s)
+    keeper = LeaseKeeper(
+        context.url,
+        lease.id,
+        interval_s=max(lease.ttl_s / 3, 0.2),
+        actor=context.actor,
+        on_end=supervisor.lease_lost,
+        on_error=_Warner(lease.id),
+    )
+    previous = {sig: signal.signal(sig, supervisor.forward) for sig in _FORWARDED}
+    try:
+        supervisor.start()
+        keeper.start()
+        returncode = supervisor.wait()
+    finally:
+        keeper.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if supervisor.lost_reason is not None:
+        raise CommandFailed(
+            f"lease {lease.id} was taken away while the command ran ({supervisor.lost_reason}); "
+            f"the command was stopped (its status {exit_status(returncode)})",
+            EXIT_LEASE_LOST,
+        )
+    return exit_status(returncode)
+
+
+def run(
+    ctx: typer.Context,
+    cmd: Annotated[
+        list[str] | None,
+        typer.Argument(metavar="-- CMD [ARGS]...", help="The command to run, after --."),
+    ] = None,
+    gpus: Annotated[int, typer.Option("--gpus", "-n", help="How many GPUs (slices).")] = 1,
+    compute: Annotated[
+        str | None, typer.Option("--compute", "-c", help="Compute share of each GPU, e.g. 30%.")
+    ] = None,
+    memory: Annotated[
+        str | None, typer.Option("--memory", "-m", help="Memory on each GPU, e.g. 8GiB.")
+    ] = None,
+    physical: Annotated[
+        bool, typer.Option("--physical", help="Whole, exclusive GPUs from the physical pool.")
+    ] = False,
+    priority: Annotated[int, typer.Option("--priority", "-p", help="0..1000, higher first.")] = 0,
+    tenant: Annotated[str, typer.Option("--tenant", "-t", help="Tenant to charge.")] = "default",
+    wait: Annotated[
+        bool,
+        typer.Option("--wait/--no-wait", help="Queue until GPUs are free, or fail at once."),
+    ] = True,
+    node: Annotated[
+        str | None, typer.Option("--node", help="GPU server to use (default: this one).")
+    ] = None,
+    gpu_model: Annotated[
+        str | None, typer.Option("--gpu-model", help="Allowed models, e.g. H100,A100.")
+    ] = None,
+    ttl: Annotated[
+        float, typer.Option("--ttl", help="Seconds the lease survives without heartbeats.")
+    ] = RUN_TTL_S,
+    grace: Annotated[
+        float,
+        typer.Option("--grace", help="Seconds between TERM and KILL when the lease is lost."),
+    ] = STOP_GRACE_S,
+) -> None:
+    if not cmd:
+        raise BadInput("give the command to run after --, e.g. gpupool run -c 25% -- python train.py")
+    if grace < 0:
+        raise BadInput(f"--grace must not be negative, got {grace:g}")
+    context = cli_context(ctx)
+    host = socket.gethostname()
+    request = build_request(
+        gpus=gpus,
+        compute=compute,
+        memory=memory,
+        physical=physical,
+        priority=priority,
+        tenant=tenant,
+        node=node or host,
+        gpu_models=gpu_model,
+        holder=f"{context.actor}@{host} pid {os.getpid()}: {shlex.join(cmd)}",
+        ttl_s=ttl,
+        wait=wait,
+    )
+    with context.client() as client:
+        lease = client.create_lease(request)
+        try:
+            with _terminate_as_interrupt():
+                lease = await_grant(client, lease)
+            code = _run_on_lease(context, client, lease, cmd, grace)
+        finally:
+            _release(client, lease)
+    raise typer.Exit(code)

@@ -1,0 +1,168 @@
+"""Shared fixtures: free ports, fresh PostgreSQL databases, and real controller processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+PG_ADMIN = os.environ.get("GPUPOOL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _pg_available() -> str | None:
+    try:
+        import psycopg
+
+        with psycopg.connect(PG_ADMIN, connect_timeout=3):
+            return None
+    except Exception as exc:  # any failure means: no PostgreSQL here
+        return f"PostgreSQL at {PG_ADMIN} is not reachable: {exc}"
+
+
+@pytest.fixture(scope="session")
+def pg_admin_url() -> str:
+    problem = _pg_available()
+    if problem:
+        if os.environ.get("CI"):
+            pytest.fail(problem)
+        pytest.skip(problem)
+    return PG_ADMIN
+
+
+@pytest.fixture
+def pg_url(pg_admin_url: str) -> Iterator[str]:
+    """A fresh, empty PostgreSQL database for one test, dropped afterwards."""
+    import psycopg
+
+    name = f"gpupool_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield pg_admin_url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
+    """Runs a test once on SQLite (None: the embedded default) and once on PostgreSQL."""
+    if request.param == "sqlite":
+        return None
+    return str(request.getfixturevalue("pg_url"))
+
+
+@dataclass
+class ControllerProcess:
+    url: str
+    port: int
+    data_dir: Path
+    db_url: str | None
+    proc: subprocess.Popen[bytes]
+    extra: dict[str, object]
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.url + "/api/v1", timeout=30)
+
+    def kill9(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.proc = _spawn(self.port, self.data_dir, self.db_url, self.extra)
+        _wait_ready(self.url, self.proc)
+
+
+def _spawn(
+    port: int, data_dir: Path, db_url: str | None, extra: dict[str, object]
+) -> subprocess.Popen[bytes]:
+    args = ", ".join(f"{k}={v!r}" for k, v in extra.items())
+    code = (
+        "from pathlib import Path\n"
+        "from gpupool.controller.settings import ControllerSettings\n"
+        "from gpupool.controller.server import serve\n"
+        f"serve(ControllerSettings(port={port}, data_dir=Path({str(data_dir)!r}), "
+        f"db_url={db_url!r}{', ' + args if args else ''}))\n"
+    )
+    log = open(data_dir / f"controller-{port}.log", "ab")  # noqa: SIM115 - lives with the process
+    return subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"controller exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/api/v1/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError("controller did not become ready")
+
+
+@pytest.fixture
+def start_controller(tmp_path: Path) -> Iterator[object]:
+    """Start real controller processes on loopback: `start_controller(db_url, **settings)`."""
+    started: list[ControllerProcess] = []
+
+    def start(db_url: str | None = None, **extra: object) -> ControllerProcess:
+        port = free_port()
+        data_dir = tmp_path / f"ctl-{port}"
+        data_dir.mkdir()
+        proc = _spawn(port, data_dir, db_url, extra)
+        ctl = ControllerProcess(f"http://127.0.0.1:{port}", port, data_dir, db_url, proc, extra)
+        started.append(ctl)
+        _wait_ready(ctl.url, proc)
+        return ctl
+
+    yield start
+    for ctl in started:
+        ctl.stop()
+
+
+def register_fake_node(
+    client: httpx.Client, name: str = "node-a", gpus: int = 1, memory_mib: int = 81920
+) -> list[str]:
+    body = {
+        "name": name,
+        "backend": "fake",
+        "gpus": [
+            {
+                "uuid": f"GPU-sim-{name}-{i}",
+                "index": i,
+                "model": "H100-80GB (simulated)",
+                "memory_mib": memory_mib,
+                "simulated": True,
+            }
+            for i in range(gpus)
+        ],
+    }
+    response = client.post("/nodes", json=body)
+    assert response.status_code == 201, response.text
+    return [g["uuid"] for g in body["gpus"]]  # type: ignore[index]
