@@ -190,7 +190,10 @@ def main() -> None:
     rows: list[dict[str, object]] = []
     for db in dbs:
         rows.extend(run_db(db, counts, args.seconds))
-    machine = f"{platform.node()}: {os.cpu_count()} cores, {platform.python_implementation()} {platform.python_version()}"
+    machine = (
+        f"{platform.node()}: {os.cpu_count()} cores, "
+        f"{platform.python_implementation()} {platform.python_version()}"
+    )
     for row in rows:
         row["machine"] = machine
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,7 @@
-"""Train a small MLP for a few seconds on whatever GPU gpupool leased: `gpupool run -c 30% -- python examples/train_mlp.py`."""
+"""Train a small MLP for a few seconds on the GPU gpupool leased to it.
+
+gpupool run --compute 30% --memory 8GiB -- python examples/train_mlp.py
+"""
 
 import sys
 

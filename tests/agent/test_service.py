@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse
 import gpupool.agent.service as service
 from gpupool.agent.backends import FakeBackend
 from gpupool.agent.service import Agent, AgentSettings, NoGpuFound
-from gpupool.protocol.v1.api import NodeHeartbeat, NodeRegister
+from gpupool.protocol.v1.api import GpuInventory, NodeHeartbeat, NodeRegister
 
 NODE = "node-a"
 WAIT_S = 10.0  # generous: the suite must pass on a loaded two-core machine
@@ -350,3 +350,26 @@ def test_run_agent_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     output = log_path.read_text()
     assert "SIMULATED GPUs (fake backend): 1 x NVIDIA L4-24GB (simulated)" in output
     assert "agent proc stopped" in output
+
+
+def test_changed_inventory_is_sent_by_registering_again(tmp_path: Path) -> None:
+    class ShrinkingBackend(FakeBackend):
+        """Loses its last GPU on demand, as when a card is pulled or hidden."""
+
+        shrunk = False
+
+        def inventory(self) -> list[GpuInventory]:
+            gpus = super().inventory()
+            return gpus[:-1] if self.shrunk else gpus
+
+    async def scenario() -> None:
+        stub, port = StubController(), free_port()
+        backend = ShrinkingBackend(FakeBackend.from_spec("2xL4-24GB", node_name=NODE).inventory())
+        agent = Agent(settings_for(port, tmp_path), backend)
+        async with serving(stub, port), running(agent):
+            await wait_until(lambda: bool(stub.heartbeats), "a heartbeat")
+            backend.shrunk = True
+            await wait_until(lambda: len(stub.registrations) == 2, "a second registration")
+        assert [len(r.gpus) for r in stub.registrations] == [2, 1]
+
+    asyncio.run(scenario())

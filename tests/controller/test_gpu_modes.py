@@ -78,3 +78,30 @@ def test_tenant_quota_holds_and_raising_it_serves_the_queue(start_controller, db
         assert client.get(f"/leases/{second['id']}").json()["state"] == "granted"
         tenant = client.get("/tenants/team-a").json()
         assert tenant["used_compute_pct"] == 80
+
+
+def test_gpu_fault_ends_its_leases_and_tells_their_holders(start_controller) -> None:
+    ctl = start_controller(None)
+    with ctl.client() as client:
+        uuids = register_fake_node(client, gpus=2)
+        lease = client.post(
+            "/leases", json={"compute_pct": 50, "memory": "1GiB", "node": "node-a"}
+        ).json()
+        bad = lease["slices"][0]["gpu_uuid"]
+        gpu = client.post(
+            f"/gpus/{bad}/isolate",
+            json={"reason": "XID 79: GPU has fallen off the bus", "fault": True},
+        ).json()
+        assert (gpu["mode"], gpu["healthy"]) == ("isolated", False)
+        ended = client.get(f"/leases/{lease['id']}").json()
+        assert (ended["state"], ended["release_reason"]) == ("released", "its GPU failed")
+        events = client.get("/events", params={"subject": lease["id"]}).json()
+        assert any(e["kind"] == "lease.gpu_failed" and "XID 79" in e["message"] for e in events)
+        for _ in range(3):
+            new = client.post("/leases", json={"compute_pct": 50, "memory": "1GiB"}).json()
+            assert all(s["gpu_uuid"] != bad for s in new["slices"])
+        reply = client.post("/nodes/node-a/heartbeat", json={}).json()
+        assert reply["gpus"][bad]["mode"] == "isolated"
+        assert set(reply["gpus"]) == set(uuids)
+        cleared = client.post(f"/gpus/{bad}/clear").json()
+        assert (cleared["mode"], cleared["healthy"]) == ("virtual", True)

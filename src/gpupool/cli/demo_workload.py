@@ -7,6 +7,7 @@ plain Python. Exits 0 only if the loss went down. Run it under `gpupool run`, or
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import os
 import random
@@ -23,10 +24,17 @@ def _say(text: str) -> None:
     print(text, flush=True)
 
 
-def _torch_trainer(seed: int) -> tuple[str, Step] | None:
+def _optional(module: str) -> Any:
+    """Import an optional library (untyped here: the job runs with whichever is installed)."""
     try:
-        import torch
+        return importlib.import_module(module)
     except ImportError:
+        return None
+
+
+def _torch_trainer(seed: int) -> tuple[str, Step] | None:
+    torch = _optional("torch")
+    if torch is None:
         return None
     use_cuda = bool(torch.cuda.is_available())
     device = torch.device("cuda" if use_cuda else "cpu")
@@ -38,7 +46,10 @@ def _torch_trainer(seed: int) -> tuple[str, Step] | None:
     inputs, targets = inputs.to(device), targets.to(device)
     torch.manual_seed(seed)
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 512), torch.nn.ReLU(),
+        torch.nn.Linear(64, 512),
+        torch.nn.ReLU(),
+        torch.nn.Linear(512, 512),
+        torch.nn.ReLU(),
         torch.nn.Linear(512, 1),
     ).to(device)
     optimiser = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -54,9 +65,8 @@ def _torch_trainer(seed: int) -> tuple[str, Step] | None:
 
 
 def _numpy_trainer(seed: int) -> tuple[str, Step] | None:
-    try:
-        import numpy as np
-    except ImportError:
+    np = _optional("numpy")
+    if np is None:
         return None
     rng = np.random.default_rng(seed)
     inputs = rng.standard_normal((2048, 32))
@@ -94,7 +104,9 @@ def _python_trainer(seed: int) -> tuple[str, Step]:
     n_in, n_hidden, n_samples = 6, 16, 96
     inputs = [[rng.gauss(0, 1) for _ in range(n_in)] for _ in range(n_samples)]
     teacher = [rng.gauss(0, 1) / 3 for _ in range(n_in)]
-    targets = [math.sin(4 * sum(x * t for x, t in zip(row, teacher, strict=True))) for row in inputs]
+    targets = [
+        math.sin(4 * sum(x * t for x, t in zip(row, teacher, strict=True))) for row in inputs
+    ]
     w1 = [[rng.gauss(0, math.sqrt(2 / n_in)) for _ in range(n_hidden)] for _ in range(n_in)]
     b1 = [0.0] * n_hidden
     w2 = [rng.gauss(0, math.sqrt(1 / n_hidden)) for _ in range(n_hidden)]
@@ -166,9 +178,7 @@ def train(step: Step, seconds: float) -> tuple[int, float, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--seconds", type=float, default=5.0, help="how long to train")
-    parser.add_argument(
-        "--backend", choices=("auto", "torch", "numpy", "python"), default="auto"
-    )
+    parser.add_argument("--backend", choices=("auto", "torch", "numpy", "python"), default="auto")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 

@@ -43,7 +43,9 @@ def find_gpu(client: PoolClient, ref: str) -> GpuOut:
             raise
     every = client.gpus()
     node, _, index = ref.rpartition(":")
-    matches = [g for g in every if node and index.isdigit() and (g.node, g.index) == (node, int(index))]
+    matches = [
+        g for g in every if node and index.isdigit() and (g.node, g.index) == (node, int(index))
+    ]
     if not matches:
         matches = [g for g in every if g.uuid.lower().startswith(ref.lower())]
     if not matches:
@@ -70,7 +72,9 @@ def _report(output: OutputFormat, gpu: GpuOut, done: str) -> None:
 def list_gpus(
     ctx: typer.Context,
     node: Annotated[str | None, typer.Option("--node", help="Only GPUs of this node.")] = None,
-    mode: Annotated[ModeFilter | None, typer.Option("--mode", help="Only GPUs in this mode.")] = None,
+    mode: Annotated[
+        ModeFilter | None, typer.Option("--mode", help="Only GPUs in this mode.")
+    ] = None,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     with cli_context(ctx).client() as client:
@@ -79,7 +83,9 @@ def list_gpus(
 
 
 @app.command("show")
-def show_gpu(ctx: typer.Context, ref: GpuArgument, output: OutputOption = OutputFormat.TABLE) -> None:
+def show_gpu(
+    ctx: typer.Context, ref: GpuArgument, output: OutputOption = OutputFormat.TABLE
+) -> None:
     """Show one GPU: mode, grants, leases and telemetry."""
     with cli_context(ctx).client() as client:
         gpu = find_gpu(client, ref)
@@ -95,7 +101,9 @@ def set_mode(
 ) -> None:
     """Move a GPU to the virtual or the physical pool; a busy GPU drains first."""
     with cli_context(ctx).client() as client:
-        gpu = client.set_gpu_mode(find_gpu(client, ref).uuid, "virtual" if mode is PoolMode.VIRTUAL else "physical")
+        gpu = client.set_gpu_mode(
+            find_gpu(client, ref).uuid, "virtual" if mode is PoolMode.VIRTUAL else "physical"
+        )
     _report(output, gpu, "switched")
 
 

@@ -138,12 +138,21 @@ def granted_text(lease: LeaseOut) -> str:
     """One line saying what was granted where."""
     pieces = []
     for piece in lease.slices:
-        size = "whole GPU" if piece.whole else f"{piece.compute_pct}% + {format_mib(piece.memory_mib)}"
+        size = (
+            "whole GPU" if piece.whole else f"{piece.compute_pct}% + {format_mib(piece.memory_mib)}"
+        )
         pieces.append(f"{size} of {piece.node}:{piece.gpu_index} ({piece.gpu_uuid})")
     return f"lease {lease.id} granted: " + ("; ".join(pieces) or "no slices")
 
 
-@app.command("create")
+CREATE_HELP = (
+    "Ask for GPUs: slices (--compute, --memory) or whole GPUs (--physical).\n\n"
+    "The lease outlives this command: renew it within its ttl (--ttl, default 3600 s) with "
+    "`gpupool lease renew ID`, and give it back with `gpupool lease release ID`."
+)
+
+
+@app.command("create", help=CREATE_HELP)
 def create(
     ctx: typer.Context,
     gpus: Annotated[int, typer.Option("--gpus", "-n", help="How many GPUs (slices).")] = 1,
@@ -187,9 +196,6 @@ def create(
     ] = True,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
-    """Ask for GPUs. The lease outlives this command: renew it within its ttl with
-    `gpupool lease renew ID`, and give it back with `gpupool lease release ID`.
-    """
     request = build_request(
         gpus=gpus,
         compute=compute,

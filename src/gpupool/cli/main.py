@@ -1,4 +1,4 @@
-"""The `gpupool` command: wires the resource commands together and turns failures into exit codes."""
+"""The `gpupool` command: wires the resource commands and turns failures into exit codes."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ class PoolGroup(TyperGroup):
         try:
             return super().invoke(ctx)
         except Exception as exc:
-            if _is_framework_signal(exc):
+            if _is_framework_signal(exc) or isinstance(exc, BrokenPipeError):
                 raise
             known = describe(exc)
             if known is None:

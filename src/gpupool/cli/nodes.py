@@ -29,7 +29,12 @@ def show_node(
         node = client.node(name)
         gpus = client.gpus(node=name)
     if output is OutputFormat.JSON:
-        print_json({"node": node.model_dump(mode="json"), "gpus": [g.model_dump(mode="json") for g in gpus]})
+        print_json(
+            {
+                "node": node.model_dump(mode="json"),
+                "gpus": [g.model_dump(mode="json") for g in gpus],
+            }
+        )
         return
     show(output, node, nodes_table([node]))
     show(output, gpus, gpus_table(gpus, title=f"GPUs of {name}"))

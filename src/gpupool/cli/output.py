@@ -71,7 +71,7 @@ def show(
 
 def note(message: str) -> None:
     """A status line for people, on stderr so that stdout stays clean for scripts."""
-    stderr_console().print(message)
+    stderr_console().print(message, soft_wrap=True)
 
 
 # ---- small formats ----------------------------------------------------------------------
@@ -342,7 +342,9 @@ def tenants_table(tenants: Iterable[TenantOut]) -> Table:
         table.add_row(
             tenant.name,
             f"{tenant.weight:g}",
-            _limit(str(tenant.used_gpus), None if tenant.max_gpus is None else str(tenant.max_gpus)),
+            _limit(
+                str(tenant.used_gpus), None if tenant.max_gpus is None else str(tenant.max_gpus)
+            ),
             _limit(f"{tenant.used_compute_pct}%", max_compute),
             _limit(format_mib(tenant.used_memory_mib), max_memory),
             _limit(

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.panel import Panel
@@ -16,7 +16,7 @@ from rich.panel import Panel
 from gpupool.cli.context import cli_context
 from gpupool.cli.errors import BadInput, CommandFailed
 from gpupool.cli.output import OutputFormat, OutputOption, pool_panel, show, stderr_console
-from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
+from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient, resolve_url
 
 DEFAULT_FAKE_SPEC = "4xH100-80GB"
 DEFAULT_PORT = 8900
@@ -57,19 +57,34 @@ def simulated_banner(spec: str, why: str) -> Panel:
     )
 
 
-def choose_fake_spec(fake: str | None) -> tuple[str | None, str]:
-    """The fake backend's spec to use (None: real GPUs), and why, for the banner."""
-    if fake is not None:
-        return fake, "--fake was given"
+def check_fake_spec(spec: str) -> None:
+    from gpupool.agent.backends import parse_spec
+
+    try:
+        parse_spec(spec)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def real_gpus_found(node_name: str | None = None) -> bool:
+    """Whether NVML sees an NVIDIA GPU on this machine."""
     from gpupool.agent.backends import detect
 
-    backend = detect()
-    if backend is not None:
-        close = getattr(backend, "close", None)
-        if callable(close):
-            close()
+    backend = detect(node_name or socket.gethostname())
+    if backend is None:
+        return False
+    backend.close()
+    return True
+
+
+def choose_fake_spec(fake: str | None, default: str = DEFAULT_FAKE_SPEC) -> tuple[str | None, str]:
+    """The fake backend's spec to use (None: real GPUs), and why, for the banner."""
+    if fake is not None:
+        check_fake_spec(fake)
+        return fake, "--fake was given"
+    if real_gpus_found():
         return None, "NVML found GPUs"
-    return DEFAULT_FAKE_SPEC, "no NVIDIA GPU found on this machine"
+    return default, "no NVIDIA GPU found on this machine"
 
 
 def local_url(host: str, port: int) -> str:
@@ -106,7 +121,9 @@ def controller_healthy(url: str) -> bool:
         return False
 
 
-def wait_until_healthy(url: str, timeout_s: float, alive: subprocess.Popen[bytes] | None = None) -> bool:
+def wait_until_healthy(
+    url: str, timeout_s: float, alive: subprocess.Popen[bytes] | None = None
+) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if controller_healthy(url):
@@ -117,7 +134,7 @@ def wait_until_healthy(url: str, timeout_s: float, alive: subprocess.Popen[bytes
     return False
 
 
-def stop_process(proc: subprocess.Popen[bytes], grace_s: float = STOP_GRACE_S) -> None:
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
     """TERM, then KILL after the grace period."""
     if proc.poll() is not None:
         return
@@ -191,7 +208,8 @@ def controller(
         float, typer.Option("--lease-ttl", help="Default seconds a lease lives without heartbeat.")
     ] = 30.0,
     node_timeout: Annotated[
-        float, typer.Option("--node-timeout", help="Seconds without heartbeat before a node is down.")
+        float,
+        typer.Option("--node-timeout", help="Seconds without heartbeat before a node is down."),
     ] = 15.0,
     compute_ratio: Annotated[
         float, typer.Option("--compute-ratio", help="Compute oversubscription, 1 = none.")
@@ -246,26 +264,27 @@ def agent(
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
     from gpupool.agent.service import AgentSettings, run_agent
 
-    if fake is None:
-        from gpupool.agent.backends import detect
-
-        if detect() is None:
-            raise CommandFailed(
-                f"no NVIDIA GPU found on this machine; use --fake {DEFAULT_FAKE_SPEC} "
-                "to simulate GPUs"
-            )
-    else:
-        stderr_console().print(simulated_banner(fake, "--fake was given"))
-    run_agent(
-        AgentSettings(
-            controller_url=url or cli_context(ctx).url,
+    try:
+        settings = AgentSettings(
+            controller_url=resolve_url(url) if url else cli_context(ctx).url,
             node_name=node or socket.gethostname(),
             fake_spec=fake,
             heartbeat_interval_s=interval,
             data_dir=data_dir,
             address=address,
         )
-    )
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+    if fake is None:
+        if not real_gpus_found(settings.node_name):
+            raise CommandFailed(
+                f"no NVIDIA GPU found on this machine; use --fake {DEFAULT_FAKE_SPEC} "
+                "to simulate GPUs"
+            )
+    else:
+        check_fake_spec(fake)
+        stderr_console().print(simulated_banner(fake, "--fake was given"))
+    run_agent(settings)
 
 
 def demo(

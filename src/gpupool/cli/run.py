@@ -24,16 +24,16 @@ from gpupool.cli.output import note
 from gpupool.client.sdk import URL_ENV, ApiError, ControllerUnreachable, LeaseKeeper, PoolClient
 from gpupool.protocol.v1.api import GpuOut, LeaseOut
 
-HELP = """Run a command on GPUs of this server and give them back when it ends.
-
-Example: gpupool run --compute 30% --memory 8GiB -- python train.py
-
-The command sees its GPUs as CUDA_VISIBLE_DEVICES (their UUIDs, in lease order) and, for
-slices, the MPS limits CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and CUDA_MPS_PINNED_DEVICE_MEM_LIMIT;
-GPUPOOL_LEASE_ID and GPUPOOL_URL name its lease, GPUPOOL_SIMULATED=1 says the GPUs are simulated.
-The lease is heartbeated while the command runs and released when it exits, crashes or is
-interrupted. Exit status: the command's own (128+N when killed by signal N).
-"""
+HELP = (
+    "Run a command on GPUs of this server and give them back when it ends.\n\n"
+    "Example: gpupool run --compute 30% --memory 8GiB -- python train.py\n\n"
+    "The command sees its GPUs as CUDA_VISIBLE_DEVICES (their UUIDs, in lease order) and, "
+    "for slices, the MPS limits CUDA_MPS_ACTIVE_THREAD_PERCENTAGE and "
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT; GPUPOOL_LEASE_ID and GPUPOOL_URL name its lease, "
+    "GPUPOOL_SIMULATED=1 says the GPUs are simulated.\n\n"
+    "The lease is heartbeated while the command runs and released when it exits, crashes or "
+    "is interrupted. Exit status: the command's own (128+N when killed by signal N)."
+)
 
 RUN_TTL_S = 30.0
 STOP_GRACE_S = 10.0
@@ -201,7 +201,10 @@ def _run_on_lease(
         )
     gpus = _gpus_of(client, lease)
     env = child_env(os.environ, lease_env(lease, gpus, context.url))
-    note(granted_text(lease) + (" [yellow](SIMULATED)[/yellow]" if "GPUPOOL_SIMULATED" in env else ""))
+    note(
+        granted_text(lease)
+        + (" [yellow](SIMULATED)[/yellow]" if "GPUPOOL_SIMULATED" in env else "")
+    )
     supervisor = Supervisor(cmd, env, grace_s)
     keeper = LeaseKeeper(
         context.url,
@@ -233,7 +236,7 @@ def run(
     ctx: typer.Context,
     cmd: Annotated[
         list[str] | None,
-        typer.Argument(metavar="-- CMD [ARGS]...", help="The command to run, after --."),
+        typer.Argument(metavar="CMD [ARGS]", help="The command to run, after --."),
     ] = None,
     gpus: Annotated[int, typer.Option("--gpus", "-n", help="How many GPUs (slices).")] = 1,
     compute: Annotated[
@@ -266,7 +269,9 @@ def run(
     ] = STOP_GRACE_S,
 ) -> None:
     if not cmd:
-        raise BadInput("give the command to run after --, e.g. gpupool run -c 25% -- python train.py")
+        raise BadInput(
+            "give the command to run after --, e.g. gpupool run -c 25% -- python train.py"
+        )
     if grace < 0:
         raise BadInput(f"--grace must not be negative, got {grace:g}")
     context = cli_context(ctx)

@@ -32,9 +32,7 @@ MaxLeases = Annotated[str | None, typer.Option("--max-leases", help="Leases at o
 MaxPriority = Annotated[
     str | None, typer.Option("--max-priority", help="Highest priority it may ask for.")
 ]
-Weight = Annotated[
-    float | None, typer.Option("--weight", help="Fair-share weight (default 1).")
-]
+Weight = Annotated[float | None, typer.Option("--weight", help="Fair-share weight (default 1).")]
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,7 @@ def lease_out(row: LeaseRow, pool: Pool | None = None) -> LeaseOut:
     return LeaseOut(
         id=row.id,
         tenant=row.tenant,
-        state=row.state,  # type: ignore[arg-type]
+        state=row.state,
         gpus=row.gpus,
         compute_pct=row.compute_pct,
         memory_mib=row.memory_mib,
@@ -57,9 +57,9 @@ def gpu_out(row: GpuRow, pool: Pool, telemetry: dict[str, object] | None = None)
         index=row.index,
         model=row.model,
         memory_mib=row.memory_mib,
-        mode=(gpu.mode.value if gpu else row.mode),  # type: ignore[arg-type]
+        mode=(gpu.mode.value if gpu else row.mode),
         target_mode=(
-            (gpu.target_mode.value if gpu.target_mode else None) if gpu else row.target_mode  # type: ignore[arg-type]
+            (gpu.target_mode.value if gpu.target_mode else None) if gpu else row.target_mode
         ),
         healthy=gpu.healthy if gpu else row.healthy,
         simulated=row.simulated,
@@ -77,7 +77,7 @@ def node_out(row: NodeRow, gpu_count: int, host: dict[str, object] | None = None
         name=row.name,
         address=row.address,
         agent_url=row.agent_url,
-        state=row.state,  # type: ignore[arg-type]
+        state=row.state,
         backend=row.backend,
         cpu_count=row.cpu_count,
         memory_mib=row.memory_mib,

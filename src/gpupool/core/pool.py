@@ -410,7 +410,7 @@ class Pool:
             raise Conflict(f"GPU {uuid} is not isolated (it is {gpu.mode.value})")
         back = gpu.target_mode or GpuMode.VIRTUAL
         new = replace(gpu, mode=back, target_mode=None, healthy=True)
-        if False:
+        if not self._holds_only(uuid, physical=back is GpuMode.PHYSICAL):
             # Isolated mid-drain: its leases belong to the other pool, so the drain goes on.
             new = replace(new, mode=GpuMode.DRAINING, target_mode=back)
         self.gpus[uuid] = new

@@ -42,7 +42,7 @@ async def drain(
 async def isolate(
     uuid: str, body: GpuIsolate, store: Store = Depends(get_store), actor: str = Depends(get_actor)
 ) -> GpuOut:
-    return await store.write(lambda s: gpus.isolate(store, s, uuid, body.reason, actor))
+    return await store.write(lambda s: gpus.isolate(store, s, uuid, body.reason, actor, body.fault))
 
 
 @router.post("/gpus/{uuid}/clear", response_model=GpuOut)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from fastapi import APIRouter, Depends, Response, status
 
 from gpupool.controller.routers.common import get_actor, get_store
 from gpupool.controller.services import nodes
 from gpupool.controller.store import Store
-from gpupool.protocol.v1.api import NodeHeartbeat, NodeOut, NodeRegister
+from gpupool.protocol.v1.api import NodeHeartbeat, NodeHeartbeatReply, NodeOut, NodeRegister
 
 router = APIRouter(tags=["nodes"])
 
@@ -21,12 +19,11 @@ async def register(
     return await store.write(lambda s: nodes.register(store, s, body, actor))
 
 
-@router.post("/nodes/{name}/heartbeat")
+@router.post("/nodes/{name}/heartbeat", response_model=NodeHeartbeatReply)
 async def heartbeat(
     name: str, body: NodeHeartbeat, store: Store = Depends(get_store)
-) -> dict[str, Any]:
-    resumed = await store.write(lambda s: nodes.heartbeat(store, s, name, body))
-    return {"ok": True, "resumed": resumed}
+) -> NodeHeartbeatReply:
+    return await store.write(lambda s: nodes.heartbeat(store, s, name, body))
 
 
 @router.get("/nodes", response_model=list[NodeOut])

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpupool.controller.models import GpuRow, utcnow
 from gpupool.controller.services.events import record
-from gpupool.controller.services.leases import persist_grants
+from gpupool.controller.services.leases import persist_grants, release
 from gpupool.controller.store import Store
 from gpupool.controller.views import gpu_out
-from gpupool.core import GpuMode, InvalidRequest, ModeChange, NotFound
+from gpupool.core import GpuMode, InvalidRequest, ModeChange, NotFound, ReleaseReason
 from gpupool.protocol.v1.api import GpuOut
 
 
@@ -61,10 +63,23 @@ def drain(store: Store, session: Session, uuid: str, actor: str) -> GpuOut:
     return _after_change(store, session, row, change, actor, "gpu.drain", "draining: no new leases")
 
 
-def isolate(store: Store, session: Session, uuid: str, reason: str, actor: str) -> GpuOut:
+def isolate(
+    store: Store, session: Session, uuid: str, reason: str, actor: str, fault: bool = False
+) -> GpuOut:
+    """Take a GPU out of service. After a hardware fault its leases end: their holders are
+    told by the lease's state and reason and by an event, and the queue moves on."""
     row = _row(store, session, uuid)
+    if fault and row.mode == GpuMode.ISOLATED.value and row.isolation_reason == reason:
+        return gpu_out(row, store.pool, store.live.telemetry.get(uuid))  # the agent repeats itself
     change = store.pool.isolate(uuid)
     row.isolation_reason = reason
+    if fault:
+        store.pool.gpus[uuid] = replace(store.pool.gpus[uuid], healthy=False)
+        for lease_id in sorted(store.pool.usage[uuid].leases):
+            release(store, session, lease_id, "controller", ReleaseReason.GPU_FAILED)
+            record(
+                session, "controller", "lease.gpu_failed", lease_id, f"GPU {uuid} failed: {reason}"
+            )
     return _after_change(store, session, row, change, actor, "gpu.isolated", f"isolated: {reason}")
 
 
@@ -72,6 +87,7 @@ def clear(store: Store, session: Session, uuid: str, actor: str) -> GpuOut:
     row = _row(store, session, uuid)
     change = store.pool.clear(uuid)
     row.isolation_reason = None
+    row.healthy = True
     return _after_change(
         store,
         session,

@@ -13,7 +13,13 @@ from gpupool.controller.services.leases import persist_grants
 from gpupool.controller.store import Store, gpu_of
 from gpupool.controller.views import node_out
 from gpupool.core import Conflict, GpuMode, NotFound
-from gpupool.protocol.v1.api import NodeHeartbeat, NodeOut, NodeRegister
+from gpupool.protocol.v1.api import (
+    GpuDesired,
+    NodeHeartbeat,
+    NodeHeartbeatReply,
+    NodeOut,
+    NodeRegister,
+)
 
 
 def register(store: Store, session: Session, body: NodeRegister, actor: str) -> NodeOut:
@@ -88,8 +94,8 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
     return node_out(row, len(body.gpus))
 
 
-def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) -> bool:
-    """Note a node's heartbeat; returns whether the node had been down (and is up again)."""
+def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) -> NodeHeartbeatReply:
+    """Note a node's heartbeat and answer with what the controller wants of its GPUs."""
     row = store.node_row(session, name)
     if row is None:
         raise NotFound(f"no node {name!r}: register it first")
@@ -98,14 +104,26 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
         store.live.telemetry[t.uuid] = t.model_dump(exclude_none=True, exclude={"uuid"})
     store.live.host[name] = body.host
     store.live.dirty_nodes.add(name)
-    if row.state != "up":
+    resumed = row.state != "up"
+    if resumed:
         row.state = "up"
         row.last_seen_at = utcnow()
         store.pool.set_node_up(name, True)
         record(session, "controller", "node.up", name, "heartbeats resumed")
         persist_grants(store, session, store.pool.serve_queue(), utcnow())
-        return True
-    return False
+    return NodeHeartbeatReply(resumed=resumed, gpus=desired(store, name))
+
+
+def desired(store: Store, node: str) -> dict[str, GpuDesired]:
+    out = {}
+    for gpu in store.pool.gpus.values():
+        if gpu.node == node:
+            out[gpu.uuid] = GpuDesired(
+                mode=gpu.mode.value,
+                target_mode=gpu.target_mode.value if gpu.target_mode else None,
+                leases=sorted(store.pool.usage[gpu.uuid].leases),
+            )
+    return out
 
 
 def mark_silent_down(store: Store, session: Session) -> list[str]:

@@ -45,6 +45,8 @@ class GpuTelemetry(Strict):
     sm_clock_mhz: int | None = None
     mem_clock_mhz: int | None = None
     processes: list[dict[str, Any]] = Field(default_factory=list)
+    mps_pipe_dir: str | None = None
+    """Where the GPU's MPS control daemon listens; None when the GPU runs without MPS."""
 
 
 class NodeRegister(Strict):
@@ -63,6 +65,20 @@ class NodeHeartbeat(Strict):
     telemetry: list[GpuTelemetry] = Field(default_factory=list)
     host: dict[str, Any] = Field(default_factory=dict)
     gpus: list[GpuInventory] | None = None
+
+
+class GpuDesired(BaseModel):
+    """What the controller wants of one GPU, told to its agent in each heartbeat reply."""
+
+    mode: Mode
+    target_mode: Mode | None
+    leases: list[str]
+
+
+class NodeHeartbeatReply(BaseModel):
+    ok: bool = True
+    resumed: bool = False
+    gpus: dict[str, GpuDesired] = Field(default_factory=dict)
 
 
 class NodeOut(BaseModel):
@@ -105,6 +121,8 @@ class GpuModeSet(Strict):
 
 class GpuIsolate(Strict):
     reason: Annotated[str, Field(min_length=1, max_length=500)]
+    fault: bool = False
+    """True when the agent saw a hardware fault: the GPU's leases end ("its GPU failed")."""
 
 
 # ---- leases -----------------------------------------------------------------------------
