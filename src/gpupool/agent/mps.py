@@ -6,6 +6,7 @@ other: a client reaches exactly the daemon of its GPU through CUDA_MPS_PIPE_DIRE
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -137,10 +138,8 @@ class MpsDaemon:
             time.sleep(0.05)
         if self.pid() is not None:
             log.warning("MPS daemon %d for %s ignored quit; killing it", pid, self.gpu_uuid)
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         log.info("MPS daemon for %s stopped", self.gpu_uuid)
 
 

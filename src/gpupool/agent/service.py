@@ -11,6 +11,7 @@ import signal
 import socket
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ import httpx
 import psutil
 
 from gpupool.agent.backends import Backend, FakeBackend, GpuEvent, detect
-from gpupool.protocol.v1.api import GpuInventory, NodeHeartbeat, NodeRegister
+from gpupool.agent.health import is_fault, isolation_reason
+from gpupool.agent.mps import MpsSupervisor
+from gpupool.protocol.v1.api import GpuInventory, NodeHeartbeat, NodeHeartbeatReply, NodeRegister
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +58,9 @@ class AgentSettings:
     heartbeat_interval_s: float = 2.0
     address: str | None = None
     retry_max_s: float = 5.0
+    api_host: str = "127.0.0.1"
+    api_port: int | None = 0
+    """The agent's own HTTP API: 0 picks a free port, None turns it off."""
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -132,6 +138,10 @@ class Agent:
         self._transport = transport
         self._sent_gpus: list[GpuInventory] | None = None
         self._refusal_logged: str | None = None
+        self.mps = MpsSupervisor(settings.data_dir / "mps")
+        self.agent_url: str | None = None
+        self.faults_reported = 0
+        self._faults: asyncio.Queue[GpuEvent] = asyncio.Queue()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register, then heartbeat until `stop` is set; a missing controller never ends it."""
@@ -139,9 +149,13 @@ class Agent:
             self.backend = await asyncio.to_thread(open_backend, self.settings)
         backend = self.backend
         await asyncio.to_thread(self.settings.data_dir.mkdir, parents=True, exist_ok=True)
+        if backend.simulated:
+            # Simulated GPUs have no driver behind them: an MPS daemon would serve nothing.
+            self.mps.enabled = False
         await self._log_banner(backend)
         # The first cpu_percent() reading is meaningless (no interval yet): prime it now.
         await asyncio.to_thread(psutil.cpu_percent, None)
+        api = await self._start_api()
         done = asyncio.Event()
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")
         try:
@@ -150,12 +164,64 @@ class Agent:
                 timeout=HTTP_TIMEOUT_S,
                 transport=self._transport,
             ) as client:
-                await self._heartbeat_loop(client, backend, stop)
+                reporter = asyncio.create_task(self._report_faults(client), name="agent-faults")
+                try:
+                    await self._heartbeat_loop(client, backend, stop)
+                finally:
+                    reporter.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await reporter
         finally:
             done.set()
             await watcher
+            if api is not None:
+                api.should_exit = True
+                await self._api_task
+            await asyncio.to_thread(self.mps.stop_all)
             await asyncio.to_thread(backend.close)
             log.info("agent %s stopped", self.settings.node_name)
+
+    async def _start_api(self) -> Any:
+        """Serve the agent's API on loopback; its URL goes to the controller with the node."""
+        if self.settings.api_port is None:
+            return None
+        import uvicorn
+
+        from gpupool.agent.api import create_agent_app
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.settings.api_host, self.settings.api_port))
+        host, port = sock.getsockname()[:2]
+        self.agent_url = f"http://{host}:{port}"
+        config = uvicorn.Config(
+            create_agent_app(self), log_level="warning", access_log=False, lifespan="off"
+        )
+        server = _embedded_server_class()(config)
+        self._api_task = asyncio.create_task(server.serve(sockets=[sock]), name="agent-api")
+        log.info("agent API on %s", self.agent_url)
+        return server
+
+    async def _report_faults(self, client: httpx.AsyncClient) -> None:
+        """Tell the controller at once about each fault, so the GPU is isolated within seconds."""
+        while True:
+            event = await self._faults.get()
+            body = {"reason": isolation_reason(event), "fault": True}
+            backoff = Backoff(FIRST_RETRY_S, self.settings.retry_max_s)
+            while True:
+                try:
+                    response = await client.post(
+                        f"/api/v1/gpus/{event.gpu_uuid}/isolate", json=body
+                    )
+                except httpx.TransportError:
+                    await asyncio.sleep(backoff.next_s())
+                    continue
+                if response.is_error:
+                    log.error("controller refused to isolate %s: %s", event.gpu_uuid, response.text)
+                else:
+                    self.faults_reported += 1
+                    log.warning("GPU %s isolated: %s", event.gpu_uuid, body["reason"])
+                break
 
     # ---- the loop -------------------------------------------------------------------------
 
@@ -229,6 +295,10 @@ class Agent:
             return False
         if response.is_error:
             raise ControllerRefused("heartbeat", response)
+        reply = NodeHeartbeatReply.model_validate(response.json())
+        modes = {uuid: (d.mode, d.target_mode) for uuid, d in reply.gpus.items()}
+        if modes:
+            await asyncio.to_thread(self.mps.reconcile, modes)
         self.heartbeats_sent += 1
         self._refusal_logged = None
         return True
@@ -249,6 +319,8 @@ class Agent:
             for event in events:
                 self.health_events.append(event)
                 log.warning("GPU %s: %s (%s)", event.gpu_uuid, event.message, event.kind)
+                if is_fault(event):
+                    self._faults.put_nowait(event)
 
     # ---- bodies (blocking: run in a thread) -------------------------------------------------
 
@@ -256,6 +328,7 @@ class Agent:
         return NodeRegister(
             name=self.settings.node_name,
             address=self.settings.address,
+            agent_url=self.agent_url,
             cpu_count=psutil.cpu_count(),
             memory_mib=int(psutil.virtual_memory().total) // MIB,
             driver_version=backend.driver_version(),
@@ -266,7 +339,11 @@ class Agent:
 
     def _heartbeat_body(self, backend: Backend) -> tuple[NodeHeartbeat, list[GpuInventory]]:
         gpus = backend.inventory()
-        body = NodeHeartbeat(telemetry=backend.telemetry(), host=host_stats(self.settings.data_dir))
+        telemetry = [
+            t.model_copy(update={"mps_pipe_dir": self.mps.pipe_dir(t.uuid)})
+            for t in backend.telemetry()
+        ]
+        body = NodeHeartbeat(telemetry=telemetry, host=host_stats(self.settings.data_dir))
         return body, gpus
 
     # ---- what people see --------------------------------------------------------------------
@@ -317,6 +394,19 @@ class Agent:
         if text != self._refusal_logged:
             log.error("controller refused %s; retrying", text)
             self._refusal_logged = text
+
+
+def _embedded_server_class() -> Any:
+    import uvicorn
+
+    class EmbeddedServer(uvicorn.Server):
+        """uvicorn inside the agent's loop: the agent, not uvicorn, owns SIGINT and SIGTERM."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            yield
+
+    return EmbeddedServer
 
 
 def host_stats(data_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,64 @@
+"""The agent's own HTTP API on loopback: its local view, and faults for simulated GPUs."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from fastapi import FastAPI, HTTPException
+from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    from gpupool.agent.service import Agent
+
+
+class FaultIn(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    index: int
+    kind: Literal["xid", "ecc", "overheat", "lost", "clear"]
+    value: float | None = None
+
+
+def create_agent_app(agent: Agent) -> FastAPI:
+    app = FastAPI(title="gpupool agent", docs_url=None, redoc_url=None)
+
+    @app.get("/agent/v1/status")
+    async def status() -> dict[str, Any]:
+        backend = agent.backend
+        return {
+            "node": agent.settings.node_name,
+            "backend": backend.name if backend else None,
+            "simulated": bool(backend and backend.simulated),
+            "registered": agent.registered,
+            "controller_reachable": agent.controller_reachable,
+            "mps": {uuid: agent.mps.pipe_dir(uuid) for uuid in agent.mps.daemons},
+            "health_events": [
+                {"gpu_uuid": e.gpu_uuid, "kind": e.kind, "value": e.value, "message": e.message}
+                for e in list(agent.health_events)[-50:]
+            ],
+        }
+
+    @app.post("/agent/v1/faults")
+    async def inject(fault: FaultIn) -> dict[str, Any]:
+        from gpupool.agent.backends import FakeBackend
+
+        backend = agent.backend
+        if not isinstance(backend, FakeBackend):
+            raise HTTPException(409, "faults can be injected only into simulated GPUs")
+        try:
+            if fault.kind == "xid":
+                event = backend.inject_xid(fault.index, int(fault.value or 79))
+            elif fault.kind == "ecc":
+                event = backend.inject_ecc(fault.index)
+            elif fault.kind == "overheat":
+                event = backend.inject_overheat(fault.index, fault.value or 95.0)
+            elif fault.kind == "lost":
+                event = backend.inject_lost(fault.index)
+            else:
+                backend.clear_faults(fault.index)
+                return {"cleared": fault.index}
+        except IndexError as exc:
+            raise HTTPException(404, str(exc)) from None
+        return {"gpu_uuid": event.gpu_uuid, "kind": event.kind, "message": event.message}
+
+    return app
