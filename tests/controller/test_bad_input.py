@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
+
 from tests.conftest import register_fake_node
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 
 import httpx
+
 from tests.conftest import register_fake_node
 
 
