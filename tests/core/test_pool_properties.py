@@ -61,7 +61,7 @@ def requests(draw: st.DrawFn, nodes: list[str]) -> LeaseRequest:
     return LeaseRequest(
         tenant=draw(st.sampled_from(TENANTS)),
         gpus=draw(st.just(1) | st.integers(1, 4)),
-        compute_pct=100 if physical else draw(st.integers(1, 100)),
+        compute_pct=100 if physical else draw(st.sampled_from([1, 10, 25, 50]) | st.integers(1, 100)),
         memory_mib=None
         if physical
         else draw(st.none() | st.integers(1, 8192) | st.integers(1, 160_000)),
@@ -205,27 +205,6 @@ class PoolMachine(RuleBasedStateMachine):
 
     # ---- rules: leases -----------------------------------------------------------------
 
-    @rule(data=st.data())
-    def try_grant(self, data: st.DataObject) -> None:
-        request = data.draw(requests(self.nodes))
-        lease_id = self.new_id()
-        before = copy.deepcopy(self.pool)
-        result = self.pool.try_grant(lease_id, request)
-        if isinstance(result, str):
-            assert result
-            assert state_of(self.pool) == state_of(before), "a refused grant changed the pool"
-            return
-        assert self.pool.holdings[lease_id] == result
-        self.check_grant(request, result)
-        self.requested[lease_id] = request
-
-    @rule(data=st.data())
-    def enqueue_and_serve(self, data: st.DataObject) -> None:
-        request = data.draw(requests(self.nodes))
-        self.pool.enqueue(self.new_id(), request)
-        self.serve()
-
-    @rule()
     def serve(self) -> None:
         pool = self.pool
         order = [q.lease_id for q in pool.ordered_queue()]
@@ -239,18 +218,55 @@ class PoolMachine(RuleBasedStateMachine):
             self.check_grant(waiting[g.lease_id], g.slices)
             self.requested[g.lease_id] = waiting[g.lease_id]
 
+    # ---- rules: leases -----------------------------------------------------------------
+
     @rule(data=st.data())
-    def grant_then_release_restores_exactly(self, data: st.DataObject) -> None:
-        request = data.draw(requests(self.nodes))
-        before = copy.deepcopy(self.pool)
+    def try_grant(self, data: st.DataObject) -> None:
+        self.grant_or_refuse(data, data.draw(requests(self.nodes)))
+
+    @rule(data=st.data(), compute_off=st.integers(-1, 1), memory_off=st.integers(-1, 1))
+    def request_what_is_left(self, data: st.DataObject, compute_off: int, memory_off: int) -> None:
+        """Ask for a GPU's room, give or take one step: the edge where over-allocation hides."""
+        pool = self.pool
+        uuid = self.pick_gpu(data)
+        gpu = pool.gpus[uuid]
+        held = [s for slices in pool.holdings.values() for s in slices if s.gpu_uuid == uuid]
+        compute = int(100 * pool.ratios.compute) - sum(s.compute_pct for s in held)
+        memory = int(gpu.memory_mib * pool.ratios.memory) - sum(s.memory_mib for s in held)
+        request = LeaseRequest(
+            tenant="alice",
+            compute_pct=min(100, max(1, compute + compute_off)),
+            memory_mib=max(1, memory + memory_off),
+            node=gpu.node,
+        )
+        self.grant_or_refuse(data, request)
+
+    def grant_or_refuse(self, data: st.DataObject, request: LeaseRequest) -> None:
+        """Grant now or say why not; sometimes release at once, which must undo it exactly."""
         lease_id = self.new_id()
-        if not isinstance(self.pool.try_grant(lease_id, request), str):
+        before = copy.deepcopy(self.pool)
+        result = self.pool.try_grant(lease_id, request)
+        if isinstance(result, str):
+            assert result
+            assert state_of(self.pool) == state_of(before), "a refused grant changed the pool"
+            return
+        assert self.pool.holdings[lease_id] == result
+        self.check_grant(request, result)
+        if data.draw(st.booleans(), label="release at once"):
             assert self.pool.release(lease_id) == []
-        assert state_of(self.pool) == state_of(before)
+            assert state_of(self.pool) == state_of(before), "grant+release is not a no-op"
+        else:
+            self.requested[lease_id] = request
+
+    @rule(data=st.data())
+    def enqueue_and_serve(self, data: st.DataObject) -> None:
+        request = data.draw(requests(self.nodes))
+        self.pool.enqueue(self.new_id(), request)
+        self.serve()
 
     @precondition(lambda self: self.pool.holdings or self.pool.queue)
     @rule(data=st.data())
-    def release(self, data: st.DataObject) -> None:
+    def release_and_serve(self, data: st.DataObject) -> None:
         pool = self.pool
         lease_id = data.draw(st.sampled_from(sorted(set(pool.holdings) | set(pool.queue))))
         gpus = {s.gpu_uuid for s in pool.holdings.get(lease_id, ())}
@@ -261,79 +277,61 @@ class PoolMachine(RuleBasedStateMachine):
             assert not pool.usage[change.gpu_uuid].leases
         assert lease_id not in pool.holdings and lease_id not in pool.queue
         self.requested.pop(lease_id, None)
-
-    @rule()
-    def release_all(self) -> None:
-        self.release_everything()
+        self.serve()
 
     # ---- rules: GPUs and nodes ---------------------------------------------------------
 
-    @rule(data=st.data(), physical=st.booleans())
-    def set_mode(self, data: st.DataObject, physical: bool) -> None:
+    @rule(data=st.data(), mode=st.sampled_from([GpuMode.VIRTUAL, GpuMode.PHYSICAL, None]))
+    def switch_mode(self, data: st.DataObject, mode: GpuMode | None) -> None:
+        """An operator switches a GPU to the other pool, or (mode None) drains it."""
+        pool = self.pool
         uuid = self.pick_gpu(data)
-        target = GpuMode.PHYSICAL if physical else GpuMode.VIRTUAL
         self.modes_touched = True
-        if self.pool.gpus[uuid].mode is GpuMode.ISOLATED:
+        if pool.gpus[uuid].mode is GpuMode.ISOLATED:
             try:
-                self.pool.set_mode(uuid, target)
+                pool.set_mode(uuid, mode) if mode else pool.drain(uuid)
             except Conflict:
                 return
             raise AssertionError("an isolated GPU switched mode")
-        change = self.pool.set_mode(uuid, target)
-        gpu = self.pool.gpus[uuid]
+        if mode is None:
+            assert pool.drain(uuid).new is GpuMode.DRAINING
+            assert pool.gpus[uuid].mode is GpuMode.DRAINING
+            return
+        change = pool.set_mode(uuid, mode)
+        gpu = pool.gpus[uuid]
         assert gpu.mode is change.new
-        if self.pool.usage[uuid].leases:
-            assert gpu.mode in (target, GpuMode.DRAINING)
+        if pool.usage[uuid].leases:
+            assert gpu.mode in (mode, GpuMode.DRAINING)
         else:
-            assert gpu.mode is target and gpu.target_mode is None
+            assert gpu.mode is mode and gpu.target_mode is None
 
-    @rule(data=st.data())
-    def drain(self, data: st.DataObject) -> None:
+    @rule(data=st.data(), failed=st.booleans())
+    def isolate(self, data: st.DataObject, failed: bool) -> None:
+        """An operator isolates a GPU, or its health check fails and it is isolated."""
         uuid = self.pick_gpu(data)
         self.modes_touched = True
-        if self.pool.gpus[uuid].mode is GpuMode.ISOLATED:
-            try:
-                self.pool.drain(uuid)
-            except Conflict:
-                return
-            raise AssertionError("an isolated GPU was drained")
-        self.pool.drain(uuid)
-        assert self.pool.gpus[uuid].mode is GpuMode.DRAINING
-
-    @rule(data=st.data())
-    def isolate(self, data: st.DataObject) -> None:
-        uuid = self.pick_gpu(data)
-        self.modes_touched = True
+        if failed:
+            self.pool.upsert_gpu(replace(self.pool.gpus[uuid], healthy=False))
         self.pool.isolate(uuid)
         gpu = self.pool.gpus[uuid]
         assert gpu.mode is GpuMode.ISOLATED
         assert gpu.target_mode in (GpuMode.VIRTUAL, GpuMode.PHYSICAL)
 
+    @precondition(lambda self: any(g.mode is GpuMode.ISOLATED for g in self.pool.gpus.values()))
     @rule(data=st.data())
     def clear(self, data: st.DataObject) -> None:
-        uuid = self.pick_gpu(data)
-        self.modes_touched = True
-        was = self.pool.gpus[uuid]
-        if was.mode is not GpuMode.ISOLATED:
-            try:
-                self.pool.clear(uuid)
-            except Conflict:
-                return
-            raise AssertionError("a GPU that was not isolated was cleared")
-        change = self.pool.clear(uuid)
-        gpu = self.pool.gpus[uuid]
+        pool = self.pool
+        isolated = sorted(u for u, g in pool.gpus.items() if g.mode is GpuMode.ISOLATED)
+        uuid = data.draw(st.sampled_from(isolated))
+        was = pool.gpus[uuid]
+        change = pool.clear(uuid)
+        gpu = pool.gpus[uuid]
         assert gpu.healthy
-        assert gpu.mode is change.new
+        assert (gpu.mode, gpu.target_mode) == (change.new, change.target)
+        # Back where it was going; still draining there while it holds the other pool's leases.
         assert gpu.mode is was.target_mode or (
             gpu.mode is GpuMode.DRAINING and gpu.target_mode is was.target_mode
         )
-
-    @rule(data=st.data())
-    def gpu_fails(self, data: st.DataObject) -> None:
-        uuid = self.pick_gpu(data)
-        self.modes_touched = True
-        self.pool.upsert_gpu(replace(self.pool.gpus[uuid], healthy=False))
-        self.pool.isolate(uuid)
 
     @rule(n=st.integers(0, 15), up=st.booleans())
     def set_node_up(self, n: int, up: bool) -> None:
@@ -417,8 +415,8 @@ class PoolMachine(RuleBasedStateMachine):
 
 
 PoolMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=40,
+    max_examples=300,
+    stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

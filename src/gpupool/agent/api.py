@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any, Literal
 
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Response
 from pydantic import BaseModel, ConfigDict
+
+from gpupool.agent import metrics
 
 if TYPE_CHECKING:
     from gpupool.agent.service import Agent
@@ -37,6 +40,11 @@ def create_agent_app(agent: Agent) -> FastAPI:
                 for e in list(agent.health_events)[-50:]
             ],
         }
+
+    @app.get("/metrics")
+    async def scrape() -> Response:
+        view = await asyncio.to_thread(metrics.read_view, agent)
+        return Response(metrics.exposition(view), media_type=metrics.CONTENT_TYPE)
 
     @app.post("/agent/v1/faults")
     async def inject(fault: FaultIn) -> dict[str, Any]:

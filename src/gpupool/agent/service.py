@@ -21,8 +21,15 @@ import psutil
 
 from gpupool.agent.backends import Backend, FakeBackend, GpuEvent, detect
 from gpupool.agent.health import is_fault, isolation_reason
+from gpupool.agent.metrics import HealthCounts
 from gpupool.agent.mps import MpsSupervisor
-from gpupool.protocol.v1.api import GpuInventory, NodeHeartbeat, NodeHeartbeatReply, NodeRegister
+from gpupool.protocol.v1.api import (
+    GpuDesired,
+    GpuInventory,
+    NodeHeartbeat,
+    NodeHeartbeatReply,
+    NodeRegister,
+)
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +142,9 @@ class Agent:
         self.heartbeats_sent = 0
         self.registrations = 0
         self.health_events: deque[GpuEvent] = deque(maxlen=KEPT_EVENTS)
+        self.health_counts = HealthCounts()
+        self.desired: dict[str, GpuDesired] = {}
+        """What the controller wants of each GPU (mode, leases), from the last heartbeat reply."""
         self._transport = transport
         self._sent_gpus: list[GpuInventory] | None = None
         self._refusal_logged: str | None = None
@@ -163,6 +173,8 @@ class Agent:
                 base_url=self.settings.controller_url.rstrip("/"),
                 timeout=HTTP_TIMEOUT_S,
                 transport=self._transport,
+                # The event log names who acted: here, this node's agent (it isolates GPUs).
+                headers={"X-Gpupool-Actor": f"agent/{self.settings.node_name}"},
             ) as client:
                 reporter = asyncio.create_task(self._report_faults(client), name="agent-faults")
                 try:
@@ -296,6 +308,7 @@ class Agent:
         if response.is_error:
             raise ControllerRefused("heartbeat", response)
         reply = NodeHeartbeatReply.model_validate(response.json())
+        self.desired = reply.gpus
         modes = {uuid: (d.mode, d.target_mode) for uuid, d in reply.gpus.items()}
         if modes:
             await asyncio.to_thread(self.mps.reconcile, modes)
@@ -318,6 +331,7 @@ class Agent:
                 continue
             for event in events:
                 self.health_events.append(event)
+                self.health_counts.observe(event)
                 log.warning("GPU %s: %s (%s)", event.gpu_uuid, event.message, event.kind)
                 if is_fault(event):
                     self._faults.put_nowait(event)
@@ -340,7 +354,12 @@ class Agent:
     def _heartbeat_body(self, backend: Backend) -> tuple[NodeHeartbeat, list[GpuInventory]]:
         gpus = backend.inventory()
         telemetry = [
-            t.model_copy(update={"mps_pipe_dir": self.mps.pipe_dir(t.uuid)})
+            t.model_copy(
+                update={
+                    "mps_pipe_dir": self.mps.pipe_dir(t.uuid),
+                    **self.health_counts.telemetry_fields(t.uuid),
+                }
+            )
             for t in backend.telemetry()
         ]
         body = NodeHeartbeat(telemetry=telemetry, host=host_stats(self.settings.data_dir))

@@ -30,7 +30,7 @@ def list_events(
     ] = None,
     limit: Annotated[int | None, typer.Option("--limit", "-n", help="At most this many.")] = None,
     kind: Annotated[
-        str | None, typer.Option("--kind", help="Only this kind, e.g. lease.granted.")
+        str | None, typer.Option("--kind", help="Only this kind; * matches anything, e.g. lease.*")
     ] = None,
     subject: Annotated[
         str | None, typer.Option("--subject", help="Only about this lease, GPU or node.")

@@ -61,7 +61,11 @@ def _report(output: OutputFormat, gpu: GpuOut, done: str) -> None:
         print_json(gpu)
         return
     if gpu.mode == "draining":
-        target = f", then {gpu.target_mode}" if gpu.target_mode else ""
+        target = (
+            f", then it becomes {gpu.target_mode}"
+            if gpu.target_mode
+            else f"; it stays drained until `gpupool gpu mode {gpu.uuid} virtual|physical`"
+        )
         typer.echo(
             f"GPU {gpu.uuid} is draining: no new leases; {len(gpu.leases)} lease(s) to end{target}"
         )
@@ -109,7 +113,7 @@ def set_mode(
 
 @app.command("drain")
 def drain(ctx: typer.Context, ref: GpuArgument, output: OutputOption = OutputFormat.TABLE) -> None:
-    """Take no new leases on a GPU; the running ones finish."""
+    """Take no new leases on a GPU; the running ones finish. `gpu mode` brings it back."""
     with cli_context(ctx).client() as client:
         gpu = client.drain_gpu(find_gpu(client, ref).uuid)
     _report(output, gpu, "drained")
@@ -132,7 +136,7 @@ def isolate(
 
 @app.command("clear")
 def clear(ctx: typer.Context, ref: GpuArgument, output: OutputOption = OutputFormat.TABLE) -> None:
-    """Put an isolated or drained GPU back in service."""
+    """Put an isolated GPU back in service, in the mode it had."""
     with cli_context(ctx).client() as client:
         gpu = client.clear_gpu(find_gpu(client, ref).uuid)
     _report(output, gpu, "back in service")

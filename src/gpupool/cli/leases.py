@@ -8,6 +8,7 @@ from typing import Annotated
 
 import typer
 from pydantic import ValidationError
+from rich.markup import escape
 
 from gpupool.cli.context import cli_context, default_actor
 from gpupool.cli.errors import BadInput, CommandFailed, validation_message
@@ -22,6 +23,7 @@ from gpupool.cli.output import (
     show,
     stderr_console,
 )
+from gpupool.cli.signals import exit_status_of, terminate_interrupts
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
 from gpupool.core.units import format_mib, parse_compute_pct, parse_memory_mib
 from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
@@ -29,7 +31,6 @@ from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
 app = typer.Typer(no_args_is_help=True)
 
 LEASE_TTL_S = 3600.0
-EXIT_INTERRUPTED = 130
 
 
 def build_request(
@@ -84,13 +85,22 @@ def default_holder() -> str:
 def _wait_text(lease: LeaseOut, waited_s: float) -> str:
     position = f"#{lease.queue_position}" if lease.queue_position is not None else "?"
     why = f" - {lease.waiting_reason}" if lease.waiting_reason else ""
-    return f"lease {lease.id} queued at position {position}, waiting {waited_s:.0f}s{why}"
+    # Rich markup: the reason comes from the controller and may hold brackets.
+    return escape(f"lease {lease.id} queued at position {position}, waiting {waited_s:.0f}s{why}")
 
 
 def await_grant(client: PoolClient, lease: LeaseOut) -> LeaseOut:
-    """Wait for a queued lease with a live status line, heartbeating it; Ctrl-C cancels it."""
+    """Wait for a queued lease with a live status line, heartbeating it.
+
+    Ctrl-C or SIGTERM cancels the request rather than leaving it queued for its whole ttl.
+    """
     if lease.state != "queued":
         return lease
+    with terminate_interrupts():
+        return _await_grant(client, lease)
+
+
+def _await_grant(client: PoolClient, lease: LeaseOut) -> LeaseOut:
     console = stderr_console()
     started = time.monotonic()
     try:
@@ -113,9 +123,9 @@ def await_grant(client: PoolClient, lease: LeaseOut) -> LeaseOut:
                 note(_wait_text(now, time.monotonic() - started))
 
         return _checked(client.wait_for_grant(lease.id, on_update=log_change))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupt:
         cancel(client, lease.id)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise typer.Exit(exit_status_of(interrupt)) from None
 
 
 def _checked(lease: LeaseOut) -> LeaseOut:
@@ -131,7 +141,7 @@ def cancel(client: PoolClient, lease_id: str) -> None:
         client.release_lease(lease_id)
         note(f"cancelled lease {lease_id}")
     except (ApiError, ControllerUnreachable) as exc:
-        note(f"[yellow]could not cancel lease {lease_id}: {exc}[/yellow]")
+        note(f"[yellow]could not cancel lease {lease_id}: {escape(str(exc))}[/yellow]")
 
 
 def granted_text(lease: LeaseOut) -> str:
@@ -292,13 +302,18 @@ def renew(
 def release(
     ctx: typer.Context,
     lease_ids: Annotated[list[str], typer.Argument(metavar="ID...")],
+    operator: Annotated[
+        bool,
+        typer.Option("--operator", help="Take someone else's lease away, as an operator."),
+    ] = False,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     """Give leases back (a queued one is cancelled). Releasing twice is harmless."""
     released = []
     with cli_context(ctx).client() as client:
+        give_back = client.release_lease_as_operator if operator else client.release_lease
         for lease_id in lease_ids:
-            released.append(client.release_lease(lease_id))
+            released.append(give_back(lease_id))
     if output is OutputFormat.JSON:
         print_json(released)
         return

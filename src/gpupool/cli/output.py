@@ -192,7 +192,7 @@ def gpus_table(gpus: Iterable[GpuOut], title: str = "GPUs") -> Table:
     for gpu in gpus:
         util = gpu.telemetry.get("utilization_pct")
         model = Text(gpu.model)
-        if gpu.simulated:
+        if gpu.simulated and "simulated" not in gpu.model.lower():
             model.append(" (simulated)", style="yellow")
         table.add_row(
             gpu.node,
@@ -215,7 +215,11 @@ def gpu_detail(gpu: GpuOut) -> Table:
     table.add_column("value", overflow="fold")
     rows: list[tuple[str, str | Text]] = [
         ("node", f"{gpu.node} (index {gpu.index})"),
-        ("model", gpu.model + (" (simulated)" if gpu.simulated else "")),
+        (
+            "model",
+            gpu.model
+            + (" (simulated)" if gpu.simulated and "simulated" not in gpu.model.lower() else ""),
+        ),
         ("memory", format_mib(gpu.memory_mib)),
         ("mode", mode_text(gpu)),
         ("healthy", "yes" if gpu.healthy else "NO"),
@@ -242,7 +246,7 @@ def leases_table(leases: Iterable[LeaseOut], title: str = "leases") -> Table:
     table.add_column("ON")
     table.add_column("PRIO", justify="right")
     table.add_column("AGE", justify="right")
-    table.add_column("HOLDER", overflow="fold", max_width=40)
+    table.add_column("HOLDER", overflow="ellipsis", no_wrap=True, max_width=40)
     table.add_column("NOTE", overflow="fold", max_width=50)
     for lease in leases:
         if lease.state == "queued":
@@ -390,8 +394,8 @@ def pool_panel(pool: PoolSummary) -> Panel:
     table = Table(show_header=False, box=None)
     table.add_column("field", style="bold")
     table.add_column("value")
-    gpus = ", ".join(f"{count} {mode}" for mode, count in sorted(pool.gpus.items())) or "none"
-    leases = ", ".join(f"{count} {state}" for state, count in sorted(pool.leases.items())) or "none"
+    gpus = ", ".join(f"{n} {mode}" for mode, n in sorted(pool.gpus.items()) if n) or "none"
+    leases = ", ".join(f"{n} {state}" for state, n in sorted(pool.leases.items()) if n) or "none"
     ratios = ", ".join(f"{name} x{value:g}" for name, value in sorted(pool.ratios.items()))
     table.add_row("nodes", f"{pool.nodes_up} up, {pool.nodes_down} down")
     table.add_row("GPUs", gpus)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import socket
 import subprocess
 import sys
@@ -96,6 +97,11 @@ def local_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+def quiet_http_logs() -> None:
+    """One INFO line per HTTP request (heartbeats, health polls) would bury the real news."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+
+
 def agent_command(
     url: str,
     data_dir: Path,
@@ -104,6 +110,7 @@ def agent_command(
     interval_s: float | None = None,
 ) -> list[str]:
     cmd = [sys.executable, "-m", "gpupool.cli", "agent", "--url", url, "--data-dir", str(data_dir)]
+    cmd.append("--no-banner")  # the parent has shown it
     if fake_spec is not None:
         cmd += ["--fake", fake_spec]
     if node is not None:
@@ -192,7 +199,10 @@ def up(
     url = local_url(host, port)
     agent = LocalAgent(url, agent_command(url, data_dir / "agent", fake_spec))
     agent.start()
-    console.print(f"gpupool controller on {url} (dashboard {url}/); Ctrl-C stops the pool")
+    console.print(
+        f"gpupool controller on {url} (dashboard {url}/); Ctrl-C stops the pool", soft_wrap=True
+    )
+    quiet_http_logs()
     try:
         serve(ControllerSettings(host=host, port=port, data_dir=data_dir, db_url=db))
     finally:
@@ -259,6 +269,7 @@ def agent(
     address: Annotated[
         str | None, typer.Option("--address", help="Address other hosts reach this node at.")
     ] = None,
+    banner: Annotated[bool, typer.Option("--banner/--no-banner", hidden=True)] = True,
 ) -> None:
     if interval <= 0:
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
@@ -283,7 +294,9 @@ def agent(
             )
     else:
         check_fake_spec(fake)
-        stderr_console().print(simulated_banner(fake, "--fake was given"))
+        if banner:
+            stderr_console().print(simulated_banner(fake, "--fake was given"))
+    quiet_http_logs()
     run_agent(settings)
 
 

@@ -10,17 +10,19 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import FrameType
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from gpupool.cli.context import CliContext, cli_context
 from gpupool.cli.errors import BadInput, CommandFailed
 from gpupool.cli.leases import await_grant, build_request, granted_text
 from gpupool.cli.output import note
+from gpupool.cli.signals import signals_to
 from gpupool.client.sdk import URL_ENV, ApiError, ControllerUnreachable, LeaseKeeper, PoolClient
 from gpupool.protocol.v1.api import GpuOut, LeaseOut
 
@@ -46,6 +48,8 @@ _OWN_VARIABLES = (
     "CUDA_VISIBLE_DEVICES",
     "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE",
     "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT",
+    "CUDA_MPS_PIPE_DIRECTORY",
+    "CUDA_MPS_LOG_DIRECTORY",
     "GPUPOOL_LEASE_ID",
     "GPUPOOL_SIMULATED",
 )
@@ -66,7 +70,29 @@ def lease_env(lease: LeaseOut, gpus: Sequence[GpuOut], url: str) -> dict[str, st
         env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = ",".join(
             f"{index}={piece.memory_mib}M" for index, piece in enumerate(lease.slices)
         )
+        # The agent runs one MPS control daemon per virtual GPU; its pipe directory is how
+        # this program reaches that daemon, which enforces the limits above.
+        pipe = next(
+            (str(g.telemetry["mps_pipe_dir"]) for g in gpus if g.telemetry.get("mps_pipe_dir")),
+            None,
+        )
+        if pipe is not None:
+            env["CUDA_MPS_PIPE_DIRECTORY"] = pipe
+            env["CUDA_MPS_LOG_DIRECTORY"] = str(Path(pipe).parent / "log")
     return env
+
+
+def unenforced_warning(
+    lease: LeaseOut, gpus: Sequence[GpuOut], env: Mapping[str, str]
+) -> str | None:
+    """Say so when a slice on a real GPU runs without its MPS daemon (limits not enforced)."""
+    if lease.physical or "CUDA_MPS_PIPE_DIRECTORY" in env or "GPUPOOL_SIMULATED" in env:
+        return None
+    names = ", ".join(g.uuid for g in gpus)
+    return (
+        f"warning: no MPS daemon runs for {names}: the compute share and memory limit "
+        "of this slice are not enforced (is nvidia-cuda-mps-control installed on the agent?)"
+    )
 
 
 def child_env(base: Mapping[str, str], lease_vars: Mapping[str, str]) -> dict[str, str]:
@@ -135,7 +161,7 @@ class Supervisor:
         proc = self._proc
         if proc is None or proc.poll() is not None:
             return
-        note(f"[red]lease taken away ({reason}): stopping the command[/red]")
+        note(f"[red]lease taken away ({escape(reason)}): stopping the command[/red]")
         proc.terminate()
         deadline = time.monotonic() + self.grace_s
         while proc.poll() is None and time.monotonic() < deadline:
@@ -154,21 +180,8 @@ class _Warner:
     def __call__(self, exc: Exception) -> None:
         if not self._said.is_set():
             self._said.set()
-            note(f"[yellow]warning: cannot heartbeat lease {self.lease_id}: {exc}[/yellow]")
-
-
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """While queued there is no child yet: SIGTERM cancels the wait like Ctrl-C does."""
-
-    def interrupt(_signum: int, _frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+            problem = escape(str(exc))
+            note(f"[yellow]warning: cannot heartbeat lease {self.lease_id}: {problem}[/yellow]")
 
 
 def _gpus_of(client: PoolClient, lease: LeaseOut) -> list[GpuOut]:
@@ -184,7 +197,7 @@ def _release(client: PoolClient, lease: LeaseOut) -> None:
         client.release_lease(lease.id)
     except (ApiError, ControllerUnreachable) as exc:
         note(
-            f"[yellow]warning: could not release lease {lease.id} ({exc}); "
+            f"[yellow]warning: could not release lease {lease.id} ({escape(str(exc))}); "
             f"it expires within {lease.ttl_s:g} s[/yellow]"
         )
 
@@ -201,8 +214,11 @@ def _run_on_lease(
         )
     gpus = _gpus_of(client, lease)
     env = child_env(os.environ, lease_env(lease, gpus, context.url))
+    warning = unenforced_warning(lease, gpus, env)
+    if warning is not None:
+        note(f"[yellow]{escape(warning)}[/yellow]")
     note(
-        granted_text(lease)
+        escape(granted_text(lease))
         + (" [yellow](SIMULATED)[/yellow]" if "GPUPOOL_SIMULATED" in env else "")
     )
     supervisor = Supervisor(cmd, env, grace_s)
@@ -214,15 +230,13 @@ def _run_on_lease(
         on_end=supervisor.lease_lost,
         on_error=_Warner(lease.id),
     )
-    previous = {sig: signal.signal(sig, supervisor.forward) for sig in _FORWARDED}
-    try:
-        supervisor.start()
-        keeper.start()
-        returncode = supervisor.wait()
-    finally:
-        keeper.stop()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    with signals_to(supervisor.forward, _FORWARDED):
+        try:
+            supervisor.start()
+            keeper.start()
+            returncode = supervisor.wait()
+        finally:
+            keeper.stop()
     if supervisor.lost_reason is not None:
         raise CommandFailed(
             f"lease {lease.id} was taken away while the command ran ({supervisor.lost_reason}); "
@@ -274,6 +288,13 @@ def run(
         )
     if grace < 0:
         raise BadInput(f"--grace must not be negative, got {grace:g}")
+    if gpus > 1 and not physical:
+        # One MPS daemon per GPU, and a process reaches only one daemon: a program spread over
+        # several slices could not be held to its limits on all of them.
+        raise BadInput(
+            "a direct run on several GPU slices cannot be held to its limits by MPS: "
+            "use --physical for several whole GPUs, or one slice per process"
+        )
     context = cli_context(ctx)
     host = socket.gethostname()
     request = build_request(
@@ -292,8 +313,7 @@ def run(
     with context.client() as client:
         lease = client.create_lease(request)
         try:
-            with _terminate_as_interrupt():
-                lease = await_grant(client, lease)
+            lease = await_grant(client, lease)
             code = _run_on_lease(context, client, lease, cmd, grace)
         finally:
             _release(client, lease)

@@ -287,6 +287,10 @@ class PoolClient:
         """Give a lease back (or cancel it while queued); releasing twice is harmless."""
         return self._one(LeaseOut, self._request("DELETE", f"/leases/{_q(lease_id)}"))
 
+    def release_lease_as_operator(self, lease_id: str) -> LeaseOut:
+        """Take a lease away from its holder; recorded as released by an operator."""
+        return self._one(LeaseOut, self._request("POST", f"/leases/{_q(lease_id)}/release"))
+
     def queue(self) -> list[QueueEntryOut]:
         return self._many(QueueEntryOut, self._request("GET", "/queue"))
 
@@ -296,23 +300,33 @@ class PoolClient:
         on_update: Callable[[LeaseOut], None] | None = None,
         timeout: float | None = None,
         poll_interval_s: float = 0.5,
+        unreachable_grace_s: float = 30.0,
     ) -> LeaseOut:
         """Poll a queued lease until it leaves the queue, heartbeating it meanwhile.
 
         Returns the lease in its new state: usually `granted`, but `released` when it was
         cancelled while waiting (the caller decides what that means). Raises TimeoutError
-        after `timeout` seconds, leaving the lease queued.
+        after `timeout` seconds, leaving the lease queued. A controller that does not answer
+        (a restart) is retried for `unreachable_grace_s` before ControllerUnreachable.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
+        answered_at = time.monotonic()
+        pause = poll_interval_s
         while True:
-            lease = self.heartbeat_lease(lease_id)
-            if on_update is not None:
-                on_update(lease)
-            if lease.state != "queued":
-                return lease
+            try:
+                lease = self.heartbeat_lease(lease_id)
+            except ControllerUnreachable:
+                if time.monotonic() - answered_at > unreachable_grace_s:
+                    raise
+            else:
+                answered_at = time.monotonic()
+                if on_update is not None:
+                    on_update(lease)
+                if lease.state != "queued":
+                    return lease
+                pause = min(poll_interval_s, max(lease.ttl_s / 3, 0.05))
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(f"lease {lease_id} still queued after {timeout:g} s")
-            pause = min(poll_interval_s, max(lease.ttl_s / 3, 0.05))
             if deadline is not None:
                 pause = max(0.0, min(pause, deadline - time.monotonic()))
             time.sleep(pause)

@@ -13,10 +13,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from gpupool import __version__
-from gpupool.controller.background import reconcile
+from gpupool.controller.background import history, reconcile
 from gpupool.controller.db import make_engine, migrate
-from gpupool.controller.routers import gpus, leases, nodes, pool, tenants
+from gpupool.controller.routers import dashboard, gpus, leases, metrics, nodes, pool, tenants
+from gpupool.controller.services.metrics import SchedulingTimer
 from gpupool.controller.services.tenants import ensure_default
+from gpupool.controller.services.watch import open_watch
 from gpupool.controller.settings import ControllerSettings
 from gpupool.controller.store import Store
 from gpupool.core import PoolError
@@ -39,11 +41,14 @@ def create_app(settings: ControllerSettings) -> FastAPI:
         app.state.store = store
         stop = asyncio.Event()
         loop_task = asyncio.create_task(reconcile.run(store, stop))
+        app.state.watch = watch = await asyncio.to_thread(open_watch, store, settings)
+        watch_task = asyncio.create_task(history.run(store, watch, stop))
         try:
             yield
         finally:
             stop.set()
             await loop_task
+            await watch_task
             await asyncio.to_thread(store.stop)
             store.engine.dispose()
 
@@ -55,8 +60,11 @@ def create_app(settings: ControllerSettings) -> FastAPI:
         openapi_url=f"{API_PREFIX}/openapi.json",
         docs_url=f"{API_PREFIX}/docs",
     )
-    for module in (leases, gpus, nodes, tenants, pool):
+    for module in (leases, gpus, nodes, tenants, pool, dashboard):
         app.include_router(module.router, prefix=API_PREFIX)
+    app.include_router(metrics.router)
+    app.include_router(dashboard.pages)
+    app.add_middleware(SchedulingTimer)
     app.add_exception_handler(PoolError, _pool_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     return app

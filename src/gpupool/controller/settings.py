@@ -22,6 +22,8 @@ class ControllerSettings:
     memory_ratio: float = 1.0
     restart_grace_s: float | None = None
     """After a restart, holders get this long to heartbeat again (default: their ttl)."""
+    webhook_url: str | None = None
+    """Where alerts are POSTed (Alertmanager's webhook format) when they fire and end."""
 
     def database_url(self) -> str:
         if self.db_url:

@@ -14,6 +14,7 @@ from gpupool.core.model import (
     Access,
     Gpu,
     GpuMode,
+    Host,
     LeaseRequest,
     LeaseState,
     QueuedLease,
@@ -24,8 +25,11 @@ from gpupool.core.model import (
     Usage,
 )
 from gpupool.core.pool import Grant, ModeChange, Pool
+from gpupool.core.preempt import Preemption
+from gpupool.core.queue import FAIR, QueuePolicy
 
 __all__ = [
+    "FAIR",
     "HOLDING",
     "LIVE",
     "Access",
@@ -33,6 +37,7 @@ __all__ = [
     "Gpu",
     "GpuMode",
     "Grant",
+    "Host",
     "InvalidRequest",
     "InvalidTransition",
     "LeaseRequest",
@@ -42,6 +47,8 @@ __all__ = [
     "NotFound",
     "Pool",
     "PoolError",
+    "Preemption",
+    "QueuePolicy",
     "QueuedLease",
     "Quota",
     "QuotaExceeded",

@@ -47,6 +47,8 @@ class ReleaseReason(StrEnum):
     CANCELLED = "cancelled while queued"
     GPU_FAILED = "its GPU failed"
     NODE_REMOVED = "its node was removed"
+    PREEMPTED = "preempted by a higher-priority request"
+    WAITED_TOO_LONG = "waited longer than the queue's maximum wait"
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +117,23 @@ class LeaseRequest:
     node: str | None = None
     gpu_models: tuple[str, ...] = ()
     span_nodes: bool = True
+    prefer_node: str | None = None
+    """The client's own server: placement tries it first (locality `any`)."""
+    cpu_milli: int = 0
+    host_memory_mib: int = 0
+    """CPU and memory the program takes on the GPU's server (a direct lease runs there)."""
+    max_wait_s: float | None = None
+    expected_duration_s: float | None = None
+    """How long the requester says the lease lasts: lets it use room kept for the queue's head."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.gpus <= MAX_GPUS_PER_LEASE:
+        host_only = self.gpus == 0 and (self.cpu_milli > 0 or self.host_memory_mib > 0)
+        if not (1 <= self.gpus <= MAX_GPUS_PER_LEASE or (host_only and not self.physical)):
             raise InvalidRequest(f"gpus must be 1..{MAX_GPUS_PER_LEASE}, got {self.gpus}")
+        if self.cpu_milli < 0 or self.host_memory_mib < 0:
+            raise InvalidRequest("server CPU and memory must not be negative")
+        if self.max_wait_s is not None and self.max_wait_s <= 0:
+            raise InvalidRequest(f"maximum wait must be positive, got {self.max_wait_s}")
         if not 1 <= self.compute_pct <= 100:
             raise InvalidRequest(f"compute share must be 1..100 %, got {self.compute_pct}")
         if self.memory_mib is not None and self.memory_mib < 1:
@@ -155,12 +170,22 @@ class Quota:
     max_compute_pct: int | None = None
     max_leases: int | None = None
     max_priority: int | None = None
+    weight: float = 1.0
+    """Fair-share weight: a tenant of weight 2 is owed twice the share of a tenant of weight 1."""
+    guaranteed_gpus: float = 0.0
+    """GPU-equivalents that preemption never takes from this tenant."""
 
     def __post_init__(self) -> None:
         for name in ("max_gpus", "max_memory_mib", "max_compute_pct", "max_leases", "max_priority"):
             value = getattr(self, name)
             if value is not None and value < 0:
                 raise InvalidRequest(f"{name} must not be negative, got {value}")
+        if not self.weight > 0:
+            raise InvalidRequest(f"weight must be positive, got {self.weight}")
+        if self.guaranteed_gpus < 0:
+            raise InvalidRequest(
+                f"guaranteed share must not be negative, got {self.guaranteed_gpus}"
+            )
 
 
 @dataclass(slots=True)
@@ -210,6 +235,16 @@ class QueuedLease:
     lease_id: str
     request: LeaseRequest
     seq: int
+    enqueued_at: float = 0.0
+    """Seconds (the caller's clock) when it started waiting: for aging and the maximum wait."""
+
+
+@dataclass(frozen=True, slots=True)
+class Host:
+    """What a GPU server offers besides its GPUs; None: not accounted."""
+
+    cpu_milli: int | None = None
+    memory_mib: int | None = None
 
 
 @dataclass(slots=True)

@@ -6,7 +6,7 @@ functions decide, and the simulator replays traces through the very same code.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 
 from gpupool.core.errors import Conflict, InvalidRequest, NoCapacity, NotFound, QuotaExceeded
@@ -14,6 +14,7 @@ from gpupool.core.model import (
     Gpu,
     GpuMode,
     GpuUsage,
+    Host,
     LeaseRequest,
     QueuedLease,
     Quota,
@@ -23,6 +24,13 @@ from gpupool.core.model import (
     quota_violation,
     usage_of,
 )
+from gpupool.core.placement.filters import Demand, demand_of, slot_fits
+from gpupool.core.placement.index import NodeIndex, shape_of
+from gpupool.core.placement.policies import PlacementPolicy, policy_named
+from gpupool.core.placement.select import HeldBack, Memo, Placement, Selector
+from gpupool.core.placement.workload import Workload, WorkloadLearner
+from gpupool.core.preempt import Preemption, plan_preemption, reserve_room
+from gpupool.core.queue import Capacity, QueueOrder, QueuePolicy, overdue
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,7 +49,12 @@ class ModeChange:
 
 @dataclass(slots=True)
 class Pool:
-    """All GPUs, who holds what, and the queue. Mutated only through its methods."""
+    """All GPUs, who holds what, and the queue. Mutated only through its methods.
+
+    `policy` chooses where a request goes (core/placement), `queue_policy` in which order
+    waiting requests are served (core/queue). Both are pure; the controller and the
+    simulator share them.
+    """
 
     ratios: Ratios = field(default_factory=Ratios)
     gpus: dict[str, Gpu] = field(default_factory=dict)
@@ -53,18 +66,58 @@ class Pool:
     usage: dict[str, GpuUsage] = field(default_factory=dict)
     tenant_usage: dict[str, Usage] = field(default_factory=dict)
     next_seq: int = 0
+    policy: PlacementPolicy = field(default_factory=lambda: policy_named("default"))
+    queue_policy: QueuePolicy = field(default_factory=QueuePolicy)
+    hosts: dict[str, Host] = field(default_factory=dict)
+    workload: Workload = field(default_factory=Workload)
+    learn_workload: bool = True
+    priorities: dict[str, int] = field(default_factory=dict)
+    """Priority of each granted lease: preemption only ever takes lower ones."""
+    preempting: dict[str, str] = field(default_factory=dict)
+    """Lease being preempted → the queued lease it makes room for."""
+    host_held: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    host_used: dict[str, tuple[int, int]] = field(default_factory=dict)
+    index: NodeIndex = field(default_factory=NodeIndex)
+    node_gpus: dict[str, dict[str, None]] = field(default_factory=dict)
+    placement_memo: Memo = field(default_factory=dict)
+    _learner: WorkloadLearner = field(default_factory=WorkloadLearner)
+    _ranking: QueueOrder = field(default_factory=QueueOrder)
+    _demands: dict[str, Demand] = field(default_factory=dict)
+    _shape_keys: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    _shape_counts: dict[tuple[object, ...], int] = field(default_factory=dict)
+    """How many queued requests share each placement key: a pass stops once all failed."""
+    _capacity: tuple[int, Capacity] | None = None
+    _inventory_version: int = 0
+    _reserved: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
+    """Room kept for blocked heads (lease → (uuid, compute, memory)), reused while it holds."""
 
     # ---- inventory -------------------------------------------------------------------
 
     def upsert_gpu(self, gpu: Gpu) -> None:
+        old = self.gpus.get(gpu.uuid)
         self.gpus[gpu.uuid] = gpu
+        self._inventory_version += 1
         self.usage.setdefault(gpu.uuid, GpuUsage())
+        if old is not None and old.node != gpu.node:
+            self.node_gpus.get(old.node, {}).pop(gpu.uuid, None)
+            self._refresh(old.node)
+        self.node_gpus.setdefault(gpu.node, {})[gpu.uuid] = None
+        self._refresh(gpu.node)
 
     def remove_gpu(self, uuid: str) -> None:
         if self.usage.get(uuid, GpuUsage()).leases:
             raise Conflict(f"GPU {uuid} still holds leases")
-        self.gpus.pop(uuid, None)
+        gpu = self.gpus.pop(uuid, None)
         self.usage.pop(uuid, None)
+        self._inventory_version += 1
+        if gpu is not None:
+            self.node_gpus.get(gpu.node, {}).pop(uuid, None)
+            self._refresh(gpu.node)
+
+    def set_host(self, node: str, host: Host) -> None:
+        """Account the server's own CPU and memory (for direct leases that run on it)."""
+        self.hosts[node] = host
+        self._refresh(node)
 
     def set_node_up(self, node: str, up: bool) -> None:
         if up:
@@ -78,6 +131,26 @@ class Pool:
         except KeyError:
             raise NotFound(f"no GPU {uuid!r}") from None
 
+    def _refresh(self, node: str) -> None:
+        """Recompute one server's shape in the index after anything on it changed."""
+        uuids = self.node_gpus.get(node, {})
+        if not uuids and node not in self.hosts:
+            self.node_gpus.pop(node, None)
+            self.workload.account(self.index.shapes.get(node), None)
+            self.index.drop(node)
+            return
+        shape, order = shape_of(
+            (self.gpus[u] for u in uuids),
+            self.usage,
+            self.ratios,
+            self.hosts.get(node),
+            self.host_used.get(node, (0, 0)),
+        )
+        old = self.index.shapes.get(node)
+        self.index.set(node, shape, order)
+        if old != shape:
+            self.workload.account(old, shape)
+
     # ---- capacity --------------------------------------------------------------------
 
     def free_on(self, gpu: Gpu) -> tuple[int, int]:
@@ -87,65 +160,77 @@ class Pool:
         memory = int(gpu.memory_mib * self.ratios.memory) - used.memory_mib
         return compute, memory
 
-    def _eligible(self, gpu: Gpu, request: LeaseRequest) -> bool:
-        if not gpu.takes_new_leases() or gpu.node not in self.nodes_up:
-            return False
-        if request.node is not None and gpu.node != request.node:
-            return False
-        if not request.model_allowed(gpu.model):
-            return False
-        used = self.usage[gpu.uuid]
-        if request.physical:
-            return gpu.mode is GpuMode.PHYSICAL and not used.leases
-        if gpu.mode is not GpuMode.VIRTUAL:
-            return False
-        compute, memory = self.free_on(gpu)
-        return compute >= request.compute_pct and memory >= request.slice_memory_mib(gpu)
+    def capacity(self) -> Capacity:
+        """What shares are measured against: GPUs that are not isolated."""
+        cached = self._capacity
+        if cached is not None and cached[0] == self._inventory_version:
+            return cached[1]
+        gpus = [g for g in self.gpus.values() if g.mode is not GpuMode.ISOLATED]
+        capacity = Capacity(
+            compute_pct=100 * len(gpus),
+            memory_mib=sum(g.memory_mib for g in gpus),
+            gpus=len(gpus),
+        )
+        self._capacity = (self._inventory_version, capacity)
+        return capacity
 
-    def _fit_score(self, gpu: Gpu, request: LeaseRequest) -> tuple[float, int, str]:
-        """Best fit: the GPU left with the least room after placing goes first (packing)."""
-        if request.physical:
-            return (0.0, gpu.index, gpu.uuid)
-        compute, memory = self.free_on(gpu)
-        left_compute = (compute - request.compute_pct) / 100
-        left_memory = (memory - request.slice_memory_mib(gpu)) / max(gpu.memory_mib, 1)
-        return (left_compute + left_memory, gpu.index, gpu.uuid)
+    def _selector(self, held_back: HeldBack | None = None) -> Selector:
+        if self.workload.counted_version != self.workload.version:
+            self.workload.recount(self.index.shapes.values())
+        held = held_back or {}
+        held_nodes = {self.gpus[u].node for u in held if u in self.gpus}
+        return Selector(
+            self.index,
+            self.nodes_up,
+            self.policy,
+            self.workload,
+            self.placement_memo,
+            held,
+            held_nodes,
+        )
+
+    def plan(
+        self,
+        request: LeaseRequest,
+        held_back: HeldBack | None = None,
+        demand: Demand | None = None,
+    ) -> Placement | None:
+        """Where `request` would go now (GPUs and server share), or None; changes nothing."""
+        return self._selector(held_back).place(request, demand or demand_of(request))
 
     def place(self, request: LeaseRequest) -> tuple[Slice, ...]:
         """Choose GPUs for `request` now, all or nothing, or raise NoCapacity."""
-        candidates = [g for g in self.gpus.values() if self._eligible(g, request)]
-        if len(candidates) < request.gpus:
-            raise NoCapacity(self._shortage(request, len(candidates)))
-        by_node: dict[str, list[Gpu]] = {}
-        for gpu in candidates:
-            by_node.setdefault(gpu.node, []).append(gpu)
-        for gpus in by_node.values():
-            gpus.sort(key=lambda g: self._fit_score(g, request))
-        # Gang locality: one server is better than several; among servers that fit, the tightest.
-        fitting = [(node, gpus) for node, gpus in by_node.items() if len(gpus) >= request.gpus]
-        if fitting:
-            _node, gpus = min(
-                fitting,
-                key=lambda item: (
-                    sum(self._fit_score(g, request)[0] for g in item[1][: request.gpus]),
-                    item[0],
-                ),
-            )
-            chosen = gpus[: request.gpus]
-        elif request.span_nodes:
-            ordered = sorted(by_node.items(), key=lambda item: (-len(item[1]), item[0]))
-            chosen = [g for _, gpus in ordered for g in gpus][: request.gpus]
-        else:
-            raise NoCapacity(f"no single server has {request.gpus} free GPUs for this request")
-        return tuple(
-            Slice(
-                gpu_uuid=g.uuid,
-                compute_pct=100 if request.physical else request.compute_pct,
-                memory_mib=request.slice_memory_mib(g),
-                whole=request.physical,
-            )
-            for g in chosen
-        )
+        placement = self.plan(request)
+        if placement is None:
+            raise NoCapacity(self.shortage(request))
+        return placement.slices
+
+    def shortage(self, request: LeaseRequest) -> str:
+        """Why `request` does not fit now, in the words a user reads in the queue."""
+        demand = demand_of(request)
+        one = demand._replace(gpus=1, cpu_milli=0, host_memory_mib=0)
+        found = 0
+        per_node: dict[str, int] = {}
+        for group in self.index:
+            count = sum(1 for slot in group.shape.slots if slot_fits(slot, one))
+            if not count:
+                continue
+            for node in group.nodes:
+                if node in self.nodes_up and (request.node is None or node == request.node):
+                    found += count
+                    per_node[node] = count
+        kind = "free physical GPUs" if request.physical else "virtual GPUs with room"
+        if found >= request.gpus and request.gpus > 0:
+            if not request.span_nodes and max(per_node.values(), default=0) < request.gpus:
+                return f"no single server has {request.gpus} free GPUs for this request"
+            if request.cpu_milli or request.host_memory_mib:
+                return (
+                    f"no server with {request.gpus} suitable GPUs has {request.cpu_milli} CPU "
+                    f"milli and {request.host_memory_mib}MiB of memory free"
+                )
+        if request.gpus == 0:
+            return "no server has the CPU and memory free"
+        return f"needs {request.gpus} {kind}, {found} available now"
 
     def _shortage(self, request: LeaseRequest, found: int) -> str:
         kind = "free physical GPUs" if request.physical else "virtual GPUs with room"
@@ -220,7 +305,14 @@ class Pool:
 
     # ---- grants and releases ---------------------------------------------------------
 
-    def grant(self, lease_id: str, tenant: str, slices: tuple[Slice, ...]) -> None:
+    def grant(
+        self,
+        lease_id: str,
+        tenant: str,
+        slices: tuple[Slice, ...],
+        priority: int = 0,
+        host: tuple[tuple[str, int, int], ...] = (),
+    ) -> None:
         if lease_id in self.holdings:
             raise Conflict(f"lease {lease_id} already holds GPUs")
         for s in slices:
@@ -230,25 +322,49 @@ class Pool:
                 raise NoCapacity(f"GPU {gpu.uuid} is not free for a whole-GPU lease")
             if used.whole:
                 raise NoCapacity(f"GPU {gpu.uuid} is held whole")
+        touched: dict[str, None] = {}
         for s in slices:
             used = self.usage[s.gpu_uuid]
             used.compute_pct += s.compute_pct
             used.memory_mib += s.memory_mib
             used.leases.add(lease_id)
             used.whole = used.whole or s.whole
+            touched[self.gpus[s.gpu_uuid].node] = None
+        for node, cpu, mem in host:
+            was = self.host_used.get(node, (0, 0))
+            self.host_used[node] = (was[0] + cpu, was[1] + mem)
+            touched[node] = None
+        if host:
+            self.host_held[lease_id] = host
         self.holdings[lease_id] = slices
         self.owners[lease_id] = tenant
+        self.priorities[lease_id] = priority
         self.tenant_usage.setdefault(tenant, Usage()).add(usage_of(slices))
+        self._ranking.touch(tenant)
+        for node in touched:
+            self._refresh(node)
 
     def release(self, lease_id: str) -> list[ModeChange]:
         """Return a lease's capacity exactly; draining GPUs that become empty switch mode."""
-        self.queue.pop(lease_id, None)
+        queued = self.queue.pop(lease_id, None)
+        if queued is not None:
+            self._unqueued(queued)
+        self._reserved.pop(lease_id, None)
+        self.preempting.pop(lease_id, None)
         slices = self.holdings.pop(lease_id, None)
         tenant = self.owners.pop(lease_id, None)
+        self.priorities.pop(lease_id, None)
+        host = self.host_held.pop(lease_id, ())
         if slices is None:
             return []
         if tenant is not None:
             self.tenant_usage.setdefault(tenant, Usage()).add(usage_of(slices), sign=-1)
+            self._ranking.touch(tenant)
+        touched: dict[str, None] = {}
+        for node, cpu, mem in host:
+            was = self.host_used.get(node, (0, 0))
+            self.host_used[node] = (was[0] - cpu, was[1] - mem)
+            touched[node] = None
         changes: list[ModeChange] = []
         for s in slices:
             used = self.usage.get(s.gpu_uuid)
@@ -262,6 +378,9 @@ class Pool:
             change = self._finish_drain(s.gpu_uuid)
             if change is not None:
                 changes.append(change)
+            touched[self.gpus[s.gpu_uuid].node] = None
+        for node in touched:
+            self._refresh(node)
         return changes
 
     def _finish_drain(self, uuid: str) -> ModeChange | None:
@@ -271,88 +390,202 @@ class Pool:
         if self.usage[uuid].leases:
             return None
         self.gpus[uuid] = replace(gpu, mode=gpu.target_mode, target_mode=None)
+        self._inventory_version += 1
         return ModeChange(uuid, GpuMode.DRAINING, gpu.target_mode, None)
 
     # ---- the queue -------------------------------------------------------------------
 
-    def enqueue(self, lease_id: str, request: LeaseRequest) -> QueuedLease:
-        entry = QueuedLease(lease_id, request, self.next_seq)
+    def enqueue(self, lease_id: str, request: LeaseRequest, now: float = 0.0) -> QueuedLease:
+        entry = QueuedLease(lease_id, request, self.next_seq, enqueued_at=now)
         self.next_seq += 1
         self.queue[lease_id] = entry
+        self._queued(entry)
+        self._observe(request)
         return entry
 
     def restore_queued(self, entry: QueuedLease) -> None:
+        old = self.queue.get(entry.lease_id)
+        if old is not None:
+            self._unqueued(old)
         self.queue[entry.lease_id] = entry
+        self._queued(entry)
         self.next_seq = max(self.next_seq, entry.seq + 1)
 
-    def ordered_queue(self) -> list[QueuedLease]:
-        """Higher priority first, then first come, first served."""
-        return sorted(self.queue.values(), key=lambda q: (-q.request.priority, q.seq))
+    def _queued(self, entry: QueuedLease) -> None:
+        demand = demand_of(entry.request)
+        self._demands[entry.lease_id] = demand
+        key = self._shape_key(entry.request, demand)
+        self._shape_keys[entry.lease_id] = key
+        self._shape_counts[key] = self._shape_counts.get(key, 0) + 1
+        self._ranking.add(entry)
+
+    def _unqueued(self, entry: QueuedLease) -> None:
+        demand = self._demands.pop(entry.lease_id, None) or demand_of(entry.request)
+        key = self._shape_keys.pop(entry.lease_id, None) or self._shape_key(entry.request, demand)
+        left = self._shape_counts.get(key, 0) - 1
+        if left > 0:
+            self._shape_counts[key] = left
+        else:
+            self._shape_counts.pop(key, None)
+        self._ranking.remove(entry)
+
+    def _shape_key(self, request: LeaseRequest, demand: Demand) -> tuple[object, ...]:
+        delay = self.queue_policy.max_head_delay_s
+        bold = (
+            delay > 0
+            and request.expected_duration_s is not None
+            and request.expected_duration_s <= delay
+        )
+        return (demand, request.node, request.span_nodes, bold)
+
+    def _observe(self, request: LeaseRequest) -> None:
+        if self.learn_workload:
+            self._learner.observe(demand_of(request), self.workload)
+
+    def ordered_queue(self, now: float | None = None) -> list[QueuedLease]:
+        """The queue in grant order: priority, then (with fair share) tenant share, then age."""
+        self._rank(now)
+        return [self.queue[lid] for lid in self._ranking.ids()]
+
+    def _rank(self, now: float | None) -> None:
+        self._ranking.refresh(
+            self.queue, self.queue_policy, self.tenant_usage, self.quotas, self.capacity(), now
+        )
 
     def position(self, lease_id: str) -> int | None:
-        for i, entry in enumerate(self.ordered_queue(), start=1):
-            if entry.lease_id == lease_id:
-                return i
-        return None
+        self._rank(None)
+        return self._ranking.position(lease_id)
 
     def try_grant(self, lease_id: str, request: LeaseRequest) -> tuple[Slice, ...] | str:
         """Grant now if it fits and the quota allows; else return why it waits."""
-        try:
-            slices = self.place(request)
-        except NoCapacity as exc:
-            return exc.message
-        problem = self.quota_blocks(lease_id, request, slices)
+        self._observe(request)
+        placement = self.plan(request)
+        if placement is None:
+            return self.shortage(request)
+        problem = self.quota_blocks(lease_id, request, placement.slices)
         if problem is not None:
             return f"tenant quota: {problem}"
-        self.grant(lease_id, request.tenant, slices)
-        return slices
+        self.grant(lease_id, request.tenant, placement.slices, request.priority, placement.host)
+        return placement.slices
 
-    def serve_queue(self) -> list[Grant]:
-        """Grant queued requests in order.
+    def serve_queue(self, now: float | None = None) -> list[Grant]:
+        """Grant queued requests in order, backfilling around the blocked heads.
 
-        A request that does not fit blocks later requests of its own kind (physical or
-        virtual), so a stream of small requests cannot starve a large one; a request
-        held back only by its own tenant's quota blocks nobody else.
+        The first blocked request of each kind (virtual, physical), up to
+        `queue_policy.reservations` of them, keeps the room it needs on the GPUs closest
+        to fitting it; later requests are granted only where they leave that room alone,
+        so a stream of small requests cannot starve a large one. A request held back only
+        by its own tenant's quota blocks nobody else.
         """
         grants: list[Grant] = []
-        blocked_kinds: set[bool] = set()
-        for entry in self.ordered_queue():
+        held: dict[str, tuple[int, int]] = {}
+        heads = {False: 0, True: 0}
+        failed: set[tuple[object, ...]] = set()
+        policy = self.queue_policy
+        self._rank(now)
+        counts = self._shape_counts
+        keys = self._shape_keys
+        for lease_id in self._ranking.ids():
+            key = keys.get(lease_id)
+            if key in failed:
+                if len(failed) >= len(counts) and failed.issuperset(counts):
+                    break  # every kind of request still queued was tried and does not fit
+                continue
+            entry = self.queue[lease_id]
             req = entry.request
-            if req.physical in blocked_kinds:
+            demand = self._demands.get(lease_id) or demand_of(req)
+            if key is None:
+                key = self._shape_key(req, demand)
+            placement = self.plan(req, None if key[3] else held, demand)
+            if placement is None:
+                failed.add(key)
+                if heads[req.physical] < policy.reservations:
+                    heads[req.physical] += 1
+                    for uuid, compute, memory in self._reserve(entry, held):
+                        was = held.get(uuid, (0, 0))
+                        held[uuid] = (was[0] + compute, was[1] + memory)
                 continue
-            try:
-                slices = self.place(req)
-            except NoCapacity:
-                blocked_kinds.add(req.physical)
-                if len(blocked_kinds) == 2:
-                    break
+            if self.quota_blocks(entry.lease_id, req, placement.slices) is not None:
                 continue
-            if self.quota_blocks(entry.lease_id, req, slices) is not None:
-                continue
-            self.grant(entry.lease_id, req.tenant, slices)
+            self.grant(entry.lease_id, req.tenant, placement.slices, req.priority, placement.host)
             del self.queue[entry.lease_id]
-            grants.append(Grant(entry.lease_id, slices))
+            self._unqueued(entry)
+            self._reserved.pop(entry.lease_id, None)
+            grants.append(Grant(entry.lease_id, placement.slices))
         return grants
+
+    def _reserve(
+        self, entry: QueuedLease, held: Mapping[str, tuple[int, int]]
+    ) -> tuple[tuple[str, int, int], ...]:
+        """Room for a blocked head: kept while it still suits the request, else chosen anew."""
+        kept = self._reserved.get(entry.lease_id)
+        if kept is not None and all(
+            u in self.gpus and self.gpus[u].takes_new_leases() for u, _c, _m in kept
+        ):
+            return kept
+        victims = self.preempted_for(entry.lease_id)
+        room = reserve_room(self, entry.request, held, prefer_leases=victims)
+        self._reserved[entry.lease_id] = room
+        return room
 
     def why_waiting(self, lease_id: str) -> str:
         entry = self.queue.get(lease_id)
         if entry is None:
             return ""
+        victims = self.preempted_for(lease_id)
+        if victims:
+            return (
+                f"waiting for {len(victims)} lower-priority lease(s) it preempted to end: "
+                + ", ".join(sorted(victims))
+            )
         ahead = [q for q in self.ordered_queue() if q.request.physical == entry.request.physical]
-        if ahead and ahead[0].lease_id != lease_id:
-            try:
-                slices = self.place(entry.request)
-            except NoCapacity as exc:
-                return exc.message
-            if self.quota_blocks(lease_id, entry.request, slices) is not None:
+        first = not ahead or ahead[0].lease_id == lease_id
+        placement = self.plan(entry.request)
+        if placement is None:
+            return self.shortage(entry.request)
+        problem = self.quota_blocks(lease_id, entry.request, placement.slices)
+        if not first:
+            if problem is not None:
                 return "tenant quota"
             return "behind earlier requests of the same kind"
-        try:
-            slices = self.place(entry.request)
-        except NoCapacity as exc:
-            return exc.message
-        problem = self.quota_blocks(lease_id, entry.request, slices)
         return f"tenant quota: {problem}" if problem else "about to be granted"
+
+    def overdue(self, now: float) -> list[tuple[str, str]]:
+        """Queued requests past their maximum wait, with the reason to tell their holders."""
+        out = []
+        for entry, limit in overdue(self.queue.values(), self.queue_policy, now):
+            why = self.why_waiting(entry.lease_id)
+            out.append(
+                (
+                    entry.lease_id,
+                    f"waited {now - entry.enqueued_at:.0f} s, past the maximum wait of "
+                    f"{limit:g} s ({why})",
+                )
+            )
+        return out
+
+    # ---- preemption ------------------------------------------------------------------
+
+    def preempted_for(self, lease_id: str) -> set[str]:
+        return {victim for victim, by in self.preempting.items() if by == lease_id}
+
+    def plan_preemptions(self, now: float | None = None) -> list[Preemption]:
+        """For blocked queued requests, in order, the cheapest sets of lower-priority leases
+        whose end makes them fit; marks those leases as being preempted."""
+        out: list[Preemption] = []
+        for entry in self.ordered_queue(now):
+            if entry.request.priority <= 0 or self.preempted_for(entry.lease_id):
+                continue
+            if self.plan(entry.request) is not None:
+                continue
+            found = plan_preemption(self, entry.lease_id, entry.request)
+            if found is None:
+                continue
+            for victim in found.victims:
+                self.preempting[victim] = entry.lease_id
+            self._reserved[entry.lease_id] = found.room
+            out.append(found)
+        return out
 
     # ---- modes -----------------------------------------------------------------------
 
@@ -377,6 +610,8 @@ class Pool:
         else:
             new = replace(gpu, mode=target, target_mode=None)
         self.gpus[uuid] = new
+        self._inventory_version += 1
+        self._refresh(new.node)
         return ModeChange(uuid, old, new.mode, new.target_mode)
 
     def _holds_only(self, uuid: str, physical: bool) -> bool:
@@ -393,6 +628,8 @@ class Pool:
             raise Conflict(f"GPU {uuid} is isolated: clear it before draining it")
         new = replace(gpu, mode=GpuMode.DRAINING, target_mode=None)
         self.gpus[uuid] = new
+        self._inventory_version += 1
+        self._refresh(new.node)
         return ModeChange(uuid, gpu.mode, new.mode, None)
 
     def isolate(self, uuid: str) -> ModeChange:
@@ -402,6 +639,8 @@ class Pool:
         back = gpu.target_mode if gpu.mode is GpuMode.DRAINING else gpu.mode
         new = replace(gpu, mode=GpuMode.ISOLATED, target_mode=back or GpuMode.VIRTUAL)
         self.gpus[uuid] = new
+        self._inventory_version += 1
+        self._refresh(new.node)
         return ModeChange(uuid, gpu.mode, new.mode, new.target_mode)
 
     def clear(self, uuid: str) -> ModeChange:
@@ -414,6 +653,8 @@ class Pool:
             # Isolated mid-drain: its leases belong to the other pool, so the drain goes on.
             new = replace(new, mode=GpuMode.DRAINING, target_mode=back)
         self.gpus[uuid] = new
+        self._inventory_version += 1
+        self._refresh(new.node)
         return ModeChange(uuid, gpu.mode, new.mode, new.target_mode)
 
     def leases_on(self, uuids: Iterable[str]) -> set[str]:

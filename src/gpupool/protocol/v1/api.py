@@ -47,6 +47,9 @@ class GpuTelemetry(Strict):
     processes: list[dict[str, Any]] = Field(default_factory=list)
     mps_pipe_dir: str | None = None
     """Where the GPU's MPS control daemon listens; None when the GPU runs without MPS."""
+    xid_errors: int | None = None
+    """Xid errors the agent has seen on the GPU since it started."""
+    xid_last: int | None = None
 
 
 class NodeRegister(Strict):

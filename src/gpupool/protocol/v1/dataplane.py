@@ -1,0 +1,526 @@
+"""Data-plane protocol v1: length-prefixed msgpack frames between a client runtime and its worker.
+
+A frame is an 8-byte header (two big-endian uint32: body length, tail length), a msgpack body and
+an optional raw tail that carries tensor bytes without copying them through msgpack. The body's
+first object is the head `[Kind, ...]`; a BATCH body continues with one msgpack object per record,
+so the worker decodes (and resolves handles of) each record just before it runs it.
+
+Nothing here imports torch: tensors travel as dtype names, shapes and raw bytes (see `tensors.py`),
+ops as schema names such as `aten::add.Tensor`, so client and worker may run different torch
+versions.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import os
+import socket
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import IntEnum
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import msgpack
+
+VERSION = 1
+MiB = 1 << 20
+
+MAX_FRAME_BYTES = 64 * MiB
+"""Largest body + tail a peer accepts; a bigger frame closes the connection with an error."""
+CHUNK_BYTES = 8 * MiB
+"""Tensor bytes above this travel as several PUT / DATA frames."""
+INLINE_PAYLOAD_BYTES = 64 * 1024
+"""Host tensors up to this size ride inside the op stream; bigger ones get their own frames."""
+BATCH_MAX_RECORDS = 512
+HELLO_TIMEOUT_S = 10.0
+
+_HEADER = struct.Struct(">II")
+
+
+class Kind(IntEnum):
+    """First element of every frame's head."""
+
+    HELLO = 1
+    """client → worker: [HELLO, {v, lease, token, torch, host, pid, shm}]"""
+    WELCOME = 2
+    """worker → client: [WELCOME, {device facts, limits, torch version}]"""
+    BATCH = 3
+    """client → worker: [BATCH] followed by records (`Rec`), run in order."""
+    PUT = 4
+    """client → worker: [PUT, handle, offset]; tail = the next bytes of a large put."""
+    DATA = 5
+    """worker → client: [DATA, req, dtype, shape, offset, total]; tail = bytes of a read."""
+    RESULT = 6
+    """worker → client: [RESULT, req, value] — the answer to CALL, SYNC or STATS."""
+    ERROR = 7
+    """either way: [ERROR, req or None, ErrorBody]; after a protocol error the sender closes."""
+
+
+class Rec(IntEnum):
+    """Records of a BATCH: ops stream without replies; only READ, CALL, SYNC, STATS answer."""
+
+    DEF = 1
+    """[DEF, op_id, "aten::add.Tensor"]: names an op once per connection."""
+    OP = 2
+    """[OP, op_id, args, kwargs, outs]: run an op; outs = handles for its tensor outputs."""
+    PUT = 3
+    """[PUT, handle, dtype, shape, payload, nbytes, shm_offset]: copy host bytes into the tensor
+    `handle` (a plain int here: the bytes may arrive after the record is decoded).
+
+    payload is the bytes (small puts) or None: then nbytes follow in PUT frames, or sit in the
+    client's shared-memory arena at shm_offset."""
+    READ = 4
+    """[READ, req, handle]: reply with DATA frames (or ERROR)."""
+    CALL = 5
+    """[CALL, req, op_id, args, kwargs, handle_base]: run now, reply with output specs."""
+    FREE = 6
+    """[FREE, handle]: the client dropped its last reference."""
+    SYNC = 7
+    """[SYNC, req]: reply once everything before it has finished."""
+    SEED = 8
+    """[SEED, seed]: seed the worker device's random generator."""
+    STATS = 9
+    """[STATS, req]: reply with memory and activity counters."""
+
+
+class Ext(IntEnum):
+    """msgpack extension codes for op arguments."""
+
+    TENSOR = 1
+    """8-byte big-endian handle of a tensor the worker holds."""
+    DTYPE = 2
+    """dtype name, e.g. b"bfloat16"."""
+    DEVICE = 3
+    """b"" = the worker's own device, b"cpu" = host memory."""
+    LITERAL = 4
+    """a small host tensor: msgpack [dtype, shape, bytes]."""
+    LAYOUT = 5
+    MEMORY_FORMAT = 6
+    COMPLEX = 7
+    """msgpack [real, imag]."""
+
+
+class ErrorKind(IntEnum):
+    PROTOCOL = 1
+    """malformed or oversized frame, unknown record: the connection closes."""
+    AUTH = 2
+    """no valid token for this lease: the connection is refused."""
+    BUSY = 3
+    """the worker already serves a client."""
+    OP = 4
+    """a streamed op failed; reported at the next read."""
+    OUT_OF_MEMORY = 5
+    """an allocation would exceed the lease's memory limit."""
+    UNSUPPORTED = 6
+    """the worker cannot run this op (unknown to its torch, or not allowed)."""
+
+
+@dataclass(frozen=True)
+class ErrorBody:
+    kind: ErrorKind
+    message: str
+    op: str | None = None
+    exc_type: str = "RuntimeError"
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "kind": int(self.kind),
+            "message": self.message,
+            "op": self.op,
+            "exc": self.exc_type,
+        }
+
+    @classmethod
+    def from_wire(cls, body: object) -> ErrorBody:
+        if not isinstance(body, dict):
+            return cls(ErrorKind.PROTOCOL, f"malformed error body: {body!r:.200}")
+        try:
+            kind = ErrorKind(int(body.get("kind", ErrorKind.PROTOCOL)))
+        except ValueError:
+            kind = ErrorKind.PROTOCOL
+        return cls(
+            kind, str(body.get("message", "")), body.get("op"), str(body.get("exc", "RuntimeError"))
+        )
+
+
+class DataPlaneError(Exception):
+    """Base of data-plane failures."""
+
+
+class ProtocolError(DataPlaneError):
+    """The peer sent something this protocol version does not allow."""
+
+
+class ConnectionClosed(DataPlaneError):
+    """The peer closed the connection."""
+
+
+class RemoteError(DataPlaneError):
+    """The peer answered with an ERROR frame."""
+
+    def __init__(self, body: ErrorBody) -> None:
+        super().__init__(body.message)
+        self.body = body
+
+
+# ---- addresses ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Address:
+    """`tcp://host:port` or `unix:/path/to/socket`."""
+
+    scheme: str
+    host: str = ""
+    port: int = 0
+    path: str = ""
+
+    def __str__(self) -> str:
+        if self.scheme == "unix":
+            return f"unix:{self.path}"
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"tcp://{host}:{self.port}"
+
+    @property
+    def is_unix(self) -> bool:
+        return self.scheme == "unix"
+
+
+def parse_address(text: str) -> Address:
+    if text.startswith("unix:"):
+        path = text[len("unix:") :]
+        if path.startswith("//"):
+            path = path[2:]
+        if not path:
+            raise ValueError(f"unix address without a path: {text!r}")
+        return Address("unix", path=path)
+    if text.startswith("tcp://"):
+        rest = text[len("tcp://") :]
+        if rest.startswith("["):
+            host, _, port = rest[1:].partition("]:")
+        else:
+            host, _, port = rest.rpartition(":")
+        if not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"tcp address needs host:port: {text!r}")
+        return Address("tcp", host=host, port=int(port))
+    raise ValueError(f"address must start with tcp:// or unix: — got {text!r}")
+
+
+def listen(address: Address, backlog: int = 8) -> socket.socket:
+    """A listening socket; a tcp port 0 or a fresh unix path is bound as given."""
+    if address.is_unix:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(address.path)
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(address.path)
+        os.chmod(address.path, 0o600)
+    else:
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((address.host, address.port))
+    sock.listen(backlog)
+    return sock
+
+
+def bound_address(sock: socket.socket, requested: Address) -> Address:
+    if requested.is_unix:
+        return requested
+    host, port = sock.getsockname()[:2]
+    return Address("tcp", host=str(host), port=int(port))
+
+
+def connect(address: Address, timeout_s: float = 10.0) -> socket.socket:
+    if address.is_unix:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        sock.connect(address.path)
+    else:
+        sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
+    sock.settimeout(None)
+    tune(sock)
+    return sock
+
+
+def tune(sock: socket.socket) -> None:
+    """Small batches must leave at once; reads are latency-bound."""
+    if sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, 4 * MiB)
+
+
+def token_matches(expected: str, given: object) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(expected.encode(), given.encode())
+
+
+# ---- frames -------------------------------------------------------------------------------
+
+
+def pack(obj: object) -> bytes:
+    return msgpack.packb(obj, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def pack_records(head: Sequence[object], records: Sequence[object]) -> bytes:
+    packer = msgpack.Packer(use_bin_type=True, autoreset=False)
+    packer.pack(head)
+    for record in records:
+        packer.pack(record)
+    return packer.bytes()  # type: ignore[no-any-return]
+
+
+@dataclass
+class Frame:
+    body: bytes
+    tail_len: int
+
+    def head(self) -> list[Any]:
+        """The first object of the body, checked to be `[Kind, ...]`."""
+        return unpack_head(self.body)
+
+    def objects(self, ext_hook: Callable[[int, bytes], object] | None = None) -> Iterator[Any]:
+        """All body objects in order (head first), decoded one at a time."""
+        unpacker = _unpacker(ext_hook)
+        unpacker.feed(self.body)
+        try:
+            yield from unpacker
+        except (msgpack.UnpackException, ValueError) as exc:
+            raise ProtocolError(f"malformed frame body: {exc}") from exc
+
+
+def _unpacker(ext_hook: Callable[[int, bytes], object] | None) -> msgpack.Unpacker:
+    kwargs: dict[str, Any] = {
+        "raw": False,
+        "strict_map_key": True,
+        "max_buffer_size": MAX_FRAME_BYTES,
+    }
+    if ext_hook is not None:
+        kwargs["ext_hook"] = ext_hook
+    return msgpack.Unpacker(**kwargs)
+
+
+def unpack_head(body: bytes) -> list[Any]:
+    unpacker = _unpacker(None)
+    unpacker.feed(body)
+    try:
+        head = unpacker.unpack()
+    except (msgpack.UnpackException, ValueError) as exc:
+        raise ProtocolError(f"malformed frame body: {exc}") from exc
+    if not isinstance(head, list) or not head or not isinstance(head[0], int):
+        raise ProtocolError("frame head must be a list starting with its kind")
+    try:
+        Kind(head[0])
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {head[0]}") from None
+    return head
+
+
+class Connection:
+    """Frames over one blocking stream socket; one reader and one writer thread at a time."""
+
+    def __init__(self, sock: socket.socket, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.sock = sock
+        self.max_frame_bytes = max_frame_bytes
+        self._reader: BinaryIO = sock.makefile("rb", buffering=256 * 1024)
+        self._unread_tail = 0
+        self.closed = False
+
+    # -- writing --
+
+    def send(self, head: Sequence[object], tail: bytes | memoryview | None = None) -> None:
+        self.send_body(pack(head), tail)
+
+    def send_body(self, body: bytes, tail: bytes | memoryview | None = None) -> None:
+        tail_len = 0 if tail is None else len(tail)
+        if len(body) + tail_len > self.max_frame_bytes:
+            raise ProtocolError(
+                f"frame of {len(body) + tail_len} bytes exceeds the limit of {self.max_frame_bytes}"
+            )
+        parts: list[bytes | memoryview] = [_HEADER.pack(len(body), tail_len), body]
+        if tail_len:
+            assert tail is not None
+            parts.append(tail)
+        self._sendmsg_all(parts)
+
+    def _sendmsg_all(self, parts: list[bytes | memoryview]) -> None:
+        views = [memoryview(p).cast("B") for p in parts]
+        try:
+            while views:
+                sent = self.sock.sendmsg(views)
+                while views and sent >= len(views[0]):
+                    sent -= len(views[0])
+                    views.pop(0)
+                if views and sent:
+                    views[0] = views[0][sent:]
+        except (BrokenPipeError, ConnectionResetError, OSError) as exc:
+            self.closed = True
+            raise ConnectionClosed(f"connection lost while sending: {exc}") from exc
+
+    # -- reading --
+
+    def recv(self) -> Frame:
+        """The next frame; its tail (if any) must be read with `read_tail*` before the next."""
+        if self._unread_tail:
+            self._skip(self._unread_tail)
+        header = self._read_exact(_HEADER.size)
+        body_len, tail_len = _HEADER.unpack(header)
+        if body_len == 0:
+            raise ProtocolError("empty frame body")
+        if body_len + tail_len > self.max_frame_bytes:
+            raise ProtocolError(
+                f"frame of {body_len + tail_len} bytes exceeds the limit of {self.max_frame_bytes}"
+            )
+        body = self._read_exact(body_len)
+        self._unread_tail = tail_len
+        return Frame(body, tail_len)
+
+    def read_tail(self) -> bytearray:
+        buf = bytearray(self._unread_tail)
+        self.read_tail_into(memoryview(buf))
+        return buf
+
+    def read_tail_into(self, dest: memoryview) -> None:
+        if len(dest) != self._unread_tail:
+            raise ProtocolError(f"tail of {self._unread_tail} bytes, expected {len(dest)}")
+        view = dest.cast("B") if dest.format != "B" else dest
+        got = 0
+        while got < len(view):
+            n = self._reader.readinto(view[got:])  # type: ignore[attr-defined]
+            if not n:
+                self.closed = True
+                raise ConnectionClosed("connection closed inside a frame")
+            got += n
+        self._unread_tail = 0
+
+    def _skip(self, n: int) -> None:
+        while n:
+            chunk = self._reader.read(min(n, CHUNK_BYTES))
+            if not chunk:
+                raise ConnectionClosed("connection closed inside a frame")
+            n -= len(chunk)
+        self._unread_tail = 0
+
+    def _read_exact(self, n: int) -> bytes:
+        try:
+            data = self._reader.read(n)
+        except (ConnectionResetError, OSError) as exc:
+            self.closed = True
+            raise ConnectionClosed(f"connection lost while reading: {exc}") from exc
+        if len(data) != n:
+            self.closed = True
+            if not data:
+                raise ConnectionClosed("peer closed the connection")
+            raise ConnectionClosed("connection closed inside a frame")
+        return data
+
+    def close(self) -> None:
+        self.closed = True
+        with contextlib.suppress(OSError):
+            self._reader.close()
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        with contextlib.suppress(OSError):
+            self.sock.close()
+
+
+# ---- the handshake (raw socket calls: it may carry a file descriptor) ----------------------
+
+
+@dataclass
+class Handshake:
+    head: list[Any]
+    fds: list[int] = field(default_factory=list)
+
+
+def send_handshake(sock: socket.socket, head: Sequence[object], fds: Sequence[int] = ()) -> None:
+    body = pack(head)
+    data = _HEADER.pack(len(body), 0) + body
+    if fds:
+        sent = socket.send_fds(sock, [data], list(fds))
+        if sent < len(data):
+            sock.sendall(data[sent:])
+    else:
+        sock.sendall(data)
+
+
+def recv_handshake(sock: socket.socket, max_bytes: int = 64 * 1024) -> Handshake:
+    """Read exactly one small frame without buffering past it (the next frames belong to a
+    buffered reader), collecting any file descriptors sent with it."""
+    fds: list[int] = []
+    header = _recv_exact_collecting(sock, _HEADER.size, fds)
+    body_len, tail_len = _HEADER.unpack(header)
+    if body_len == 0 or tail_len or body_len > max_bytes:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError(f"handshake frame must be a small body (got {body_len}+{tail_len})")
+    body = _recv_exact_collecting(sock, body_len, fds)
+    try:
+        head = unpack_head(body)
+    except ProtocolError:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return Handshake(head, fds)
+
+
+def _recv_exact_collecting(sock: socket.socket, n: int, fds: list[int]) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        if sock.family == socket.AF_UNIX:
+            data, got_fds, _flags, _addr = socket.recv_fds(sock, n - len(buf), 4)
+            fds.extend(got_fds)
+        else:
+            data = sock.recv(n - len(buf))
+        if not data:
+            raise ConnectionClosed("peer closed the connection during the handshake")
+        buf += data
+    return bytes(buf)
+
+
+# ---- shared memory for payloads on one host ---------------------------------------------
+
+
+class SharedArena:
+    """A memfd region both peers map: the writer fills [offset, offset+n), the reader copies out.
+
+    Only offered over Unix sockets (the descriptor travels with the handshake), so it needs no
+    file in /dev/shm and no permission shared between the client's and the worker's users."""
+
+    def __init__(self, fd: int, size: int) -> None:
+        import mmap
+
+        self.fd = fd
+        self.size = size
+        self.map = mmap.mmap(fd, size)
+        self.cursor = 0
+
+    @classmethod
+    def create(cls, size: int, name: str = "gpupool-arena") -> SharedArena:
+        fd = os.memfd_create(name, os.MFD_CLOEXEC)
+        os.ftruncate(fd, size)
+        return cls(fd, size)
+
+    @classmethod
+    def adopt(cls, fd: int) -> SharedArena:
+        return cls(fd, os.fstat(fd).st_size)
+
+    def view(self, offset: int, nbytes: int) -> memoryview:
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ProtocolError(f"arena range {offset}+{nbytes} outside {self.size} bytes")
+        return memoryview(self.map)[offset : offset + nbytes]
+
+    def close(self) -> None:
+        with contextlib.suppress(BufferError, ValueError):
+            self.map.close()
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+
+
+def socket_dir() -> Path:
+    """Where workers put unix sockets when asked for `unix:` without a path."""
+    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
+    return Path(base)

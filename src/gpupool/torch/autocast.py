@@ -1,0 +1,182 @@
+"""torch.autocast("cuda") for remote tensors, applied where their ops are dispatched.
+
+PyTorch's own CUDA autocast is keyed by the tensor's C++ device, which for a RemoteTensor is
+`meta`, so it never fires. The client applies CUDA's op lists itself, below autograd: an op of
+the lower-precision list gets its float32 inputs cast (on the worker) to the autocast dtype, an
+op of the float32 list gets its 16-bit inputs cast up. Autograd saw the op with its original
+inputs, so the backward ops meet mixed dtypes (a bf16 gradient and the float32 weight it
+saved); those are reconciled the same way, and autograd casts each gradient back to its
+input's dtype, as it does after a real autocast region.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from gpupool.torch.shapes import NeedsWorker, OpInfo, Plan
+from gpupool.torch.tensor import RemoteTensor
+
+LOWER_PRECISION = frozenset(
+    {
+        "mm", "bmm", "addmm", "baddbmm", "addbmm", "addmv", "addr", "mv", "matmul", "linear",
+        "convolution", "_convolution", "conv_tbc", "_prelu_kernel", "linalg_vecdot",
+        "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell",
+        "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    }
+)  # fmt: skip
+FLOAT32 = frozenset(
+    {
+        "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
+        "reciprocal", "rsqrt", "sinh", "tan", "pow", "softplus", "native_layer_norm",
+        "native_group_norm", "frobenius_norm", "nuclear_norm", "cosine_similarity",
+        "poisson_nll_loss", "cosine_embedding_loss", "nll_loss_forward", "nll_loss2d_forward",
+        "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
+        "margin_ranking_loss", "multilabel_margin_loss_forward", "soft_margin_loss",
+        "triplet_margin_loss", "multi_margin_loss", "binary_cross_entropy_with_logits", "dist",
+        "_pdist_forward", "_cdist_forward", "renorm", "logsumexp", "_softmax", "_log_softmax",
+        "prod", "cumprod", "cumsum", "linalg_vector_norm", "linalg_matrix_norm", "norm",
+    }
+)  # fmt: skip
+FLOAT32_BY_DTYPE_ARG = frozenset({"sum", "prod", "cumsum", "cumprod", "linalg_vector_norm"})
+"""CUDA autocast runs these in float32 by passing dtype=float32 when the caller gave none."""
+PROMOTE = frozenset(
+    {
+        "addcdiv", "addcmul", "atan2", "bilinear", "cross", "linalg_cross", "dot", "vdot",
+        "grid_sampler", "index_put", "index_put_", "scatter_add", "tensordot", "cat", "stack",
+    }
+)  # fmt: skip
+LOWER_PRECISION_BACKWARD = frozenset(
+    {
+        "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "convolution_backward",
+        "_scaled_dot_product_flash_attention_backward",
+        "_scaled_dot_product_flash_attention_for_cpu_backward",
+        "_scaled_dot_product_efficient_attention_backward",
+        "_scaled_dot_product_cudnn_attention_backward",
+    }
+)  # fmt: skip
+FLOAT32_BACKWARD = frozenset(
+    {
+        "native_layer_norm_backward", "native_group_norm_backward", "_softmax_backward_data",
+        "_log_softmax_backward_data", "nll_loss_backward", "nll_loss2d_backward",
+        "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "l1_loss_backward",
+        "native_batch_norm_backward", "batch_norm_backward", "binary_cross_entropy_backward",
+        "kl_div_backward", "soft_margin_loss_backward",
+    }
+)  # fmt: skip
+POLICY_OPS = (
+    LOWER_PRECISION
+    | FLOAT32
+    | FLOAT32_BY_DTYPE_ARG
+    | PROMOTE
+    | LOWER_PRECISION_BACKWARD
+    | FLOAT32_BACKWARD
+)
+"""Ops whose dispatch asks this module first (a frozenset lookup for every other op)."""
+
+_SIXTEEN = (torch.float16, torch.bfloat16)
+_ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
+_current_node = torch._C._current_autograd_node
+
+
+def adjust(
+    info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The op's arguments after autocast's casts (unchanged outside autocast and backward)."""
+    name = info.short_name
+    if torch.is_autocast_enabled("cuda"):
+        target = torch.get_autocast_dtype("cuda")
+        if name in LOWER_PRECISION:
+            return _cast(args, target, (torch.float32,)), _cast_kw(kwargs, target, (torch.float32,))
+        if name in FLOAT32_BY_DTYPE_ARG and kwargs.get("dtype") is None and _any_of(args, _SIXTEEN):
+            return args, {**kwargs, "dtype": torch.float32}
+        if name in FLOAT32:
+            return _cast(args, torch.float32, _SIXTEEN), _cast_kw(kwargs, torch.float32, _SIXTEEN)
+        if name in PROMOTE:
+            widest = _widest(args)
+            if widest is not None:
+                return _cast(args, widest, _ELIGIBLE), _cast_kw(kwargs, widest, _ELIGIBLE)
+        return args, kwargs
+    if _current_node() is None:
+        return args, kwargs
+    # In backward: only ops that meet both a 16-bit and a float32 input need help.
+    dtypes = _float_dtypes(args)
+    if torch.float32 not in dtypes or not dtypes.intersection(_SIXTEEN):
+        return args, kwargs
+    if name in LOWER_PRECISION_BACKWARD:
+        low = torch.bfloat16 if torch.bfloat16 in dtypes else torch.float16
+        return _cast(args, low, (torch.float32,)), _cast_kw(kwargs, low, (torch.float32,))
+    if name in FLOAT32_BACKWARD or name in FLOAT32:
+        return _cast(args, torch.float32, _SIXTEEN), _cast_kw(kwargs, torch.float32, _SIXTEEN)
+    return args, kwargs
+
+
+def infer_with_reconciliation(
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    infer: Callable[[OpInfo, tuple[Any, ...], dict[str, Any]], Plan],
+) -> Plan:
+    """Meta inference; a backward op that fails only for mixing 16-bit and float32 inputs is
+    a leftover of autocast this module does not list, so say so instead of guessing."""
+    try:
+        return infer(info, args, kwargs)
+    except NeedsWorker as exc:
+        dtypes = _float_dtypes(args)
+        mixed = torch.float32 in dtypes and dtypes.intersection(_SIXTEEN)
+        if mixed and _current_node() is not None and "dtype" in str(exc).lower():
+            raise NotImplementedError(
+                f"{info.name} met mixed float32/16-bit inputs in backward after autocast; "
+                "gpupool's autocast emulation does not cover this op yet"
+            ) from exc
+        raise
+
+
+def _cast(
+    args: tuple[Any, ...], dtype: torch.dtype, sources: tuple[torch.dtype, ...]
+) -> tuple[Any, ...]:
+    return tuple(_cast_value(a, dtype, sources) for a in args)
+
+
+def _cast_kw(
+    kwargs: dict[str, Any], dtype: torch.dtype, sources: tuple[torch.dtype, ...]
+) -> dict[str, Any]:
+    if not kwargs:
+        return kwargs
+    return {k: _cast_value(v, dtype, sources) for k, v in kwargs.items()}
+
+
+def _cast_value(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...]) -> Any:
+    if isinstance(value, RemoteTensor):
+        if value.dtype in sources and value.dtype != dtype:
+            # Goes through the dispatcher below autograd: a worker-side cast, invisible to autograd.
+            return torch.ops.aten._to_copy.default(value, dtype=dtype)
+        return value
+    if isinstance(value, list | tuple) and value and isinstance(value[0], RemoteTensor):
+        return type(value)(_cast_value(v, dtype, sources) for v in value)
+    return value
+
+
+def _float_dtypes(args: tuple[Any, ...]) -> set[torch.dtype]:
+    found: set[torch.dtype] = set()
+    for value in args:
+        if isinstance(value, RemoteTensor):
+            if value.dtype in _ELIGIBLE:
+                found.add(value.dtype)
+        elif isinstance(value, list | tuple):
+            found |= _float_dtypes(tuple(value))
+    return found
+
+
+def _any_of(args: tuple[Any, ...], dtypes: tuple[torch.dtype, ...]) -> bool:
+    return any(isinstance(a, RemoteTensor) and a.dtype in dtypes for a in args)
+
+
+def _widest(args: tuple[Any, ...]) -> torch.dtype | None:
+    dtypes = _float_dtypes(args)
+    if len(dtypes) < 2:
+        return None
+    return torch.float32 if torch.float32 in dtypes else torch.bfloat16

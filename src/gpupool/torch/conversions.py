@@ -1,0 +1,163 @@
+"""Tensor.to / .cuda / .cpu and torch.tensor / as_tensor, taught about remote devices.
+
+A CPU-only torch resolves an index-less `cuda` device through CUDA's device guard, which it
+does not have; these wrappers add the current index and leave the rest to the dispatcher.
+They also return a remote tensor unchanged when it already is where it is asked to go, and
+keep gradients flowing when a tensor that needs them crosses between hosts and devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gpupool.torch import runtime
+from gpupool.torch.tensor import RemoteTensor
+
+_TensorBase = torch._C.TensorBase
+_ORIGINALS: dict[tuple[Any, str], Any] = {}
+_OWN: dict[str, bool] = {}
+
+
+def _resolve(device: Any) -> Any:
+    """`cuda` → `cuda:<current>`; an int means a cuda index, as in PyTorch."""
+    if isinstance(device, str):
+        if device == "cuda" or device.startswith("cuda:"):
+            device = torch.device(device)
+        else:
+            return device
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cuda", device)
+    if isinstance(device, torch.device) and device.type == "cuda" and device.index is None:
+        return torch.device("cuda", runtime.current_index())
+    return device
+
+
+def _parse_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool, bool, Any]:
+    """(device, dtype, non_blocking, copy, memory_format) of a Tensor.to call."""
+    args = list(args)
+    kwargs = dict(kwargs)
+    copy = bool(kwargs.pop("copy", False))
+    if args and isinstance(args[0], torch.Tensor):
+        other = args.pop(0)
+        args[:0] = [other.device, other.dtype]
+    if len(args) >= 2 and isinstance(args[0], torch.dtype):
+        # to(dtype, non_blocking, copy)
+        if len(args) >= 3:
+            copy = bool(args[2])
+        args = args[:2]
+    elif len(args) >= 4:
+        copy = bool(args[3])
+        args = args[:3]
+    if args and not isinstance(args[0], torch.dtype):
+        args[0] = _resolve(args[0])
+    if "device" in kwargs:
+        kwargs["device"] = _resolve(kwargs["device"])
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype, bool(non_blocking), copy, memory_format
+
+
+def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    device, dtype, non_blocking, copy, memory_format = _parse_to(args, kwargs)
+    if isinstance(self, RemoteTensor):
+        here = self.device
+        stays = device is None or device == here
+        same_dtype = dtype is None or dtype == self.dtype
+        keeps_format = memory_format in (None, torch.preserve_format)
+        if stays and same_dtype and keeps_format and not copy:
+            return self
+        if not stays and torch.is_grad_enabled() and self.requires_grad:
+            return _Move.apply(self, device, dtype)  # type: ignore[no-any-return]
+        if stays:
+            device = None
+    options: dict[str, Any] = {"non_blocking": non_blocking, "copy": copy}
+    if memory_format is not None:
+        options["memory_format"] = memory_format
+    if device is not None and dtype is not None:
+        return _TensorBase.to(self, device, dtype, **options)
+    if device is not None:
+        return _TensorBase.to(self, device, **options)
+    if dtype is not None:
+        return _TensorBase.to(self, dtype, **options)
+    return _TensorBase.to(self, **options)
+
+
+def cuda(
+    self: torch.Tensor,
+    device: Any = None,
+    non_blocking: bool = False,
+    memory_format: Any = torch.preserve_format,
+) -> torch.Tensor:
+    target = _resolve(torch.device("cuda") if device is None else device)
+    return to(self, target, non_blocking=non_blocking, memory_format=memory_format)
+
+
+def cpu(self: torch.Tensor, memory_format: Any = torch.preserve_format) -> torch.Tensor:
+    if isinstance(self, RemoteTensor):
+        return to(self, "cpu", memory_format=memory_format)
+    return _ORIGINALS[(torch.Tensor, "cpu")](self, memory_format=memory_format)  # type: ignore[no-any-return]
+
+
+def new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    if isinstance(self, RemoteTensor) and "device" not in kwargs:
+        kwargs["device"] = self.device
+    elif "device" in kwargs:
+        kwargs["device"] = _resolve(kwargs["device"])
+    return _ORIGINALS[(torch.Tensor, "new_tensor")](self, data, *args, **kwargs)  # type: ignore[no-any-return]
+
+
+def _with_device(name: str) -> Any:
+    original = _ORIGINALS[(torch, name)]
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        if "device" in kwargs:
+            kwargs["device"] = _resolve(kwargs["device"])
+        return original(*args, **kwargs)
+
+    make.__name__ = name
+    make.__doc__ = original.__doc__
+    return make
+
+
+class _Move(torch.autograd.Function):
+    """A remote tensor that needs gradients goes to the host or another device; its gradient
+    comes back to where it was (autograd's own record of the copy would name `meta`)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, tensor: torch.Tensor, device: torch.device, dtype: torch.dtype | None
+    ) -> torch.Tensor:
+        ctx.source_device, ctx.source_dtype = tensor.device, tensor.dtype
+        return _TensorBase.to(tensor.detach(), device, dtype or tensor.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return to(grad, ctx.source_device, ctx.source_dtype), None, None
+
+
+_TENSOR_METHODS = {"to": to, "cuda": cuda, "cpu": cpu, "new_tensor": new_tensor}
+_TORCH_FUNCTIONS = ("tensor", "as_tensor", "asarray")
+
+
+def install() -> None:
+    if _ORIGINALS:
+        return
+    for name, replacement in _TENSOR_METHODS.items():
+        # (defined on torch.Tensor itself?, what callers got before)
+        _ORIGINALS[(torch.Tensor, name)] = getattr(torch.Tensor, name)
+        _OWN[name] = name in torch.Tensor.__dict__
+        setattr(torch.Tensor, name, replacement)
+    for name in _TORCH_FUNCTIONS:
+        _ORIGINALS[(torch, name)] = getattr(torch, name)
+        setattr(torch, name, _with_device(name))
+
+
+def uninstall() -> None:
+    for (owner, name), original in _ORIGINALS.items():
+        if owner is torch.Tensor and not _OWN.get(name, True):
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    _ORIGINALS.clear()
+    _OWN.clear()

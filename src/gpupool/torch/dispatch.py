@@ -1,0 +1,375 @@
+"""Every aten op on a RemoteTensor lands here: encoded, its outputs inferred, streamed.
+
+The hot path (one op of a training step) is: look up the op's schema facts, encode the
+arguments while building the plan-cache key, look up the cached output plan, make wrappers
+with fresh client-chosen handles, append one record. Nothing waits for the worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+
+from gpupool.protocol.v1.dataplane import INLINE_PAYLOAD_BYTES, Rec
+from gpupool.protocol.v1.tensors import (
+    DTYPE_EXT,
+    HOST_DEVICE_EXT,
+    LAYOUT_EXT,
+    MEMORY_FORMAT_EXT,
+    REMOTE_DEVICE_EXT,
+    complex_ext,
+    dtype_from_name,
+    literal_ext,
+)
+from gpupool.torch import autocast, runtime
+from gpupool.torch.shapes import (
+    PLAN_CACHE_MAX,
+    NeedsWorker,
+    OpInfo,
+    Plan,
+    infer_plan,
+    op_info,
+)
+from gpupool.torch.stream import DeviceStream
+from gpupool.torch.tensor import Handle, RemoteTensor, bind_dispatch, wrap
+
+aten = torch.ops.aten
+_OP = Rec.OP
+_PLANS: dict[tuple[Any, ...], Plan] = {}
+_INFO: dict[Any, OpInfo] = {}
+
+CALL_BLOCK = 1 << 16
+_CALL_BLOCKS = itertools.count(1 << 20)
+"""Handles for outputs the worker names (CALL) come from blocks far above the client's own."""
+
+
+class RemoteDeviceError(RuntimeError):
+    pass
+
+
+class _Encoding:
+    """Collects, while arguments are encoded, the stream they live on and the plan-cache key."""
+
+    __slots__ = ("device_index", "key", "stream")
+
+    def __init__(self) -> None:
+        self.stream: DeviceStream | None = None
+        self.device_index: int | None = None
+        self.key: list[Any] = []
+
+
+_TRUE, _FALSE = object(), object()
+
+
+def _encode(value: Any, keyed: bool, enc: _Encoding) -> Any:
+    if isinstance(value, RemoteTensor):
+        handle = value._gp
+        stream = handle.stream
+        if enc.stream is not stream:
+            if enc.stream is not None:
+                raise RemoteDeviceError(
+                    "Expected all tensors to be on the same device, but found at least two "
+                    f"devices, {enc.stream.device} and {stream.device}!"
+                )
+            enc.stream = stream
+        enc.key.append((value.shape, value.stride(), value.storage_offset(), value.dtype))
+        return handle.ext
+    kind = type(value)
+    if kind is int or kind is float or value is None or kind is str:
+        enc.key.append(value if keyed else kind)
+        return value
+    if kind is bool:
+        enc.key.append((_TRUE if value else _FALSE) if keyed else kind)
+        return value
+    if kind is list or kind is tuple or kind is torch.Size:
+        enc.key.append(len(value))
+        return [_encode(item, keyed, enc) for item in value]
+    if kind is torch.dtype:
+        enc.key.append(value)
+        return DTYPE_EXT[value]
+    if kind is torch.device:
+        enc.key.append(value.type)
+        if value.type == "cpu":
+            return HOST_DEVICE_EXT
+        if value.type == "cuda" and value.index is not None and enc.device_index is None:
+            enc.device_index = value.index
+        return REMOTE_DEVICE_EXT
+    if isinstance(value, torch.Tensor):
+        return _encode_host_tensor(value, enc)
+    if kind is torch.layout:
+        enc.key.append(value)
+        return LAYOUT_EXT[value]
+    if kind is torch.memory_format:
+        enc.key.append(value)
+        return MEMORY_FORMAT_EXT[value]
+    if kind is complex:
+        enc.key.append(kind)
+        return complex_ext(value)
+    if isinstance(value, torch.Generator):
+        raise NotImplementedError(
+            "gpupool remote devices do not take explicit torch.Generator objects"
+        )
+    raise NotImplementedError(
+        f"gpupool cannot send an argument of type {kind.__name__} to a worker"
+    )
+
+
+def _encode_host_tensor(value: torch.Tensor, enc: _Encoding) -> Any:
+    if value.device.type == "meta":
+        raise NotImplementedError(
+            "a remote op received a tensor on the meta device; typically autograd filled an "
+            "unused gradient with zeros (custom autograd.Function with unused outputs: call "
+            "ctx.set_materialize_grads(False)), which gpupool remote devices do not support"
+        )
+    value = value.detach()
+    enc.key.append(("host", value.shape, value.dtype))
+    if value.numel() * value.element_size() <= INLINE_PAYLOAD_BYTES:
+        return literal_ext(value)
+    # Too big to ride in the op stream: upload it first, pass the handle.
+    if enc.stream is None:
+        enc.stream = runtime.stream(enc.device_index)
+    return upload(value, enc.stream)._gp.ext
+
+
+def _encode_call(
+    info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], enc: _Encoding
+) -> tuple[list[Any], dict[str, Any] | None]:
+    keyed = info.keyed_scalars
+    wire_args = [_encode(a, i in keyed, enc) for i, a in enumerate(args)]
+    wire_kwargs: dict[str, Any] | None = None
+    if kwargs:
+        wire_kwargs = {}
+        for name, value in kwargs.items():
+            enc.key.append(name)
+            wire_kwargs[name] = _encode(value, name in keyed, enc)
+    return wire_args, wire_kwargs
+
+
+# ---- the generic path ----------------------------------------------------------------------
+
+
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    special = _SPECIAL.get(func)
+    if special is not None:
+        return special(func, args, kwargs)
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = op_info(func)
+    if info.short_name in autocast.POLICY_OPS:
+        args, kwargs = autocast.adjust(info, args, kwargs)
+    return run(info, args, kwargs)
+
+
+def run(
+    info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], device_index: int | None = None
+) -> Any:
+    enc = _Encoding()
+    enc.device_index = device_index
+    wire_args, wire_kwargs = _encode_call(info, args, kwargs, enc)
+    stream = enc.stream or runtime.stream(enc.device_index)
+    if info.metadata_inplace:
+        return _metadata_inplace(info, args, kwargs, stream)
+    op_id = stream.op_id(info.func)
+    if info.all_alias:
+        stream.emit([_OP, op_id, wire_args, wire_kwargs, None])
+        return _aliased_result(info, args, kwargs)
+    if info.values_only:
+        return _call(info, stream, wire_args, wire_kwargs)
+    key = (info.func, *enc.key)
+    plan = _PLANS.get(key)
+    if plan is None:
+        try:
+            plan = autocast.infer_with_reconciliation(info, args, kwargs, infer_plan)
+        except NeedsWorker:
+            return _call(info, stream, wire_args, wire_kwargs)
+        if len(_PLANS) >= PLAN_CACHE_MAX:
+            _PLANS.clear()
+        _PLANS[key] = plan
+    outs, result = plan.build(stream.new_handle, args, kwargs)
+    stream.emit([_OP, op_id, wire_args, wire_kwargs, outs])
+    return result
+
+
+def _aliased_result(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    targets = [args[p] if isinstance(p, int) else kwargs[p] for p in info.returns_alias]
+    if not targets:
+        return None
+    return targets[0] if len(targets) == 1 else tuple(targets)
+
+
+def _call(
+    info: OpInfo, stream: DeviceStream, wire_args: list[Any], wire_kwargs: dict[str, Any] | None
+) -> Any:
+    """Ops whose outputs only the worker can tell (values, data-dependent shapes): a round trip."""
+    base = next(_CALL_BLOCKS) * CALL_BLOCK
+    described = stream.call(info.func, wire_args, wire_kwargs, base)
+    result = _materialize(described, stream)
+    if len(info.returns_alias) > 1 and isinstance(result, list):
+        return tuple(result)
+    return result
+
+
+def _materialize(described: Any, stream: DeviceStream) -> Any:
+    tag = described[0]
+    if tag == "T":
+        _, handle, dtype, shape, stride, offset = described
+        return wrap(shape, stride, offset, dtype_from_name(dtype), Handle(handle, stream))
+    if tag == "L":
+        return [_materialize(item, stream) for item in described[1]]
+    if tag == "D":
+        return dtype_from_name(described[1])
+    return described[1]
+
+
+def _metadata_inplace(
+    info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], stream: DeviceStream
+) -> Any:
+    """unsqueeze_, t_, resize_, set_…: change the wrapper's own metadata. The tensor first gets
+    a worker tensor of its own, so aliases made by detach() keep theirs."""
+    target = args[0]
+    if not isinstance(target, RemoteTensor):
+        raise NotImplementedError(f"{info.name} on a host tensor with remote arguments")
+    own = stream.new_handle()
+    stream.emit([_OP, stream.op_id(aten.alias.default), [target._gp.ext], None, [own.id]])
+    target._gp = own
+    with torch._C._DisableTorchDispatch():
+        info.func(*args, **kwargs)
+    enc = _Encoding()
+    wire_args, wire_kwargs = _encode_call(info, args, kwargs, enc)
+    stream.emit([_OP, stream.op_id(info.func), wire_args, wire_kwargs, None])
+    return target
+
+
+# ---- tensors in and out of the worker --------------------------------------------------------
+
+
+def upload(host: torch.Tensor, stream: DeviceStream) -> RemoteTensor:
+    """A new remote tensor with a host tensor's values (contiguous)."""
+    host = host.detach().contiguous()
+    handle = stream.new_handle()
+    stream.emit(
+        [
+            _OP,
+            stream.op_id(aten.empty.memory_format),
+            [list(host.shape)],
+            {"dtype": DTYPE_EXT[host.dtype], "device": REMOTE_DEVICE_EXT},
+            [handle.id],
+        ]
+    )
+    stream.put(handle, host)
+    return wrap(tuple(host.shape), host.stride(), 0, host.dtype, handle)
+
+
+def download(tensor: RemoteTensor) -> torch.Tensor:
+    """The tensor's values in host memory (waits for everything queued before it)."""
+    return tensor._gp.stream.read(tensor._gp.ext)
+
+
+# ---- ops that are not plain ops -------------------------------------------------------------
+
+
+def _local_scalar_dense(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return download(args[0]).item()
+
+
+def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    source = args[0]
+    device = kwargs.get("device")
+    if not isinstance(source, RemoteTensor):
+        raise NotImplementedError("_to_copy of a host tensor reached the remote dispatcher")
+    here = source._gp.stream
+    if (
+        device is None
+        or device.type == "meta"
+        or (device.type == "cuda" and device.index in (None, here.index))
+    ):
+        rest = {
+            k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking")
+        }
+        return run(_info(func), args, rest)
+    host = download(source)
+    dtype = kwargs.get("dtype")
+    if dtype is not None and dtype != host.dtype:
+        host = host.to(dtype)
+    if device.type == "cpu":
+        memory_format = kwargs.get("memory_format")
+        if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
+            host = host.contiguous(memory_format=memory_format)
+        return host
+    if device.type == "cuda":
+        return upload(host, runtime.stream(device.index))
+    raise NotImplementedError(f"gpupool cannot copy a remote tensor to {device}")
+
+
+def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    target, source = args[0], args[1]
+    if isinstance(target, RemoteTensor):
+        if isinstance(source, RemoteTensor):
+            if source._gp.stream is target._gp.stream:
+                return run(_info(func), args, kwargs)
+            source = download(source)
+        elif source.device.type == "meta":
+            raise NotImplementedError("copy_ from a meta tensor into a remote tensor")
+        target._gp.stream.put(target._gp, source)
+        return target
+    target.copy_(download(source))
+    return target
+
+
+def _share(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """detach() and alias() only matter to autograd, which lives in the client: no worker op."""
+    source = args[0]
+    return wrap(source.shape, source.stride(), source.storage_offset(), source.dtype, source._gp)
+
+
+def _identity(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return args[0]
+
+
+def _nothing(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return None
+
+
+def _false(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    return False
+
+
+def _unsupported(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    raise NotImplementedError(f"{func} is not supported on gpupool remote devices")
+
+
+def _info(func: Any) -> OpInfo:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = op_info(func)
+    return info
+
+
+_SPECIAL: dict[Any, Any] = {
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten.detach.default: _share,
+    aten.alias.default: _share,
+    aten.lift_fresh.default: _identity,
+    aten.record_stream.default: _nothing,
+    aten.is_pinned.default: _false,
+    aten._pin_memory.default: _unsupported,
+    aten.set_.source_Storage: _unsupported,
+    aten.set_.source_Storage_storage_offset: _unsupported,
+}
+
+
+def factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """empty / empty_strided on `cuda` (the kernels registered for the CUDA dispatch key):
+    every factory (zeros, randn, arange, full, tensor(…, device=…), .to("cuda")) allocates
+    through these, so all of them make RemoteTensors without a TorchFunctionMode."""
+    device = kwargs.get("device")
+    index = device.index if isinstance(device, torch.device) else None
+    kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory" and v is not None}
+    return run(_info(func), args, kwargs, runtime.current_index() if index is None else index)
+
+
+bind_dispatch(dispatch)

@@ -1,0 +1,234 @@
+"""What an op returns, worked out in the client: from its schema, or from meta tensors, cached.
+
+Uncached meta inference costs ~200 µs an op; a training step repeats the same few hundred
+(op, shapes, dtypes) signatures, so the plans are cached per signature and a step's ops cost a
+dictionary lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpupool.torch.tensor import META, Handle, RemoteTensor, wrap
+
+PLAN_CACHE_MAX = 16384
+
+METADATA_INPLACE = frozenset(
+    {
+        "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_",
+        "swapdims_", "swapaxes_", "set_",
+    }
+)  # fmt: skip
+"""In-place ops that change a tensor's shape or strides: the client's wrapper must follow."""
+
+FLOAT_SHAPED = ("arange", "linspace", "logspace", "range", "upsample", "_upsample")
+"""Ops whose output shape depends on float argument values (everywhere else only the type does)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class AliasOf:
+    """The output is this input (in-place ops, out= arguments), whose metadata becomes spec."""
+
+    position: int | str
+    spec: TensorSpec | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Value:
+    value: Any
+
+
+@dataclass(frozen=True, slots=True)
+class Seq:
+    kind: type
+    items: tuple[Any, ...]
+
+
+class OpInfo:
+    """Per-op facts read once from the schema."""
+
+    __slots__ = (
+        "all_alias", "func", "has_out", "keyed_scalars", "metadata_inplace", "name",
+        "returns_alias", "short_name", "values_only",
+    )  # fmt: skip
+
+    def __init__(self, func: Any) -> None:
+        schema = func._schema
+        self.func = func
+        self.name = schema.name
+        self.short_name = schema.name.partition("::")[2]
+        arguments = schema.arguments
+        alias_sets: dict[str, int | str] = {}
+        for i, arg in enumerate(arguments):
+            info = arg.alias_info
+            if info is not None and info.is_write:
+                for name in info.before_set:
+                    alias_sets[name] = arg.name if arg.kwarg_only else i
+        returns_alias: list[int | str | None] = []
+        for ret in schema.returns:
+            info = ret.alias_info
+            target = None
+            if info is not None and info.is_write:
+                target = next((alias_sets[n] for n in info.before_set if n in alias_sets), None)
+            returns_alias.append(target)
+        self.returns_alias = tuple(returns_alias)
+        self.has_out = any(arg.is_out for arg in arguments)
+        # In-place ops return their input unchanged in shape: no inference needed. out= ops may
+        # resize their out tensors, so they are inferred like any other op.
+        self.all_alias = all(r is not None for r in returns_alias) and not self.has_out
+        self.values_only = bool(schema.returns) and not any(
+            "Tensor" in str(r.type) for r in schema.returns
+        )
+        self.metadata_inplace = self.short_name in METADATA_INPLACE
+        floats_matter = self.short_name.startswith(FLOAT_SHAPED)
+        # Which arguments key the plan cache by value: ints, bools and lists of them (dims,
+        # sizes). Scalars (`x * 0.5`, `add(alpha=...)`) change only by type, so optimizer
+        # steps whose learning rates change every step still hit the cache.
+        keyed: set[int | str] = set()
+        for i, arg in enumerate(arguments):
+            kind = str(arg.type)
+            if floats_matter or not kind.startswith(("Scalar", "float")):
+                keyed.add(arg.name if arg.kwarg_only else i)
+        self.keyed_scalars = frozenset(keyed)
+
+
+_INFO: dict[Any, OpInfo] = {}
+
+
+def op_info(func: Any) -> OpInfo:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = OpInfo(func)
+    return info
+
+
+class Plan:
+    """How to build an op's outputs: new wrappers from specs, inputs for aliases, values."""
+
+    __slots__ = ("single", "template")
+
+    def __init__(self, template: Any) -> None:
+        self.template = template
+        self.single = template if type(template) is TensorSpec else None
+
+    def build(
+        self, new_handle: Callable[[], Handle], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[int | None], Any]:
+        spec = self.single
+        if spec is not None:
+            handle = new_handle()
+            return [handle.id], wrap(spec.shape, spec.stride, spec.offset, spec.dtype, handle)
+        outs: list[int | None] = []
+        result = _build(self.template, new_handle, args, kwargs, outs)
+        return outs, result
+
+
+def _build(
+    node: Any,
+    new_handle: Callable[[], Handle],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    outs: list[int | None],
+) -> Any:
+    kind = type(node)
+    if kind is TensorSpec:
+        handle = new_handle()
+        outs.append(handle.id)
+        return wrap(node.shape, node.stride, node.offset, node.dtype, handle)
+    if kind is Seq:
+        items = [_build(item, new_handle, args, kwargs, outs) for item in node.items]
+        return items if node.kind is list else tuple(items)
+    if kind is AliasOf:
+        outs.append(None)
+        position = node.position
+        target = args[position] if isinstance(position, int) else kwargs[position]
+        if node.spec is not None and isinstance(target, RemoteTensor):
+            set_metadata(target, node.spec)
+        return target
+    outs.append(None)
+    return node.value
+
+
+class NeedsWorker(Exception):
+    """Meta inference cannot say (data-dependent shape, no meta kernel): ask the worker."""
+
+
+def infer_plan(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    meta_args = [to_meta(a) for a in args]
+    meta_kwargs = {k: to_meta(v) for k, v in kwargs.items()}
+    try:
+        out = info.func(*meta_args, **meta_kwargs)
+    except Exception as exc:
+        raise NeedsWorker(f"{info.name}: {exc}") from exc
+    returns = [out] if len(info.returns_alias) <= 1 else list(out)
+    nodes: list[Any] = []
+    for value, alias in zip(returns, info.returns_alias or (None,), strict=False):
+        if alias is None:
+            nodes.append(describe(value))
+        else:
+            spec = describe(value) if info.has_out else None
+            nodes.append(AliasOf(alias, spec if isinstance(spec, TensorSpec) else None))
+    template = nodes[0] if len(info.returns_alias) <= 1 else Seq(tuple, tuple(nodes))
+    return Plan(template)
+
+
+def describe(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return TensorSpec(
+            tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype
+        )
+    if isinstance(value, list | tuple):
+        return Seq(list if isinstance(value, list) else tuple, tuple(describe(v) for v in value))
+    return Value(value)
+
+
+def to_meta(value: Any) -> Any:
+    if isinstance(value, RemoteTensor):
+        return meta_like(value)
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "cpu" and value.dim() > 0:
+            return meta_like(value)
+        return value
+    if isinstance(value, list | tuple):
+        return (
+            type(value)(to_meta(v) for v in value) if not isinstance(value, torch.Size) else value
+        )
+    if isinstance(value, torch.device) and value.type in ("cuda", "meta"):
+        return META
+    return value
+
+
+def meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    shape, stride, offset = tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
+    if offset == 0:
+        return torch.empty_strided(shape, stride, dtype=tensor.dtype, device=META)
+    extent = 1 + sum((size - 1) * st for size, st in zip(shape, stride, strict=True) if size > 0)
+    if any(size == 0 for size in shape):
+        extent = 0
+    base = torch.empty(offset + extent, dtype=tensor.dtype, device=META)
+    return base.as_strided(shape, stride, offset)
+
+
+def set_metadata(tensor: RemoteTensor, spec: TensorSpec) -> None:
+    """Make a wrapper's shape and strides those the worker's tensor now has (after out=)."""
+    if (tuple(tensor.shape), tensor.stride(), tensor.storage_offset()) == (
+        spec.shape,
+        spec.stride,
+        spec.offset,
+    ):
+        return
+    with torch._C._DisableTorchDispatch():
+        torch.Tensor.resize_(tensor, spec.shape)
+        torch.Tensor.as_strided_(tensor, spec.shape, spec.stride, spec.offset)

@@ -1,0 +1,402 @@
+"""One remote device: the ordered op stream to its worker, batched, with reads that wait."""
+
+from __future__ import annotations
+
+import builtins
+import itertools
+import os
+import socket
+import threading
+import time
+from collections import deque
+from typing import Any, NoReturn
+
+import torch
+
+from gpupool.protocol.v1.dataplane import (
+    BATCH_MAX_RECORDS,
+    CHUNK_BYTES,
+    INLINE_PAYLOAD_BYTES,
+    MAX_FRAME_BYTES,
+    VERSION,
+    Address,
+    Connection,
+    DataPlaneError,
+    ErrorBody,
+    ErrorKind,
+    Kind,
+    ProtocolError,
+    Rec,
+    SharedArena,
+    connect,
+    pack_records,
+    recv_handshake,
+    send_handshake,
+)
+from gpupool.protocol.v1.tensors import (
+    dtype_from_name,
+    dtype_name,
+    host_bytes,
+    op_name,
+    tensor_bytes,
+    tensor_from_bytes,
+)
+from gpupool.torch.tensor import Handle
+
+HANDLE_IDS = itertools.count(1)
+"""Handles are chosen by the client, so making a tensor needs no round trip."""
+
+MiB = 1 << 20
+FLUSH_AFTER_S = 0.001
+"""A batch leaves at the latest this long after its first record (the flusher covers idle gaps)."""
+BATCH_MAX_BYTES = 8 * MiB
+
+
+class AttachError(RuntimeError):
+    """The worker refused the client (bad token, busy) or could not be reached."""
+
+
+class WorkerLost(RuntimeError):
+    """The connection to a worker broke; its tensors are gone."""
+
+
+class DeviceStream:
+    """cuda:<index> as this process sees it: a connection to one worker and its op stream.
+
+    Records are appended lock-free to a deque (also from `Handle.__del__`, at any moment);
+    a flush drains them in order under `lock`, which also spans each request and its reply.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        address: Address,
+        conn: Connection,
+        welcome: dict[str, Any],
+        client_arena: SharedArena | None,
+        worker_arena: SharedArena | None,
+    ) -> None:
+        self.index = index
+        self.address = address
+        self.device = torch.device("cuda", index)
+        self.conn = conn
+        self.welcome = welcome
+        self.records: deque[list[Any]] = deque()
+        self.lock = threading.RLock()
+        self.open = True
+        self._forked = False
+        self._first_at = 0.0
+        self._pending_bytes = 0
+        self._op_ids: dict[Any, int] = {}
+        self._op_counter = itertools.count(1)
+        self._requests = itertools.count(1)
+        self._client_arena = client_arena
+        self._worker_arena = worker_arena
+        self._arena_cursor = 0
+
+    # ---- facts ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return str(self.welcome.get("device_name", "gpupool remote device"))
+
+    @property
+    def lease(self) -> str:
+        return str(self.welcome.get("lease", ""))
+
+    @property
+    def is_cuda_worker(self) -> bool:
+        return self.welcome.get("device_type") == "cuda"
+
+    # ---- appending -----------------------------------------------------------------------
+
+    def new_handle(self) -> Handle:
+        return Handle(next(HANDLE_IDS), self)
+
+    def op_id(self, func: Any) -> int:
+        op_id = self._op_ids.get(func)
+        if op_id is None:
+            op_id = next(self._op_counter)
+            # DEF goes in before the id is visible, so no thread can use an undefined id.
+            self.records.append([Rec.DEF, op_id, op_name(func)])
+            self._op_ids[func] = op_id
+        return op_id
+
+    def emit(self, record: list[Any]) -> None:
+        records = self.records
+        records.append(record)
+        if len(records) >= BATCH_MAX_RECORDS:
+            self.flush()
+            return
+        now = time.perf_counter()
+        first = self._first_at
+        if not first:
+            self._first_at = now
+        elif now - first > FLUSH_AFTER_S:
+            self.flush()
+
+    def release(self, handle: int) -> None:
+        """A handle's last client reference died (called from __del__: append only)."""
+        if self.open:
+            self.records.append([Rec.FREE, handle])
+
+    # ---- sending -------------------------------------------------------------------------
+
+    def flush(self) -> None:
+        with self.lock:
+            self._flush_locked()
+
+    def try_flush(self) -> None:
+        """For the background flusher: never waits behind a read in progress."""
+        if self.records and self.lock.acquire(blocking=False):
+            try:
+                self._flush_locked()
+            finally:
+                self.lock.release()
+
+    def _flush_locked(self) -> None:
+        self._check_open()
+        records = self.records
+        n = len(records)
+        if not n:
+            return
+        batch = [records.popleft() for _ in range(n)]
+        self._pending_bytes = 0
+        self._first_at = 0.0
+        try:
+            self.conn.send_body(pack_records([Kind.BATCH], batch))
+        except DataPlaneError as exc:
+            self._lost(exc)
+
+    def _check_open(self) -> None:
+        if not self.open:
+            if self._forked:
+                raise WorkerLost(
+                    f"{self.device} is a gpupool remote GPU of the parent process; a forked "
+                    "subprocess cannot use it (as with CUDA: use the 'spawn' start method)"
+                )
+            raise WorkerLost(f"{self.device} (worker {self.address}) is no longer connected")
+
+    def forked(self) -> None:
+        """In a forked child: never touch the parent's connection."""
+        self._forked = True
+        self.open = False
+        self.records = deque()
+        self.lock = threading.RLock()
+
+    def _lost(self, exc: BaseException) -> NoReturn:
+        self.open = False
+        self.records.clear()
+        raise WorkerLost(
+            f"lost the connection to {self.device} (worker {self.address}): {exc}"
+        ) from exc
+
+    # ---- bytes in ------------------------------------------------------------------------
+
+    def put(self, handle: Handle, host: torch.Tensor) -> None:
+        """Copy a host tensor into the worker's tensor (broadcast and dtype cast on the worker)."""
+        host = host.detach()
+        if host.device.type != "cpu":
+            raise TypeError(f"put expects a host tensor, got {host.device}")
+        host = host.contiguous()
+        nbytes = host.numel() * host.element_size()
+        dtype, shape = dtype_name(host.dtype), list(host.shape)
+        if nbytes <= INLINE_PAYLOAD_BYTES:
+            self._pending_bytes += nbytes
+            self.emit([Rec.PUT, handle.id, dtype, shape, tensor_bytes(host), nbytes, None])
+            if self._pending_bytes > BATCH_MAX_BYTES:
+                self.flush()
+            return
+        with self.lock:
+            arena = self._client_arena
+            if arena is not None and nbytes <= arena.size:
+                if self._arena_cursor + nbytes > arena.size:
+                    self._roundtrip_locked()  # the worker has copied out everything before
+                offset = self._arena_cursor
+                torch.frombuffer(arena.map, dtype=torch.uint8, count=nbytes, offset=offset).copy_(
+                    host.reshape(-1).view(torch.uint8)
+                )
+                self._arena_cursor += nbytes
+                self.records.append([Rec.PUT, handle.id, dtype, shape, None, nbytes, offset])
+                self._flush_locked()
+                return
+            self.records.append([Rec.PUT, handle.id, dtype, shape, None, nbytes, None])
+            self._flush_locked()
+            data = host_bytes(host)
+            try:
+                for offset in range(0, nbytes, CHUNK_BYTES):
+                    self.conn.send(
+                        [Kind.PUT, handle.id, offset], data[offset : offset + CHUNK_BYTES]
+                    )
+            except DataPlaneError as exc:
+                self._lost(exc)
+
+    # ---- requests (the only places the client waits) -------------------------------------
+
+    def read(self, handle_ext: Any) -> torch.Tensor:
+        with self.lock:
+            req = next(self._requests)
+            self.records.append([Rec.READ, req, handle_ext])
+            self._flush_locked()
+            return self._receive_tensor(req)
+
+    def call(
+        self, func: Any, args: list[Any], kwargs: dict[str, Any] | None, handle_base: int
+    ) -> Any:
+        """Run an op now and return the worker's description of its outputs."""
+        with self.lock:
+            op_id = self.op_id(func)
+            req = next(self._requests)
+            self.records.append([Rec.CALL, req, op_id, args, kwargs, handle_base])
+            self._flush_locked()
+            return self._receive_result(req)
+
+    def sync(self) -> dict[str, Any]:
+        with self.lock:
+            req = next(self._requests)
+            self.records.append([Rec.SYNC, req])
+            self._flush_locked()
+            return self._receive_result(req)  # type: ignore[no-any-return]
+
+    def stats(self) -> dict[str, Any]:
+        with self.lock:
+            req = next(self._requests)
+            self.records.append([Rec.STATS, req])
+            self._flush_locked()
+            return self._receive_result(req)  # type: ignore[no-any-return]
+
+    def seed(self, seed: int) -> None:
+        self.emit([Rec.SEED, int(seed)])
+
+    def _roundtrip_locked(self) -> None:
+        req = next(self._requests)
+        self.records.append([Rec.STATS, req])
+        self._flush_locked()
+        self._receive_result(req)
+
+    def _receive_head(self, req: int) -> tuple[list[Any], int]:
+        try:
+            frame = self.conn.recv()
+            head = frame.head()
+        except DataPlaneError as exc:
+            self._lost(exc)
+        # Any reply means the worker has consumed every payload sent before the request.
+        self._arena_cursor = 0
+        if head[0] == Kind.ERROR:
+            body = ErrorBody.from_wire(head[2] if len(head) > 2 else None)
+            if head[1] is None:
+                self.open = False
+                raise WorkerLost(f"{self.device}: worker closed the connection: {body.message}")
+            raise remote_exception(body)
+        if len(head) < 2 or head[1] != req:
+            self._lost(
+                ProtocolError(
+                    f"reply to request {head[1] if len(head) > 1 else None}, expected {req}"
+                )
+            )
+        return head, frame.tail_len
+
+    def _receive_result(self, req: int) -> Any:
+        head, _ = self._receive_head(req)
+        if head[0] != Kind.RESULT:
+            self._lost(ProtocolError(f"expected RESULT, got {Kind(head[0]).name}"))
+        return head[2]
+
+    def _receive_tensor(self, req: int) -> torch.Tensor:
+        head, tail_len = self._receive_head(req)
+        if head[0] != Kind.DATA:
+            self._lost(ProtocolError(f"expected DATA, got {Kind(head[0]).name}"))
+        _, _, dtype, shape, offset, total, in_arena = head
+        try:
+            if in_arena:
+                if self._worker_arena is None:
+                    raise ProtocolError("DATA in shared memory, but no arena was shared")
+                buffer = bytearray(self._worker_arena.view(0, total))
+            elif tail_len == total:
+                buffer = self.conn.read_tail()
+            else:
+                buffer = bytearray(total)
+                view = memoryview(buffer)
+                filled = 0
+                while True:
+                    if offset != filled:
+                        raise ProtocolError(f"DATA chunk at {offset}, expected {filled}")
+                    self.conn.read_tail_into(view[filled : filled + tail_len])
+                    filled += tail_len
+                    if filled >= total:
+                        break
+                    head, tail_len = self._receive_head(req)
+                    offset = head[4]
+        except DataPlaneError as exc:
+            self._lost(exc)
+        return tensor_from_bytes(buffer, dtype_from_name(dtype), shape)
+
+    def close(self) -> None:
+        if not self.open:
+            return
+        try:
+            self.flush()
+        except (WorkerLost, DataPlaneError):
+            pass
+        self.open = False
+        self.conn.close()
+        for arena in (self._client_arena, self._worker_arena):
+            if arena is not None:
+                arena.close()
+
+
+def remote_exception(body: ErrorBody) -> BaseException:
+    """The worker's error as the exception local PyTorch would have raised."""
+    if body.kind == ErrorKind.OUT_OF_MEMORY:
+        return torch.OutOfMemoryError(body.message)
+    if body.kind == ErrorKind.UNSUPPORTED:
+        return NotImplementedError(body.message)
+    if body.kind in (ErrorKind.AUTH, ErrorKind.BUSY):
+        return AttachError(body.message)
+    cls = getattr(builtins, body.exc_type, None)
+    if isinstance(cls, type) and issubclass(cls, Exception) and cls.__module__ == "builtins":
+        return cls(body.message)
+    return RuntimeError(body.message)
+
+
+def open_stream(
+    index: int, address: Address, lease: str, token: str, shm_mib: int = 256
+) -> DeviceStream:
+    """Connect, authenticate with the lease's token, and learn the device's facts."""
+    try:
+        sock = connect(address)
+    except OSError as exc:
+        raise AttachError(f"cannot reach the worker of lease {lease} at {address}: {exc}") from exc
+    client_arena = SharedArena.create(shm_mib * MiB) if address.is_unix and shm_mib > 0 else None
+    hello = {
+        "v": VERSION,
+        "lease": lease,
+        "token": token,
+        "torch": torch.__version__,
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "shm": client_arena is not None,
+    }
+    try:
+        send_handshake(sock, [Kind.HELLO, hello], [client_arena.fd] if client_arena else [])
+        sock.settimeout(30)
+        reply = recv_handshake(sock)
+        sock.settimeout(None)
+    except (OSError, DataPlaneError) as exc:
+        sock.close()
+        raise AttachError(f"handshake with the worker at {address} failed: {exc}") from exc
+    head = reply.head
+    if head[0] == Kind.ERROR:
+        sock.close()
+        body = ErrorBody.from_wire(head[2] if len(head) > 2 else None)
+        raise AttachError(f"worker at {address} refused lease {lease}: {body.message}")
+    if head[0] != Kind.WELCOME or not isinstance(head[1], dict):
+        sock.close()
+        raise AttachError(f"worker at {address} answered {head[0]} instead of WELCOME")
+    welcome: dict[str, Any] = head[1]
+    worker_arena = SharedArena.adopt(reply.fds[0]) if welcome.get("shm") and reply.fds else None
+    if worker_arena is None and client_arena is not None:
+        client_arena.close()
+        client_arena = None
+    conn = Connection(sock, int(welcome.get("max_frame_bytes", MAX_FRAME_BYTES)))
+    return DeviceStream(index, address, conn, welcome, client_arena, worker_arena)

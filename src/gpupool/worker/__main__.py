@@ -1,0 +1,54 @@
+"""`python -m gpupool.worker --lease ID --token T --device cuda:0 --listen tcp://127.0.0.1:0`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from gpupool.worker.server import WorkerConfig, run
+
+
+def parse_args(argv: list[str]) -> WorkerConfig:
+    parser = argparse.ArgumentParser(prog="python -m gpupool.worker", description=__doc__)
+    parser.add_argument("--lease", required=True, help="the lease this worker serves")
+    parser.add_argument(
+        "--token",
+        default=None,
+        help="the lease's client token (default: $GPUPOOL_WORKER_TOKEN, which keeps it out of ps)",
+    )
+    parser.add_argument("--device", default="cpu", help="cuda:N or cpu")
+    parser.add_argument("--memory-limit-mib", type=int, default=None)
+    parser.add_argument(
+        "--listen", default="tcp://127.0.0.1:0", help="tcp://HOST:PORT or unix:PATH"
+    )
+    parser.add_argument(
+        "--status-file", type=Path, default=None, help="JSON activity for the agent"
+    )
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for a CPU worker")
+    args = parser.parse_args(argv)
+    token = args.token or os.environ.get("GPUPOOL_WORKER_TOKEN")
+    if not token:
+        parser.error("--token or $GPUPOOL_WORKER_TOKEN is required")
+    if args.memory_limit_mib is not None and args.memory_limit_mib <= 0:
+        parser.error("--memory-limit-mib must be positive")
+    return WorkerConfig(
+        lease_id=args.lease,
+        token=token,
+        device=args.device,
+        memory_limit_mib=args.memory_limit_mib,
+        listen=args.listen,
+        status_file=args.status_file,
+        threads=args.threads,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
+    return run(parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

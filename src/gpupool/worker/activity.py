@@ -1,0 +1,70 @@
+"""What the agent learns about its worker: last op time, memory held, whether a client is on."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass
+class Activity:
+    lease_id: str = ""
+    pid: int = 0
+    client_connected: bool = False
+    client_peer: str | None = None
+    last_op_at: float | None = None
+    """Unix time of the last batch of ops run; None until the first."""
+    ops_total: int = 0
+    memory_held_bytes: int = 0
+    memory_limit_bytes: int | None = None
+
+    def ran(self, ops: int, memory_held_bytes: int) -> None:
+        if ops:
+            self.ops_total += ops
+            self.last_op_at = time.time()
+        self.memory_held_bytes = memory_held_bytes
+
+    def snapshot(self) -> dict[str, object]:
+        return asdict(self)
+
+
+class StatusFile:
+    """Rewrites a small JSON file (atomically) whenever the activity changed; the agent reads it.
+
+    A file, not an endpoint: the worker serves exactly one client and must not open a second
+    listening socket that a tenant could reach."""
+
+    def __init__(self, path: Path, activity: Activity, period_s: float = 1.0) -> None:
+        self.path = path
+        self.activity = activity
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._last: dict[str, object] | None = None
+        self._thread = threading.Thread(target=self._loop, name="gpupool-status", daemon=True)
+
+    def start(self) -> None:
+        self.write()
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.write()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.period_s):
+            self.write()
+
+    def write(self) -> None:
+        snapshot = self.activity.snapshot()
+        if snapshot == self._last:
+            return
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps(snapshot))
+            os.replace(tmp, self.path)
+            self._last = snapshot

@@ -1,0 +1,425 @@
+"""Runs one client's op stream in order: the handle table, ops, reads, puts and sticky errors."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from gpupool.protocol.v1.dataplane import (
+    CHUNK_BYTES,
+    ErrorBody,
+    ErrorKind,
+    Ext,
+    Kind,
+    ProtocolError,
+    Rec,
+    SharedArena,
+)
+from gpupool.protocol.v1.tensors import (
+    LAYOUTS,
+    MEMORY_FORMATS,
+    complex_from_ext,
+    dtype_from_name,
+    dtype_name,
+    host_bytes,
+    literal_from_ext,
+    op_overload,
+    tensor_from_bytes,
+)
+from gpupool.worker.activity import Activity
+from gpupool.worker.memory import MiB, LimitExceeded, MemoryLimit
+
+ALLOWED_NAMESPACES = frozenset({"aten"})
+DENIED_OPS = frozenset({"aten::from_file"})
+"""Ops that touch the worker's files; everything else a tenant may run on its own tensors."""
+
+_BUILTIN_ERRORS = frozenset(
+    {"RuntimeError", "ValueError", "TypeError", "IndexError", "NotImplementedError", "KeyError"}
+)
+
+
+class Link(Protocol):
+    """What the executor needs from the connection it serves."""
+
+    client_arena: SharedArena | None
+    worker_arena: SharedArena | None
+
+    def reply(self, head: list[Any], tail: memoryview | None = None) -> None: ...
+
+    def read_put(self, handle: int, dest: memoryview) -> None:
+        """Fill dest from the PUT frames that follow the current batch."""
+
+
+@dataclass(frozen=True)
+class Missing:
+    """A handle the table does not hold (freed, or made by an op that failed or was skipped)."""
+
+    handle: int
+
+
+class Unsupported(Exception):
+    pass
+
+
+@dataclass
+class _Op:
+    name: str
+    fn: Callable[..., Any] | None
+    problem: str | None = None
+
+
+@dataclass
+class Executor:
+    lease_id: str
+    device: torch.device
+    memory: MemoryLimit
+    activity: Activity = field(default_factory=Activity)
+    tensors: dict[int, torch.Tensor] = field(default_factory=dict)
+    ops: dict[int, _Op] = field(default_factory=dict)
+    error: ErrorBody | None = None
+
+    def __post_init__(self) -> None:
+        self._device_ext = self.device
+        self._host = torch.device("cpu")
+        self._handlers: dict[int, Callable[[list[Any], Link], None]] = {
+            Rec.DEF: self._def,
+            Rec.OP: self._op,
+            Rec.PUT: self._put,
+            Rec.READ: self._read,
+            Rec.CALL: self._call,
+            Rec.FREE: self._free,
+            Rec.SYNC: self._sync,
+            Rec.SEED: self._seed,
+            Rec.STATS: self._stats,
+        }
+
+    # ---- decoding ------------------------------------------------------------------------
+
+    def ext_hook(self, code: int, data: bytes) -> object:
+        """Resolves handles while a record is decoded, i.e. after the records before it ran."""
+        if code == Ext.TENSOR:
+            handle = int.from_bytes(data, "big")
+            tensor = self.tensors.get(handle)
+            return Missing(handle) if tensor is None else tensor
+        if code == Ext.DTYPE:
+            return dtype_from_name(data.decode())
+        if code == Ext.DEVICE:
+            return self._host if data == b"cpu" else self._device_ext
+        if code == Ext.LITERAL:
+            return literal_from_ext(data)
+        if code == Ext.LAYOUT:
+            return _lookup(LAYOUTS, data, "layout")
+        if code == Ext.MEMORY_FORMAT:
+            return _lookup(MEMORY_FORMATS, data, "memory format")
+        if code == Ext.COMPLEX:
+            return complex_from_ext(data)
+        raise ProtocolError(f"unknown extension type {code}")
+
+    # ---- the stream ----------------------------------------------------------------------
+
+    def run_batch(self, records: Iterator[Any], link: Link) -> None:
+        count = 0
+        for record in records:
+            if not isinstance(record, list) or not record or not isinstance(record[0], int):
+                raise ProtocolError("a record must be a list starting with its type")
+            handler = self._handlers.get(record[0])
+            if handler is None:
+                raise ProtocolError(f"unknown record type {record[0]}")
+            try:
+                handler(record, link)
+            except (IndexError, ValueError, TypeError, KeyError) as exc:
+                raise ProtocolError(f"malformed record {Rec(record[0]).name}: {exc}") from exc
+            count += 1
+        self.activity.ran(count, self.memory.held_bytes())
+
+    def reset(self) -> None:
+        """Forget everything the previous client left (it disconnected)."""
+        self.tensors.clear()
+        self.ops.clear()
+        self.error = None
+        self.memory.reset()
+        self.activity.memory_held_bytes = self.memory.held_bytes()
+
+    # ---- records -------------------------------------------------------------------------
+
+    def _def(self, rec: list[Any], link: Link) -> None:
+        _, op_id, name = rec
+        if not isinstance(op_id, int) or not isinstance(name, str):
+            raise ProtocolError("DEF needs an op id and a name")
+        self.ops[op_id] = self._resolve_op(name)
+
+    def _resolve_op(self, name: str) -> _Op:
+        namespace = name.partition("::")[0]
+        if namespace not in ALLOWED_NAMESPACES or name in DENIED_OPS:
+            return _Op(name, None, f"{name} is not allowed on a gpupool worker")
+        try:
+            fn = op_overload(name)
+        except (AttributeError, RuntimeError, ProtocolError):
+            return _Op(name, None, f"{name} is unknown to the worker's torch {torch.__version__}")
+        if any(arg.name == "filename" for arg in fn._schema.arguments):
+            return _Op(name, None, f"{name} reads files and is not allowed on a gpupool worker")
+        return _Op(name, fn)
+
+    def _op(self, rec: list[Any], link: Link) -> None:
+        _, op_id, args, kwargs, outs = rec
+        if self.error is not None:
+            return
+        op = self.ops[op_id]
+        try:
+            result = self._invoke(op, args, kwargs)
+            if outs:
+                self._store(result, outs)
+        except Exception as exc:
+            self._fail(exc, op.name, args, kwargs)
+
+    def _invoke(self, op: _Op, args: list[Any], kwargs: dict[str, Any] | None) -> Any:
+        if op.fn is None:
+            raise Unsupported(op.problem)
+        return op.fn(*args, **kwargs) if kwargs else op.fn(*args)
+
+    def _store(self, result: Any, outs: list[int | None]) -> None:
+        flat = list(_flatten(result))
+        if len(flat) != len(outs):
+            raise RuntimeError(
+                f"the op returned {len(flat)} values where the client expected {len(outs)}"
+            )
+        stored: list[torch.Tensor] = []
+        for value, handle in zip(flat, outs, strict=True):
+            if handle is None:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise RuntimeError(
+                    f"the op returned {type(value).__name__} where a tensor was expected"
+                )
+            self._drop(handle)
+            self.tensors[handle] = value
+            stored.append(value)
+        try:
+            self.memory.charge(stored)
+        except LimitExceeded:
+            for handle in outs:
+                if handle is not None:
+                    self.tensors.pop(handle, None)
+            raise
+
+    def _drop(self, handle: int) -> None:
+        old = self.tensors.pop(handle, None)
+        if old is not None:
+            self.memory.release(old)
+
+    def _put(self, rec: list[Any], link: Link) -> None:
+        _, handle, dtype, shape, payload, nbytes, shm_offset = rec
+        dtype = dtype_from_name(dtype)
+        if payload is None and shm_offset is None:
+            # The bytes follow in PUT frames; they must be consumed even when the put is skipped.
+            buffer = bytearray(nbytes)
+            link.read_put(handle, memoryview(buffer))
+            payload = buffer
+        elif payload is None:
+            if link.client_arena is None:
+                raise ProtocolError("PUT from shared memory without an arena")
+            payload = link.client_arena.view(shm_offset, nbytes)
+        if self.error is not None:
+            return
+        try:
+            source = tensor_from_bytes(payload, dtype, shape)
+            target = self.tensors.get(handle)
+            if target is None:
+                raise RuntimeError(f"copy into tensor {handle}, which the worker does not hold")
+            target.copy_(source)
+        except Exception as exc:
+            self._fail(exc, "copy_ (host to device)", [], None)
+
+    def _read(self, rec: list[Any], link: Link) -> None:
+        _, req, tensor = rec
+        if self._report_error(req, link):
+            return
+        if isinstance(tensor, Missing):
+            link.reply([Kind.ERROR, req, _missing_error(tensor).to_wire()])
+            return
+        try:
+            host = tensor.detach().contiguous().to(self._host)
+        except Exception as exc:
+            self._fail(exc, "read", [tensor], None)
+            self._report_error(req, link)
+            return
+        self._send_tensor(req, host, link)
+
+    def _send_tensor(self, req: int, host: torch.Tensor, link: Link) -> None:
+        data = host_bytes(host)
+        total = len(data)
+        head: list[Any] = [
+            Kind.DATA,
+            req,
+            dtype_name(host.dtype),
+            list(host.shape),
+            0,
+            total,
+            False,
+        ]
+        arena = link.worker_arena
+        if arena is not None and total > CHUNK_BYTES // 8 and total <= arena.size:
+            arena.view(0, total)[:] = data
+            head[6] = True
+            link.reply(head)
+            return
+        if total <= CHUNK_BYTES:
+            link.reply(head, data)
+            return
+        for offset in range(0, total, CHUNK_BYTES):
+            head[4] = offset
+            link.reply(head, data[offset : offset + CHUNK_BYTES])
+
+    def _call(self, rec: list[Any], link: Link) -> None:
+        """An op whose outputs the client cannot infer (data-dependent shapes, no meta kernel)."""
+        _, req, op_id, args, kwargs, handle_base = rec
+        if self._report_error(req, link):
+            return
+        op = self.ops[op_id]
+        try:
+            result = self._invoke(op, args, kwargs)
+            flat = list(_flatten(result))
+            outs = [
+                handle_base + i if isinstance(v, torch.Tensor) else None for i, v in enumerate(flat)
+            ]
+            self._store(result, outs)
+        except Exception as exc:
+            self._fail(exc, op.name, args, kwargs)
+            self._report_error(req, link)
+            return
+        link.reply(
+            [Kind.RESULT, req, _describe(result, iter(range(handle_base, handle_base + len(flat))))]
+        )
+
+    def _free(self, rec: list[Any], link: Link) -> None:
+        self._drop(rec[1])
+
+    def _sync(self, rec: list[Any], link: Link) -> None:
+        _, req = rec
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.current_stream(self.device).synchronize()
+            except Exception as exc:
+                self._fail(exc, "synchronize", [], None)
+        if self._report_error(req, link):
+            return
+        link.reply([Kind.RESULT, req, self.stats()])
+
+    def _stats(self, rec: list[Any], link: Link) -> None:
+        link.reply([Kind.RESULT, rec[1], self.stats()])
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "memory_held_bytes": self.memory.held_bytes(),
+            "memory_peak_bytes": self.memory.peak_bytes(),
+            "memory_limit_bytes": self.memory.limit_bytes,
+            "tensors": len(self.tensors),
+            "ops_total": self.activity.ops_total,
+        }
+
+    def _seed(self, rec: list[Any], link: Link) -> None:
+        seed = int(rec[1])
+        if self.device.type == "cuda":
+            with torch.cuda.device(self.device):
+                torch.cuda.manual_seed(seed)
+        else:
+            torch.manual_seed(seed)
+
+    # ---- errors --------------------------------------------------------------------------
+
+    def _fail(self, exc: BaseException, op: str, args: Any, kwargs: Any) -> None:
+        if self.error is not None:
+            return
+        self.error = self._classify(exc, op, args, kwargs)
+
+    def _classify(self, exc: BaseException, op: str, args: Any, kwargs: Any) -> ErrorBody:
+        missing = [m for m in _leaves([args, kwargs]) if isinstance(m, Missing)]
+        if missing:
+            return _missing_error(missing[0], op)
+        if isinstance(exc, LimitExceeded | torch.OutOfMemoryError):
+            return ErrorBody(
+                ErrorKind.OUT_OF_MEMORY, self._oom_message(op, exc), op, "OutOfMemoryError"
+            )
+        if isinstance(exc, Unsupported):
+            return ErrorBody(ErrorKind.UNSUPPORTED, str(exc), op, "NotImplementedError")
+        name = type(exc).__name__
+        return ErrorBody(
+            ErrorKind.OP, f"{op}: {exc}", op, name if name in _BUILTIN_ERRORS else "RuntimeError"
+        )
+
+    def _oom_message(self, op: str, exc: BaseException) -> str:
+        limit = self.memory.limit_bytes
+        limit_text = "no limit" if limit is None else f"a limit of {limit // MiB} MiB"
+        held = self.memory.held_bytes() / MiB
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return (
+            f"gpupool lease {self.lease_id} is out of GPU memory ({limit_text}, "
+            f"{held:.1f} MiB held) in {op}: {detail}"
+        )
+
+    def _report_error(self, req: int, link: Link) -> bool:
+        """Reads are where streamed errors surface: report the first one, then start afresh."""
+        if self.error is None:
+            return False
+        link.reply([Kind.ERROR, req, self.error.to_wire()])
+        self.error = None
+        return True
+
+
+def _missing_error(missing: Missing, op: str | None = None) -> ErrorBody:
+    where = f"{op}: " if op else ""
+    return ErrorBody(
+        ErrorKind.OP,
+        f"{where}tensor {missing.handle} is not on the worker (freed, or its op failed earlier)",
+        op,
+    )
+
+
+def _lookup(table: dict[str, Any], data: bytes, what: str) -> Any:
+    try:
+        return table[data.decode()]
+    except (KeyError, UnicodeDecodeError):
+        raise ProtocolError(f"unknown {what} {data!r}") from None
+
+
+def _flatten(value: Any) -> Iterator[Any]:
+    if isinstance(value, list | tuple):
+        for item in value:
+            yield from _flatten(item)
+    else:
+        yield value
+
+
+def _leaves(value: Any) -> Iterable[Any]:
+    if isinstance(value, list | tuple):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    else:
+        yield value
+
+
+def _describe(value: Any, handles: Iterator[int]) -> Any:
+    """Output of a CALL for the client: tensors as [T, handle, dtype, shape, stride, offset]."""
+    if isinstance(value, torch.Tensor):
+        return [
+            "T", next(handles), dtype_name(value.dtype), list(value.shape),
+            list(value.stride()), value.storage_offset(),
+        ]  # fmt: skip
+    if isinstance(value, list | tuple):
+        described = []
+        for item in value:
+            described.append(_describe(item, handles))
+        return ["L", described]
+    next(handles)  # every flattened leaf used one slot
+    if value is None or isinstance(value, bool | int | float | str):
+        return ["V", value]
+    if isinstance(value, torch.dtype):
+        return ["D", dtype_name(value)]
+    return ["V", repr(value)]

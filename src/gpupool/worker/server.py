@@ -1,0 +1,316 @@
+"""The worker process: one device, one authenticated client at a time, ops run in order."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import platform
+import socket
+import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpupool.protocol.v1.dataplane import (
+    HELLO_TIMEOUT_S,
+    MAX_FRAME_BYTES,
+    VERSION,
+    Address,
+    ConnectionClosed,
+    Connection,
+    DataPlaneError,
+    ErrorBody,
+    ErrorKind,
+    Kind,
+    ProtocolError,
+    SharedArena,
+    bound_address,
+    listen,
+    parse_address,
+    recv_handshake,
+    send_handshake,
+    token_matches,
+    tune,
+)
+from gpupool.worker.activity import Activity, StatusFile
+from gpupool.worker.executor import Executor
+from gpupool.worker.memory import MiB, memory_limit_for
+
+log = logging.getLogger("gpupool.worker")
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    lease_id: str
+    token: str
+    device: str = "cpu"
+    memory_limit_mib: int | None = None
+    listen: str = "tcp://127.0.0.1:0"
+    status_file: Path | None = None
+    threads: int | None = None
+    max_frame_bytes: int = MAX_FRAME_BYTES
+    read_arena_mib: int = 256
+    """Shared memory the worker offers for reads to a client on the same host (Unix sockets)."""
+
+
+class Worker:
+    def __init__(self, config: WorkerConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:
+                self.device = torch.device("cuda", 0)
+            torch.cuda.set_device(self.device)
+        elif self.device.type != "cpu":
+            raise ValueError(f"a worker runs on cuda:N or cpu, not {config.device}")
+        if config.threads:
+            torch.set_num_threads(config.threads)
+        self.memory = memory_limit_for(self.device, config.memory_limit_mib)
+        self.activity = Activity(
+            lease_id=config.lease_id, pid=os.getpid(), memory_limit_bytes=self.memory.limit_bytes
+        )
+        self.executor = Executor(config.lease_id, self.device, self.memory, self.activity)
+        self._session_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._listener: socket.socket | None = None
+        self._active: Connection | None = None
+        self._status = StatusFile(config.status_file, self.activity) if config.status_file else None
+        self.address: Address | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------
+
+    def start(self) -> Address:
+        requested = parse_address(self.config.listen)
+        self._listener = listen(requested)
+        self.address = bound_address(self._listener, requested)
+        if self._status:
+            self._status.start()
+        return self.address
+
+    def serve_forever(self) -> None:
+        assert self._listener is not None, "start() first"
+        while not self._stopping.is_set():
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                if self._stopping.is_set():
+                    break
+                raise
+            threading.Thread(
+                target=self._handle, args=(sock, peer), name="gpupool-client", daemon=True
+            ).start()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._listener is not None:
+            with contextlib.suppress(OSError):
+                self._listener.shutdown(socket.SHUT_RDWR)
+            with contextlib.suppress(OSError):
+                self._listener.close()
+        if self._active is not None:
+            self._active.close()
+        if self.address is not None and self.address.is_unix:
+            with contextlib.suppress(OSError):
+                os.unlink(self.address.path)
+        if self._status:
+            self._status.stop()
+
+    # ---- one connection ------------------------------------------------------------------
+
+    def _handle(self, sock: socket.socket, peer: Any) -> None:
+        tune(sock)
+        try:
+            fds = self._authenticate(sock)
+        except (DataPlaneError, OSError) as exc:
+            log.info("refused a connection from %s: %s", peer or "a local socket", exc)
+            with contextlib.suppress(OSError):
+                sock.close()
+            return
+        if not self._session_lock.acquire(blocking=False):
+            self._refuse(sock, ErrorBody(ErrorKind.BUSY, "this worker already serves a client"))
+            for fd in fds:
+                os.close(fd)
+            return
+        try:
+            self._serve(sock, fds, str(peer or "unix"))
+        finally:
+            self._session_lock.release()
+
+    def _authenticate(self, sock: socket.socket) -> list[int]:
+        sock.settimeout(HELLO_TIMEOUT_S)
+        try:
+            hello = recv_handshake(sock)
+        except ProtocolError as exc:
+            self._refuse(sock, ErrorBody(ErrorKind.PROTOCOL, str(exc)))
+            raise
+        head = hello.head
+        body = head[1] if len(head) > 1 else None
+        problem: ErrorBody | None = None
+        if head[0] != Kind.HELLO or not isinstance(body, dict):
+            problem = ErrorBody(ErrorKind.PROTOCOL, "the first frame must be HELLO")
+        elif body.get("v") != VERSION:
+            problem = ErrorBody(
+                ErrorKind.PROTOCOL, f"data-plane version {body.get('v')!r}, worker speaks {VERSION}"
+            )
+        elif body.get("lease") != self.config.lease_id or not token_matches(
+            self.config.token, body.get("token")
+        ):
+            problem = ErrorBody(ErrorKind.AUTH, "refused: no valid token for this lease")
+        if problem is not None:
+            for fd in hello.fds:
+                os.close(fd)
+            self._refuse(sock, problem)
+            raise ProtocolError(problem.message)
+        sock.settimeout(None)
+        return hello.fds if body.get("shm") else _closed(hello.fds)  # type: ignore[union-attr]
+
+    def _refuse(self, sock: socket.socket, error: ErrorBody) -> None:
+        with contextlib.suppress(OSError, DataPlaneError):
+            send_handshake(sock, [Kind.ERROR, None, error.to_wire()])
+        with contextlib.suppress(OSError):
+            sock.close()
+
+    def _serve(self, sock: socket.socket, fds: list[int], peer: str) -> None:
+        link = _Link(Connection(sock, self.config.max_frame_bytes))
+        if fds and sock.family == socket.AF_UNIX:
+            link.client_arena = SharedArena.adopt(fds[0])
+            link.worker_arena = SharedArena.create(self.config.read_arena_mib * MiB)
+        self._active = link.conn
+        self.activity.client_connected, self.activity.client_peer = True, peer
+        try:
+            send_handshake(
+                sock,
+                [Kind.WELCOME, self._welcome(link)],
+                [link.worker_arena.fd] if link.worker_arena else [],
+            )
+            with _device_stream(self.device):
+                torch.set_grad_enabled(False)
+                self._loop(link)
+        except ConnectionClosed:
+            pass
+        except ProtocolError as exc:
+            log.warning("closing the client connection: %s", exc)
+            with contextlib.suppress(DataPlaneError, OSError):
+                link.conn.send(
+                    [Kind.ERROR, None, ErrorBody(ErrorKind.PROTOCOL, str(exc)).to_wire()]
+                )
+        finally:
+            link.close()
+            self._active = None
+            self.executor.reset()
+            self.activity.client_connected, self.activity.client_peer = False, None
+
+    def _loop(self, link: _Link) -> None:
+        executor = self.executor
+        while True:
+            frame = link.conn.recv()
+            objects = frame.objects(executor.ext_hook)
+            head = next(objects)
+            if not isinstance(head, list) or not head or head[0] != Kind.BATCH:
+                raise ProtocolError(f"expected a BATCH frame, got kind {head[0] if head else None}")
+            if frame.tail_len:
+                raise ProtocolError("a BATCH frame carries no tail")
+            executor.run_batch(objects, link)
+
+    def _welcome(self, link: _Link) -> dict[str, Any]:
+        facts: dict[str, Any] = {
+            "v": VERSION,
+            "lease": self.config.lease_id,
+            "torch": torch.__version__,
+            "device_type": self.device.type,
+            "memory_limit_bytes": self.memory.limit_bytes,
+            "max_frame_bytes": self.config.max_frame_bytes,
+            "shm": link.worker_arena is not None,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+        }
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            facts |= {
+                "device_name": props.name,
+                "total_memory_bytes": props.total_memory,
+                "capability": [props.major, props.minor],
+                "multi_processor_count": props.multi_processor_count,
+                "bf16": torch.cuda.is_bf16_supported(),
+            }
+        else:
+            import psutil
+
+            facts |= {
+                "device_name": f"CPU ({platform.machine()}, gpupool worker)",
+                "total_memory_bytes": int(psutil.virtual_memory().total),
+                "capability": [0, 0],
+                "multi_processor_count": os.cpu_count() or 1,
+                "bf16": True,
+            }
+        return facts
+
+
+class _Link:
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.client_arena: SharedArena | None = None
+        self.worker_arena: SharedArena | None = None
+
+    def reply(self, head: list[Any], tail: memoryview | None = None) -> None:
+        self.conn.send(head, tail)
+
+    def read_put(self, handle: int, dest: memoryview) -> None:
+        filled = 0
+        while filled < len(dest):
+            frame = self.conn.recv()
+            head = frame.head()
+            if head[0] != Kind.PUT or len(head) != 3 or head[1] != handle or head[2] != filled:
+                raise ProtocolError(f"expected PUT of tensor {handle} at byte {filled}")
+            if frame.tail_len == 0 or filled + frame.tail_len > len(dest):
+                raise ProtocolError("PUT frame tail does not fit the announced size")
+            self.conn.read_tail_into(dest[filled : filled + frame.tail_len])
+            filled += frame.tail_len
+
+    def close(self) -> None:
+        self.conn.close()
+        for arena in (self.client_arena, self.worker_arena):
+            if arena is not None:
+                arena.close()
+
+
+def _closed(fds: list[int]) -> list[int]:
+    for fd in fds:
+        os.close(fd)
+    return []
+
+
+@contextlib.contextmanager
+def _device_stream(device: torch.device):  # type: ignore[no-untyped-def]
+    """The client's ops run on the worker's own CUDA stream, never the default stream."""
+    if device.type != "cuda":
+        yield
+        return
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        yield
+
+
+def run(config: WorkerConfig) -> int:
+    """Serve until SIGTERM; print one JSON line with the address when ready."""
+    import signal
+
+    worker = Worker(config)
+    address = worker.start()
+
+    def _stop(signum: int, _frame: object) -> None:
+        worker.stop()
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    ready = {"event": "ready", "address": str(address), "lease": config.lease_id,
+             "device": str(worker.device), "pid": os.getpid()}  # fmt: skip
+    sys.stdout.write(json.dumps(ready) + "\n")
+    sys.stdout.flush()
+    worker.serve_forever()
+    return 0

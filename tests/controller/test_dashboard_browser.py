@@ -1,0 +1,263 @@
+"""The dashboard in headless Chromium against a real controller and a real agent (fake GPUs):
+the overview, a GPU, the queue, switching a GPU's mode and releasing a lease, as an operator
+would click them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.slow
+
+CHROMIUM = os.environ.get("GPUPOOL_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+NODE = "browser-node"
+
+
+def _browser_missing() -> str | None:
+    try:
+        import playwright.sync_api  # noqa: F401
+    except ImportError:
+        return "the playwright package is not installed (pip install -e '.[dev]')"
+    if not (os.access(CHROMIUM, os.X_OK) or shutil.which(CHROMIUM)):
+        return f"no Chromium at {CHROMIUM} (apt-get install chromium, or set GPUPOOL_CHROMIUM)"
+    return None
+
+
+if (_missing := _browser_missing()) is not None:
+    pytest.skip(_missing, allow_module_level=True)
+
+from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LivePool:
+    url: str
+    api: httpx.Client
+
+    def gpus(self) -> list[dict[str, Any]]:
+        return list(self.api.get("/gpus").json())
+
+    def lease(self, **body: Any) -> dict[str, Any]:
+        response = self.api.post("/leases", json={"ttl_s": 600, **body})
+        assert response.status_code == 201, response.text
+        return dict(response.json())
+
+
+def _wait(
+    check: Any, what: str, timeout_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None
+) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"{what}: the process exited with {proc.returncode}")
+        try:
+            value = check()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePool]:
+    work = tmp_path_factory.mktemp("dashboard-browser")
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    gpupool = [sys.executable, "-m", "gpupool.cli"]
+    logs = [(work / "controller.log").open("wb"), (work / "agent.log").open("wb")]
+    controller = subprocess.Popen(
+        [
+            *gpupool,
+            "controller",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(work / "ctl"),
+            "--lease-ttl",
+            "600",
+        ],
+        stdout=logs[0],
+        stderr=subprocess.STDOUT,
+    )
+    agent: subprocess.Popen[bytes] | None = None
+    try:
+        _wait(
+            lambda: httpx.get(f"{url}/api/v1/health", timeout=1).status_code == 200,
+            "controller",
+            proc=controller,
+        )
+        argv = [*gpupool, "agent", "--url", url, "--fake", "2xH100-80GB", "--node", NODE]
+        argv += ["--interval", "0.5", "--data-dir", str(work / "agent")]
+        agent = subprocess.Popen(
+            argv,
+            stdout=logs[1],
+            stderr=subprocess.STDOUT,
+        )
+        with httpx.Client(
+            base_url=f"{url}/api/v1", timeout=10, headers={"X-Gpupool-Actor": "test-setup"}
+        ) as api:
+            _wait(lambda: len(api.get("/gpus").json()) == 2, "the agent's GPUs", proc=agent)
+            yield LivePool(url, api)
+    finally:
+        for proc in (agent, controller):
+            if proc is not None and proc.poll() is None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        for log in logs:
+            log.close()
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def page(browser: Browser) -> Iterator[Page]:
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.set_default_timeout(15_000)
+    yield page
+    page.close()
+    assert errors == [], f"the page threw: {errors}"
+
+
+def free_gpu(pool: LivePool) -> dict[str, Any]:
+    return next(g for g in pool.gpus() if not g["leases"] and g["mode"] == "virtual")
+
+
+def test_overview_shows_the_pool_and_follows_it_without_a_reload(
+    pool: LivePool, page: Page
+) -> None:
+    page.goto(pool.url + "/")
+    expect(page.locator("[data-testid=gpu-tile]")).to_have_count(2)
+    expect(page.locator("[data-testid=kpi-gpus] .value")).to_have_text("2")
+    expect(page.locator("#simulated")).to_be_visible()
+    holding = int(page.locator("[data-testid=kpi-leases] .value").inner_text())
+    pool.lease(compute_pct=10, memory="1GiB", holder="live-update-check")
+    # The page polls; the new lease shows up with no navigation.
+    expect(page.locator("[data-testid=kpi-leases] .value")).to_have_text(
+        str(holding + 1), timeout=10_000
+    )
+    expect(page.locator("#live")).to_have_class("live ok")
+
+
+def test_gpu_page_draws_the_slices_and_names_their_holders(pool: LivePool, page: Page) -> None:
+    lease = pool.lease(compute_pct=30, memory="8GiB", holder="alice@notebook")
+    uuid = lease["slices"][0]["gpu_uuid"]
+    page.goto(pool.url + "/")
+    page.locator(f"[data-testid=gpu-tile][href='#/gpus/{uuid}']").click()
+    expect(page.locator("#title")).to_contain_text(f"{NODE}/")
+    row = page.locator("[data-testid=holder-row]", has_text=lease["id"])
+    expect(row).to_contain_text("alice@notebook")
+    expect(row).to_contain_text("30%")
+    expect(page.locator("[data-testid=compute-bar] [data-testid=slice]").first).to_be_visible()
+    expect(page.locator("[data-testid=memory-bar]")).to_contain_text("free")
+
+
+def test_queue_page_lists_waiting_requests_with_their_reason(pool: LivePool, page: Page) -> None:
+    waiting = pool.lease(physical=True, holder="needs-a-whole-gpu")
+    assert waiting["state"] == "queued"
+    page.goto(pool.url + "/#/queue")
+    row = page.locator("[data-testid=queue-row]", has_text=waiting["id"])
+    expect(row).to_contain_text("physical GPUs")
+    expect(row).to_contain_text("needs-a-whole-gpu")
+    expect(page.locator("#nav-queue")).not_to_have_text("")
+    pool.api.post(f"/leases/{waiting['id']}/release")
+
+
+def test_switching_a_gpu_mode_asks_first_and_records_the_operator(
+    pool: LivePool, page: Page
+) -> None:
+    gpu = free_gpu(pool)
+    page.goto(f"{pool.url}/#/gpus/{gpu['uuid']}")
+    switch = page.locator("[data-action=mode-physical]")
+    expect(switch).to_be_enabled()
+    switch.click()
+    expect(page.locator("#dialog")).to_be_visible()
+    page.locator("#dialog-cancel").click()
+    expect(page.locator("#dialog")).to_be_hidden()
+    assert pool.api.get(f"/gpus/{gpu['uuid']}").json()["mode"] == "virtual"  # cancelled: no change
+
+    waiting = pool.lease(physical=True, holder="profiler-run")
+    switch.click()
+    page.locator("#dialog-actor").fill("browser-test")
+    page.locator("#dialog-ok").click()
+    expect(page.locator("#dialog")).to_be_hidden()
+    expect(page.locator("#gpu-name")).to_contain_text("physical", timeout=10_000)
+    assert pool.api.get(f"/gpus/{gpu['uuid']}").json()["mode"] == "physical"
+    events = pool.api.get("/events", params={"subject": gpu["uuid"], "kind": "gpu.mode"}).json()
+    assert events[-1]["actor"] == "browser-test"
+    # The waiting whole-GPU request gets the GPU at once.
+    assert pool.api.get(f"/leases/{waiting['id']}").json()["state"] == "granted"
+    pool.api.post(f"/leases/{waiting['id']}/release")
+    pool.api.post(f"/gpus/{gpu['uuid']}/mode", json={"mode": "virtual"})
+
+
+def test_releasing_a_lease_from_the_leases_page(pool: LivePool, page: Page) -> None:
+    lease = pool.lease(compute_pct=20, memory="2GiB", holder="forgotten-notebook")
+    page.add_init_script("localStorage.setItem('gpupool.actor', 'browser-test')")
+    page.goto(pool.url + "/#/leases")
+    row = page.locator("[data-testid=lease-row]", has_text=lease["id"])
+    expect(row).to_contain_text("forgotten-notebook")
+    row.locator("[data-release]").click()
+    expect(page.locator("#dialog-title")).to_contain_text(lease["id"])
+    expect(page.locator("#dialog-actor")).to_have_value("browser-test")
+    page.locator("#dialog-ok").click()
+    expect(page.locator(".toast")).to_contain_text("released")
+    after = pool.api.get(f"/leases/{lease['id']}").json()
+    assert (after["state"], after["release_reason"]) == ("released", "released by an operator")
+    expect(page.locator("[data-testid=lease-row]", has_text=lease["id"])).to_have_count(0)
+    [event] = [
+        e
+        for e in pool.api.get("/events", params={"subject": lease["id"]}).json()
+        if e["kind"] == "lease.released"
+    ]
+    assert event["actor"] == "browser-test"
+
+
+def test_editing_a_quota_asks_first_and_saves_it(pool: LivePool, page: Page) -> None:
+    pool.api.post("/tenants", json={"name": "ui-team"})
+    page.add_init_script("localStorage.setItem('gpupool.actor', 'browser-test')")
+    page.goto(pool.url + "/#/tenants")
+    page.locator("[data-quota='ui-team']").click()
+    page.locator("input[name=max_compute_pct]").fill("150")
+    page.locator("input[name=max_memory]").fill("40GiB")
+    page.locator("#dialog-ok").click()
+    expect(page.locator("[data-testid=tenant-row]", has_text="ui-team")).to_contain_text("150%")
+    tenant = pool.api.get("/tenants/ui-team").json()
+    assert (tenant["max_compute_pct"], tenant["max_memory_mib"]) == (150, 40 * 1024)
