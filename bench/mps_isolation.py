@@ -206,6 +206,7 @@ def main() -> None:
             if (rc_other or rc_ok or rc_big != 3)
             else "",
         }
+        result["oversized_alloc_failed"] = result["memory_limit"]["oversized_alloc_failed"]
         result["other_unaffected"] = bool(
             rc_other == 0 and per_second and min(per_second) >= 0.8 * steady
         )
