@@ -41,7 +41,10 @@ class HttpConnection:
             if name.lower() == "content-length":
                 length = int(value)
         data = await self.reader.readexactly(length) if length else b""
-        return status, (json.loads(data) if data else None)
+        try:
+            return status, (json.loads(data) if data else None)
+        except ValueError:
+            return status, data.decode(errors="replace")
 
     async def close(self) -> None:
         if self.writer is not None:

@@ -78,7 +78,7 @@ def run(
     cpu_times: list[float] = []
     gc.collect()
     gc.freeze()  # the pool's long-lived objects: as a long-running controller would
-    for step in range(decisions):
+    for _ in range(decisions):
         clock += 0.5
         if len(pool.queue) < queued or not pool.holdings:
             next_id += 1

@@ -10,6 +10,7 @@ fi
 stamp=.venv/.gpupool-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[dev]' 2>&1 | grep -v -i 'warning' || true
+  .venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v -i 'warning' || true  # pinned: the CPU wheel
   .venv/bin/python -c 'import gpupool.controller.app, gpupool.cli.main' # fail here, not later
   touch "$stamp"
 fi

@@ -110,3 +110,13 @@ def test_fragmentation_counts_free_compute_beside_other_slices(client: TestClien
     client.post(f"{API}/leases", json={"compute_pct": 50, "memory": "1GiB"})
     # 150 % free: 50 beside the slice on one GPU, 100 on the empty other.
     assert one(scrape(client), "gpupool_fragmentation_ratio") == pytest.approx(50 / 150, abs=1e-4)
+
+
+def test_agents_are_listed_for_prometheus_service_discovery(client: TestClient) -> None:
+    body = {"name": "gpu-7", "agent_url": "http://10.0.0.7:9400", "gpus": []}
+    assert client.post(f"{API}/nodes", json=body).status_code == 201
+    register(client, name="no-api", gpus=1)  # an agent without its API is not a target
+    targets = client.get(f"{API}/prometheus/targets").json()
+    assert targets == [
+        {"targets": ["10.0.0.7:9400"], "labels": {"node": "gpu-7", "__scheme__": "http"}}
+    ]

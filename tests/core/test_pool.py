@@ -367,7 +367,9 @@ def test_tenant_usage_counts_whole_gpus_and_slices() -> None:
 def test_quota_blocks_grant_but_not_other_tenants() -> None:
     pool = make_pool(tenants={"small": Quota(max_compute_pct=30), "big": Quota()})
     granted(pool.try_grant("s1", LeaseRequest(tenant="small", compute_pct=20)))
-    assert "tenant quota" in waits(pool.try_grant("s2", LeaseRequest(tenant="small", compute_pct=20)))
+    assert "tenant quota" in waits(
+        pool.try_grant("s2", LeaseRequest(tenant="small", compute_pct=20))
+    )
 
     pool.enqueue("s2", LeaseRequest(tenant="small", compute_pct=20, priority=5))
     pool.enqueue("b1", LeaseRequest(tenant="big", compute_pct=20))
@@ -415,7 +417,9 @@ def test_lease_count_quota_holds() -> None:
     pool = make_pool(tenants={"t": Quota(max_leases=2)})
     granted(pool.try_grant("a", LeaseRequest(tenant="t", compute_pct=1)))
     granted(pool.try_grant("b", LeaseRequest(tenant="t", compute_pct=1)))
-    assert "leases would be 3" in waits(pool.try_grant("c", LeaseRequest(tenant="t", compute_pct=1)))
+    assert "leases would be 3" in waits(
+        pool.try_grant("c", LeaseRequest(tenant="t", compute_pct=1))
+    )
 
 
 # ---- the queue -------------------------------------------------------------------------
@@ -514,9 +518,7 @@ def test_mode_switch_of_busy_gpu_goes_through_draining_until_empty() -> None:
 
     assert pool.release("a") == []
     assert pool.gpus["n1-g0"].mode is GpuMode.DRAINING
-    assert pool.release("b") == [
-        ModeChange("n1-g0", GpuMode.DRAINING, GpuMode.PHYSICAL, None)
-    ]
+    assert pool.release("b") == [ModeChange("n1-g0", GpuMode.DRAINING, GpuMode.PHYSICAL, None)]
     assert pool.gpus["n1-g0"].mode is GpuMode.PHYSICAL
     granted(pool.try_grant("p", LeaseRequest(physical=True)))
 
@@ -656,3 +658,18 @@ def test_leases_on_collects_leases_of_several_gpus() -> None:
     granted(pool.try_grant("gang", LeaseRequest(gpus=2, compute_pct=10)))
     granted(pool.try_grant("one", LeaseRequest(compute_pct=10)))
     assert pool.leases_on(["n1-g0", "n1-g1", "unknown"]) == {"gang", "one"}
+
+
+def test_request_within_quota_on_some_free_gpu_is_granted() -> None:
+    pool = make_pool(
+        {"n1": 1},
+        memory_mib=80 * GIB,
+        tenants={"other": Quota(), "t": Quota(max_memory_mib=5 * GIB)},
+    )
+    pool.upsert_gpu(Gpu("small", "n1", "NVIDIA H200", 16 * GIB, index=1))
+    # The big GPU is the fuller one (placed there explicitly: policies may differ).
+    pool.grant("busy", "other", (Slice("n1-g0", 70, 56 * GIB),))
+    request = LeaseRequest(tenant="t", compute_pct=25)
+    pool.check_quota_ever(request)  # 4 GiB on the small GPU: admitted
+    (s,) = granted(pool.try_grant("l1", request))
+    assert s == Slice("small", 25, 4 * GIB)

@@ -61,7 +61,9 @@ def requests(draw: st.DrawFn, nodes: list[str]) -> LeaseRequest:
     return LeaseRequest(
         tenant=draw(st.sampled_from(TENANTS)),
         gpus=draw(st.just(1) | st.integers(1, 4)),
-        compute_pct=100 if physical else draw(st.sampled_from([1, 10, 25, 50]) | st.integers(1, 100)),
+        compute_pct=100
+        if physical
+        else draw(st.sampled_from([1, 10, 25, 50]) | st.integers(1, 100)),
         memory_mib=None
         if physical
         else draw(st.none() | st.integers(1, 8192) | st.integers(1, 160_000)),
@@ -203,9 +205,8 @@ class PoolMachine(RuleBasedStateMachine):
         if not self.modes_touched:
             assert pool.gpus == self.initial_gpus
 
-    # ---- rules: leases -----------------------------------------------------------------
-
     def serve(self) -> None:
+        """Serve the queue, as the controller does after every change, and check the grants."""
         pool = self.pool
         order = [q.lease_id for q in pool.ordered_queue()]
         waiting = {q.lease_id: q.request for q in pool.queue.values()}
@@ -399,8 +400,12 @@ class PoolMachine(RuleBasedStateMachine):
     def mode_matches_the_leases_a_gpu_holds(self) -> None:
         pool = self.pool
         for uuid, gpu in pool.gpus.items():
-            kinds = {s.whole for lid in pool.usage[uuid].leases for s in pool.holdings[lid]
-                     if s.gpu_uuid == uuid}
+            kinds = {
+                s.whole
+                for lid in pool.usage[uuid].leases
+                for s in pool.holdings[lid]
+                if s.gpu_uuid == uuid
+            }
             assert len(kinds) <= 1, f"{uuid} holds whole and partial slices at once"
             if gpu.mode is GpuMode.VIRTUAL:
                 assert True not in kinds, f"virtual {uuid} holds a whole-GPU lease"

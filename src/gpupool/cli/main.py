@@ -9,7 +9,7 @@ import typer
 from typer.core import TyperGroup
 
 from gpupool import __version__
-from gpupool.cli import events, gpus, leases, nodes, pool, run, tenants
+from gpupool.cli import events, gpus, leases, nodes, pool, run, sim, tenants
 from gpupool.cli.context import CliContext, default_actor
 from gpupool.cli.errors import describe
 from gpupool.client.sdk import URL_ENV, resolve_url
@@ -108,6 +108,7 @@ app.command("up", help="Start a pool on this machine: the controller and a local
 app.command("controller", help="Run the controller in the foreground.")(pool.controller)
 app.command("agent", help="Run the agent of this GPU server in the foreground.")(pool.agent)
 app.command("demo", help="Start a throw-away pool and run two jobs sharing one GPU.")(pool.demo)
+app.add_typer(sim.app, name="sim", help="Replay GPU-cluster traces through the scheduler.")
 
 
 def main() -> None:

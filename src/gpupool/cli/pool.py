@@ -227,9 +227,15 @@ def controller(
     memory_ratio: Annotated[
         float, typer.Option("--memory-ratio", help="Memory oversubscription, 1 = none.")
     ] = 1.0,
+    alert_webhook: Annotated[
+        str | None,
+        typer.Option("--alert-webhook", help="POST alerts here (Alertmanager webhook format)."),
+    ] = None,
 ) -> None:
     if lease_ttl <= 0 or node_timeout <= 0:
         raise BadInput("--lease-ttl and --node-timeout must be more than 0")
+    if alert_webhook is not None and not alert_webhook.startswith(("http://", "https://")):
+        raise BadInput(f"--alert-webhook must be an http:// or https:// URL, got {alert_webhook!r}")
     if not 1.0 <= compute_ratio <= 100.0:
         raise BadInput(f"--compute-ratio must be 1..100, got {compute_ratio:g}")
     if not 1.0 <= memory_ratio <= 10.0:
@@ -247,6 +253,7 @@ def controller(
             node_timeout_s=node_timeout,
             compute_ratio=compute_ratio,
             memory_ratio=memory_ratio,
+            webhook_url=alert_webhook,
         )
     )
 

@@ -33,7 +33,18 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.execute("PRAGMA synchronous=NORMAL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.execute("PRAGMA busy_timeout=30000")
+    # No checkpoint inside a commit: it would stall the writer for an fsync. The reconcile
+    # loop checkpoints in the background instead (see `checkpoint`).
+    cursor.execute("PRAGMA wal_autocheckpoint=0")
     cursor.close()
+
+
+def checkpoint(engine: Engine) -> None:
+    """Fold SQLite's write-ahead log into the database without blocking the writer."""
+    if engine.dialect.name != "sqlite":
+        return
+    with engine.connect() as connection:
+        connection.exec_driver_sql("PRAGMA wal_checkpoint(PASSIVE)")
 
 
 def alembic_config(url: str) -> Config:

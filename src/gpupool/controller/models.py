@@ -91,6 +91,7 @@ class TenantRow(Base):
     max_compute_pct: Mapped[int | None] = mapped_column(Integer)
     max_leases: Mapped[int | None] = mapped_column(Integer)
     max_priority: Mapped[int | None] = mapped_column(Integer)
+    guaranteed_gpus: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -117,6 +118,9 @@ class LeaseRow(Base):
     released_at: Mapped[datetime | None] = mapped_column()
     last_heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
     release_reason: Mapped[str | None] = mapped_column(String(256))
+    prefer_node: Mapped[str | None] = mapped_column(String(128))
+    max_wait_s: Mapped[float | None] = mapped_column(Float)
+    preempt_deadline_at: Mapped[datetime | None] = mapped_column()
 
     slices: Mapped[list[LeaseSliceRow]] = relationship(
         back_populates="lease",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import uvicorn
@@ -15,6 +16,11 @@ def serve(settings: ControllerSettings) -> None:
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     app = create_app(settings)
+    # Every request makes short-lived objects by the thousand; collecting the old generation
+    # less often keeps tail latency flat, and freezing start-up objects takes them out of it.
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
     uvicorn.run(
         app,
         host=settings.host,

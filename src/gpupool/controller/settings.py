@@ -24,6 +24,19 @@ class ControllerSettings:
     """After a restart, holders get this long to heartbeat again (default: their ttl)."""
     webhook_url: str | None = None
     """Where alerts are POSTed (Alertmanager's webhook format) when they fire and end."""
+    placement_policy: str = "default"
+    """How requests are placed (core/placement): default, fgd, best-fit, packing, spread..."""
+    fair_share: bool = True
+    """Order equal-priority requests by their tenant's weighted dominant share."""
+    max_queue_wait_s: float | None = None
+    """A request still queued after this long fails with the reason it waited."""
+    preemption: bool = True
+    """Blocked higher-priority requests preempt lower-priority leases."""
+    preempt_grace_s: float = 30.0
+    """A preempted lease's holder has this long to stop before the lease is released."""
+    physical_ready: int | None = None
+    """Dual pool: move idle GPUs between the pools to follow demand, keeping this many idle
+    physical GPUs while physical requests queue (None: only operators switch modes)."""
 
     def database_url(self) -> str:
         if self.db_url:

@@ -23,8 +23,20 @@ from sqlalchemy.orm import Session
 
 from gpupool.controller.models import GpuRow, LeaseRow, NodeRow, TenantRow
 from gpupool.controller.settings import ControllerSettings
-from gpupool.core import HOLDING, Gpu, GpuMode, LeaseState, Pool, PoolError, Quota, Ratios, Slice
+from gpupool.core import (
+    HOLDING,
+    Gpu,
+    GpuMode,
+    LeaseState,
+    Pool,
+    PoolError,
+    QueuePolicy,
+    Quota,
+    Ratios,
+    Slice,
+)
 from gpupool.core.model import Access, LeaseRequest, QueuedLease
+from gpupool.core.placement import policy_named
 
 log = logging.getLogger("gpupool.controller")
 
@@ -44,6 +56,8 @@ class Liveness:
     host: dict[str, dict[str, Any]] = field(default_factory=dict)
     dirty_leases: set[str] = field(default_factory=set)
     dirty_nodes: set[str] = field(default_factory=set)
+    preempt_deadline: dict[str, float] = field(default_factory=dict)
+    """Preempted leases → when they are released if their holder has not stopped."""
 
 
 class Store:
@@ -52,7 +66,7 @@ class Store:
     def __init__(self, engine: Engine, settings: ControllerSettings) -> None:
         self.engine = engine
         self.settings = settings
-        self.pool = Pool(ratios=Ratios(settings.compute_ratio, settings.memory_ratio))
+        self.pool = new_pool(settings)
         self.lock = threading.RLock()
         self.live = Liveness()
         self._commands: queue.SimpleQueue[tuple[Command, Future[Any]] | None] = queue.SimpleQueue()
@@ -101,7 +115,7 @@ class Store:
         self.session.close()
         self.session = session = self._new_session()
         with self.lock:
-            pool = Pool(ratios=self.pool.ratios)
+            pool = new_pool(self.settings)
             self.lease_rows, self.gpu_rows, self.node_rows = {}, {}, {}
             for tenant in session.scalars(select(TenantRow)):
                 pool.quotas[tenant.name] = quota_of(tenant)
@@ -116,10 +130,24 @@ class Store:
             for lease in session.scalars(select(LeaseRow).where(LeaseRow.state.in_(live_states))):
                 self.lease_rows[lease.id] = lease
                 state = LeaseState(lease.state)
-                if state in HOLDING:
-                    pool.grant(lease.id, lease.tenant, slices_of(lease))
+                if state in HOLDING or state is LeaseState.PREEMPTED:
+                    pool.grant(lease.id, lease.tenant, slices_of(lease), lease.priority)
+                    if state is LeaseState.PREEMPTED:
+                        # Its holder was told; the grace period runs on from the stored end.
+                        pool.preempting[lease.id] = ""
+                        deadline = lease.preempt_deadline_at
+                        self.live.preempt_deadline[lease.id] = (
+                            deadline.timestamp() if deadline is not None else grace_start
+                        )
                 elif state is LeaseState.QUEUED and lease.queue_seq is not None:
-                    pool.restore_queued(QueuedLease(lease.id, request_of(lease), lease.queue_seq))
+                    pool.restore_queued(
+                        QueuedLease(
+                            lease.id,
+                            request_of(lease),
+                            lease.queue_seq,
+                            enqueued_at=lease.created_at.timestamp(),
+                        )
+                    )
                 seen = max(lease.last_heartbeat_at.timestamp(), grace_start)
                 self.live.lease_seen.setdefault(lease.id, seen)
             session.commit()
@@ -192,6 +220,17 @@ class Store:
                 future.set_result(result)
 
 
+def new_pool(settings: ControllerSettings) -> Pool:
+    """An empty pool with the scheduler the settings ask for."""
+    return Pool(
+        ratios=Ratios(settings.compute_ratio, settings.memory_ratio),
+        policy=policy_named(settings.placement_policy),
+        queue_policy=QueuePolicy(
+            fair_share=settings.fair_share, max_wait_s=settings.max_queue_wait_s
+        ),
+    )
+
+
 def quota_of(row: TenantRow) -> Quota:
     return Quota(
         max_gpus=row.max_gpus,
@@ -199,6 +238,8 @@ def quota_of(row: TenantRow) -> Quota:
         max_compute_pct=row.max_compute_pct,
         max_leases=row.max_leases,
         max_priority=row.max_priority,
+        weight=row.weight,
+        guaranteed_gpus=row.guaranteed_gpus or 0.0,
     )
 
 
@@ -232,4 +273,6 @@ def request_of(row: LeaseRow) -> LeaseRequest:
         node=row.node,
         gpu_models=tuple(row.gpu_models or ()),
         span_nodes=row.span_nodes,
+        prefer_node=row.prefer_node,
+        max_wait_s=row.max_wait_s,
     )

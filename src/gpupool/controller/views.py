@@ -99,6 +99,7 @@ def tenant_out(row: TenantRow, used: Usage, queued: int) -> TenantOut:
         max_compute_pct=row.max_compute_pct,
         max_leases=row.max_leases,
         max_priority=row.max_priority,
+        guaranteed_gpus=row.guaranteed_gpus or 0.0,
         used_gpus=used.gpus,
         used_memory_mib=used.memory_mib,
         used_compute_pct=used.compute_pct,

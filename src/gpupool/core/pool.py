@@ -25,7 +25,7 @@ from gpupool.core.model import (
     usage_of,
 )
 from gpupool.core.placement.filters import Demand, demand_of, slot_fits
-from gpupool.core.placement.index import NodeIndex, shape_of
+from gpupool.core.placement.index import NodeIndex, NodeShape, shape_of
 from gpupool.core.placement.policies import PlacementPolicy, policy_named
 from gpupool.core.placement.select import HeldBack, Memo, Placement, Selector
 from gpupool.core.placement.workload import Workload, WorkloadLearner
@@ -80,6 +80,9 @@ class Pool:
     index: NodeIndex = field(default_factory=NodeIndex)
     node_gpus: dict[str, dict[str, None]] = field(default_factory=dict)
     placement_memo: Memo = field(default_factory=dict)
+    _held_shapes: dict[tuple[object, ...], tuple[NodeShape, tuple[str, ...]]] = field(
+        default_factory=dict
+    )
     _learner: WorkloadLearner = field(default_factory=WorkloadLearner)
     _ranking: QueueOrder = field(default_factory=QueueOrder)
     _demands: dict[str, Demand] = field(default_factory=dict)
@@ -187,6 +190,7 @@ class Pool:
             self.placement_memo,
             held,
             held_nodes,
+            self._held_shapes,
         )
 
     def plan(
@@ -194,9 +198,33 @@ class Pool:
         request: LeaseRequest,
         held_back: HeldBack | None = None,
         demand: Demand | None = None,
+        within_quota: bool = True,
     ) -> Placement | None:
         """Where `request` would go now (GPUs and server share), or None; changes nothing."""
-        return self._selector(held_back).place(request, demand or demand_of(request))
+        demand = demand or demand_of(request)
+        if within_quota:
+            demand = self._within_quota(request, demand)
+        return self._selector(held_back).place(request, demand)
+
+    def _placement_or_why(self, lease_id: str, request: LeaseRequest) -> Placement | str:
+        """A placement within the tenant's quota, or why there is none (capacity or quota)."""
+        placement = self.plan(request)
+        if placement is not None:
+            problem = self.quota_blocks(lease_id, request, placement.slices)
+            return placement if problem is None else f"tenant quota: {problem}"
+        anywhere = self.plan(request, within_quota=False)
+        if anywhere is None:
+            return self.shortage(request)
+        problem = self.quota_blocks(lease_id, request, anywhere.slices)
+        return f"tenant quota: {problem or 'memory of the GPUs with room'}"
+
+    def _within_quota(self, request: LeaseRequest, demand: Demand) -> Demand:
+        """Slices whose memory depends on the GPU go only where the memory quota allows."""
+        quota = self.quotas.get(request.tenant)
+        if quota is None or quota.max_memory_mib is None or demand.gpus == 0:
+            return demand
+        left = quota.max_memory_mib - self.held_by(request.tenant).memory_mib
+        return demand._replace(memory_cap_mib=max(left, 0) // demand.gpus)
 
     def place(self, request: LeaseRequest) -> tuple[Slice, ...]:
         """Choose GPUs for `request` now, all or nothing, or raise NoCapacity."""
@@ -459,12 +487,9 @@ class Pool:
     def try_grant(self, lease_id: str, request: LeaseRequest) -> tuple[Slice, ...] | str:
         """Grant now if it fits and the quota allows; else return why it waits."""
         self._observe(request)
-        placement = self.plan(request)
-        if placement is None:
-            return self.shortage(request)
-        problem = self.quota_blocks(lease_id, request, placement.slices)
-        if problem is not None:
-            return f"tenant quota: {problem}"
+        placement = self._placement_or_why(lease_id, request)
+        if isinstance(placement, str):
+            return placement
         self.grant(lease_id, request.tenant, placement.slices, request.priority, placement.host)
         return placement.slices
 
@@ -481,6 +506,8 @@ class Pool:
         held: dict[str, tuple[int, int]] = {}
         heads = {False: 0, True: 0}
         failed: set[tuple[object, ...]] = set()
+        # Per kind of constraint, failed demands that no other failed demand is below.
+        smallest: dict[tuple[object, ...], list[Demand]] = {}
         policy = self.queue_policy
         self._rank(now)
         counts = self._shape_counts
@@ -496,9 +523,20 @@ class Pool:
             demand = self._demands.get(lease_id) or demand_of(req)
             if key is None:
                 key = self._shape_key(req, demand)
-            placement = self.plan(req, None if key[3] else held, demand)
+            placement = None
+            if self._within_quota(req, demand) is not demand:
+                # Its tenant's quota shapes where it fits: no other request is judged by it.
+                placement = self.plan(req, None if key[3] else held, demand)
+                if placement is None:
+                    continue
+            kind = (key[1:], demand.physical, demand.models, demand.memory_mib is None)
+            below = smallest.get(kind, ())
+            if placement is None and not any(_at_least(demand, small) for small in below):
+                placement = self.plan(req, None if key[3] else held, demand)
             if placement is None:
                 failed.add(key)
+                kept = [d for d in below if not _at_least(d, demand)] + [demand]
+                smallest[kind] = kept[-16:]
                 if heads[req.physical] < policy.reservations:
                     heads[req.physical] += 1
                     for uuid, compute, memory in self._reserve(entry, held):
@@ -538,44 +576,55 @@ class Pool:
                 f"waiting for {len(victims)} lower-priority lease(s) it preempted to end: "
                 + ", ".join(sorted(victims))
             )
-        ahead = [q for q in self.ordered_queue() if q.request.physical == entry.request.physical]
-        first = not ahead or ahead[0].lease_id == lease_id
-        placement = self.plan(entry.request)
-        if placement is None:
-            return self.shortage(entry.request)
-        problem = self.quota_blocks(lease_id, entry.request, placement.slices)
-        if not first:
-            if problem is not None:
+        self._rank(None)
+        kind = entry.request.physical
+        same_kind = (
+            lid
+            for _key, lid in self._ranking.ranked
+            if lid in self.queue and self.queue[lid].request.physical == kind
+        )
+        first = next(same_kind, lease_id) == lease_id
+        placement = self._placement_or_why(lease_id, entry.request)
+        if isinstance(placement, str):
+            if not first and placement.startswith("tenant quota"):
                 return "tenant quota"
+            return placement
+        if not first:
             return "behind earlier requests of the same kind"
-        return f"tenant quota: {problem}" if problem else "about to be granted"
+        return "about to be granted"
 
     def overdue(self, now: float) -> list[tuple[str, str]]:
         """Queued requests past their maximum wait, with the reason to tell their holders."""
-        out = []
-        for entry, limit in overdue(self.queue.values(), self.queue_policy, now):
-            why = self.why_waiting(entry.lease_id)
-            out.append(
-                (
-                    entry.lease_id,
-                    f"waited {now - entry.enqueued_at:.0f} s, past the maximum wait of "
-                    f"{limit:g} s ({why})",
-                )
+        return [
+            (
+                entry.lease_id,
+                f"waited {now - entry.enqueued_at:.0f} s (limit {limit:g} s); "
+                f"{self.why_waiting(entry.lease_id)}",
             )
-        return out
+            for entry, limit in overdue(self.queue.values(), self.queue_policy, now)
+        ]
 
     # ---- preemption ------------------------------------------------------------------
 
     def preempted_for(self, lease_id: str) -> set[str]:
         return {victim for victim, by in self.preempting.items() if by == lease_id}
 
-    def plan_preemptions(self, now: float | None = None) -> list[Preemption]:
+    def plan_preemptions(
+        self, now: float | None = None, max_candidates: int = 16
+    ) -> list[Preemption]:
         """For blocked queued requests, in order, the cheapest sets of lower-priority leases
         whose end makes them fit; marks those leases as being preempted."""
         out: list[Preemption] = []
+        lowest = min(
+            (p for lid, p in self.priorities.items() if lid not in self.preempting), default=None
+        )
+        looked = 0
         for entry in self.ordered_queue(now):
-            if entry.request.priority <= 0 or self.preempted_for(entry.lease_id):
+            if lowest is None or looked >= max_candidates:
+                break
+            if entry.request.priority <= lowest or self.preempted_for(entry.lease_id):
                 continue
+            looked += 1
             if self.plan(entry.request) is not None:
                 continue
             found = plan_preemption(self, entry.lease_id, entry.request)
@@ -662,3 +711,15 @@ class Pool:
         for uuid in uuids:
             out |= self.usage.get(uuid, GpuUsage()).leases
         return out
+
+
+def _at_least(big: Demand, little: Demand) -> bool:
+    """A request at least as large as one that did not fit, with the same constraints,
+    does not fit either (capacity only shrinks during a pass)."""
+    return (
+        big.gpus >= little.gpus
+        and big.compute_pct >= little.compute_pct
+        and (big.memory_mib or 0) >= (little.memory_mib or 0)
+        and big.cpu_milli >= little.cpu_milli
+        and big.host_memory_mib >= little.host_memory_mib
+    )

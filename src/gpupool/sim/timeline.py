@@ -46,9 +46,7 @@ def run_timeline(
         for j in jobs
         if j.id in outcome.started_s and j.request.gpus > 0
     ]
-    completions = [
-        outcome.ended_s[j.id] - j.arrival_s for j in jobs if j.id in outcome.ended_s
-    ]
+    completions = [outcome.ended_s[j.id] - j.arrival_s for j in jobs if j.id in outcome.ended_s]
     span = (outcome.end_s - jobs[0].arrival_s) if jobs else 0.0
     mean_util = 100.0 * outcome.busy_unit_s / (capacity * span) if capacity and span else 0.0
     return {

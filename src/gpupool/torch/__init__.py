@@ -12,6 +12,7 @@ one per GPU of the lease: cuda:0, cuda:1, …) and GPUPOOL_TOKEN, as `gpupool ru
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -20,10 +21,12 @@ import torch
 
 from gpupool.protocol.v1.dataplane import parse_address
 from gpupool.torch import (
+    autocast,
     conversions,
     cuda_api,
     dispatch,  # noqa: F401 - binds RemoteTensor's dispatcher
     kernels,
+    optim,
     runtime,
     serialization,
 )
@@ -31,8 +34,6 @@ from gpupool.torch.stream import AttachError, DeviceStream, WorkerLost, open_str
 from gpupool.torch.tensor import RemoteTensor
 
 __all__ = ["AttachError", "RemoteTensor", "WorkerLost", "attach", "attached", "detach"]
-
-_FOREACH_TYPE_LISTS = ("torch.optim.optimizer", "torch.utils._foreach_utils")
 
 
 def attach(
@@ -63,7 +64,9 @@ def attach(
     cuda_api.install()
     conversions.install()
     serialization.install()
-    _allow_foreach(True)
+    autocast.install()
+    optim.install()
+    atexit.register(detach)  # close the connections in order; the workers free everything
     return [s.device for s in streams]
 
 
@@ -71,7 +74,9 @@ def detach() -> None:
     """Close the connections (the workers free this client's tensors) and restore torch."""
     if not runtime.attached():
         return
-    _allow_foreach(False)
+    atexit.unregister(detach)
+    optim.uninstall()
+    autocast.uninstall()
     serialization.uninstall()
     conversions.uninstall()
     cuda_api.uninstall()
@@ -108,17 +113,3 @@ def _resolve(
     if not token:
         raise AttachError("no lease token: pass token=… or set GPUPOOL_TOKEN")
     return str(lease_id), list(workers), token
-
-
-def _allow_foreach(on: bool) -> None:
-    """Optimizers and clip_grad_norm_ take their foreach paths only for listed tensor types."""
-    import importlib
-
-    for module_name in _FOREACH_TYPE_LISTS:
-        types = getattr(importlib.import_module(module_name), "_foreach_supported_types", None)
-        if types is None:
-            continue
-        if on and RemoteTensor not in types:
-            types.append(RemoteTensor)
-        elif not on and RemoteTensor in types:
-            types.remove(RemoteTensor)

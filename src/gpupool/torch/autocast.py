@@ -11,6 +11,7 @@ input's dtype, as it does after a real autocast region.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -52,21 +53,22 @@ PROMOTE = frozenset(
 LOWER_PRECISION_BACKWARD = frozenset(
     {
         "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "convolution_backward",
-        "_scaled_dot_product_flash_attention_backward",
-        "_scaled_dot_product_flash_attention_for_cpu_backward",
-        "_scaled_dot_product_efficient_attention_backward",
-        "_scaled_dot_product_cudnn_attention_backward",
     }
 )  # fmt: skip
+"""Backward ops of lower-precision ops that meet a 16-bit gradient and a saved float32 input.
+(Attention backward needs nothing: its forward inputs were cast, and its float32 logsumexp
+must stay float32.)"""
 FLOAT32_BACKWARD = frozenset(
     {
         "native_layer_norm_backward", "native_group_norm_backward", "_softmax_backward_data",
         "_log_softmax_backward_data", "nll_loss_backward", "nll_loss2d_backward",
         "mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward", "l1_loss_backward",
-        "native_batch_norm_backward", "batch_norm_backward", "binary_cross_entropy_backward",
-        "kl_div_backward", "soft_margin_loss_backward",
+        "binary_cross_entropy_backward", "kl_div_backward", "soft_margin_loss_backward",
     }
 )  # fmt: skip
+"""Backward ops of float32-list ops whose saved input is still 16-bit. (Batch norm is on
+neither list: its kernels take a 16-bit input with float32 statistics, both ways.)"""
+SOFTMAX_BACKWARD = frozenset({"_softmax_backward_data", "_log_softmax_backward_data"})
 POLICY_OPS = (
     LOWER_PRECISION
     | FLOAT32
@@ -76,6 +78,48 @@ POLICY_OPS = (
     | FLOAT32_BACKWARD
 )
 """Ops whose dispatch asks this module first (a frozenset lookup for every other op)."""
+
+_state = threading.local()
+_ORIGINALS: dict[str, Any] = {}
+
+
+def _enabled() -> tuple[bool, torch.dtype]:
+    """Whether autocast("cuda") is on in this thread, and its dtype. Inside __torch_dispatch__
+    PyTorch hides its own autocast state (every key above Python is excluded), so the state is
+    mirrored as torch.autocast sets it."""
+    return getattr(_state, "enabled", False), getattr(_state, "dtype", torch.float16)
+
+
+def _set_autocast_enabled(*args: Any) -> None:
+    _ORIGINALS["set_autocast_enabled"](*args)
+    if len(args) == 2 and args[0] == "cuda":
+        _state.enabled = bool(args[1])
+    elif len(args) == 1:  # the old signature meant CUDA
+        _state.enabled = bool(args[0])
+
+
+def _set_autocast_dtype(device_type: str, dtype: torch.dtype) -> None:
+    _ORIGINALS["set_autocast_dtype"](device_type, dtype)
+    if device_type == "cuda":
+        _state.dtype = dtype
+
+
+def install() -> None:
+    if _ORIGINALS:
+        return
+    _ORIGINALS["set_autocast_enabled"] = torch.set_autocast_enabled
+    _ORIGINALS["set_autocast_dtype"] = torch.set_autocast_dtype
+    torch.set_autocast_enabled = _set_autocast_enabled  # type: ignore[assignment]
+    torch.set_autocast_dtype = _set_autocast_dtype
+    _state.enabled = torch.is_autocast_enabled("cuda")
+    _state.dtype = torch.get_autocast_dtype("cuda")
+
+
+def uninstall() -> None:
+    if _ORIGINALS:
+        torch.set_autocast_enabled = _ORIGINALS.pop("set_autocast_enabled")
+        torch.set_autocast_dtype = _ORIGINALS.pop("set_autocast_dtype")
+
 
 _SIXTEEN = (torch.float16, torch.bfloat16)
 _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
@@ -87,8 +131,8 @@ def adjust(
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The op's arguments after autocast's casts (unchanged outside autocast and backward)."""
     name = info.short_name
-    if torch.is_autocast_enabled("cuda"):
-        target = torch.get_autocast_dtype("cuda")
+    enabled, target = _enabled()
+    if enabled:
         if name in LOWER_PRECISION:
             return _cast(args, target, (torch.float32,)), _cast_kw(kwargs, target, (torch.float32,))
         if name in FLOAT32_BY_DTYPE_ARG and kwargs.get("dtype") is None and _any_of(args, _SIXTEEN):
@@ -100,6 +144,10 @@ def adjust(
             if widest is not None:
                 return _cast(args, widest, _ELIGIBLE), _cast_kw(kwargs, widest, _ELIGIBLE)
         return args, kwargs
+    if name in SOFTMAX_BACKWARD and _float32_output_of_16bit_input(args):
+        # The forward ran in float32 (autocast), but autograd recorded the 16-bit input
+        # dtype: compute the gradient in float32; autograd casts it back to the input's dtype.
+        return (*args[:3], torch.float32, *args[4:]), kwargs
     if _current_node() is None:
         return args, kwargs
     # In backward: only ops that meet both a 16-bit and a float32 input need help.
@@ -133,6 +181,15 @@ def infer_with_reconciliation(
                 "gpupool's autocast emulation does not cover this op yet"
             ) from exc
         raise
+
+
+def _float32_output_of_16bit_input(args: tuple[Any, ...]) -> bool:
+    output, input_dtype = args[1], args[3] if len(args) > 3 else None
+    return (
+        isinstance(output, RemoteTensor)
+        and output.dtype == torch.float32
+        and input_dtype in _SIXTEEN
+    )
 
 
 def _cast(

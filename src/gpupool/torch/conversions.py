@@ -36,25 +36,25 @@ def _resolve(device: Any) -> Any:
 
 def _parse_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, bool, bool, Any]:
     """(device, dtype, non_blocking, copy, memory_format) of a Tensor.to call."""
-    args = list(args)
-    kwargs = dict(kwargs)
-    copy = bool(kwargs.pop("copy", False))
-    if args and isinstance(args[0], torch.Tensor):
-        other = args.pop(0)
-        args[:0] = [other.device, other.dtype]
-    if len(args) >= 2 and isinstance(args[0], torch.dtype):
+    items = list(args)
+    options = dict(kwargs)
+    copy = bool(options.pop("copy", False))
+    if items and isinstance(items[0], torch.Tensor):
+        other = items.pop(0)
+        items[:0] = [other.device, other.dtype]
+    if len(items) >= 2 and isinstance(items[0], torch.dtype):
         # to(dtype, non_blocking, copy)
-        if len(args) >= 3:
-            copy = bool(args[2])
-        args = args[:2]
-    elif len(args) >= 4:
-        copy = bool(args[3])
-        args = args[:3]
-    if args and not isinstance(args[0], torch.dtype):
-        args[0] = _resolve(args[0])
-    if "device" in kwargs:
-        kwargs["device"] = _resolve(kwargs["device"])
-    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if len(items) >= 3:
+            copy = bool(items[2])
+        items = items[:2]
+    elif len(items) >= 4:
+        copy = bool(items[3])
+        items = items[:3]
+    if items and not isinstance(items[0], torch.dtype):
+        items[0] = _resolve(items[0])
+    if "device" in options:
+        options["device"] = _resolve(options["device"])
+    device, dtype, non_blocking, memory_format = torch._C._nn._parse_to(*items, **options)
     return device, dtype, bool(non_blocking), copy, memory_format
 
 
@@ -68,7 +68,7 @@ def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         if stays and same_dtype and keeps_format and not copy:
             return self
         if not stays and torch.is_grad_enabled() and self.requires_grad:
-            return _Move.apply(self, device, dtype)  # type: ignore[no-any-return]
+            return _Move.apply(self, device, dtype)
         if stays:
             device = None
     options: dict[str, Any] = {"non_blocking": non_blocking, "copy": copy}
@@ -96,28 +96,43 @@ def cuda(
 def cpu(self: torch.Tensor, memory_format: Any = torch.preserve_format) -> torch.Tensor:
     if isinstance(self, RemoteTensor):
         return to(self, "cpu", memory_format=memory_format)
-    return _ORIGINALS[(torch.Tensor, "cpu")](self, memory_format=memory_format)  # type: ignore[no-any-return]
+    return _ORIGINALS[(torch.Tensor, "cpu")](self, memory_format=memory_format)
 
 
 def new_tensor(self: torch.Tensor, data: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    if isinstance(self, RemoteTensor) and "device" not in kwargs:
-        kwargs["device"] = self.device
-    elif "device" in kwargs:
-        kwargs["device"] = _resolve(kwargs["device"])
-    return _ORIGINALS[(torch.Tensor, "new_tensor")](self, data, *args, **kwargs)  # type: ignore[no-any-return]
+    original = _ORIGINALS[(torch.Tensor, "new_tensor")]
+    if isinstance(self, RemoteTensor):
+        kwargs.setdefault("device", self.device)
+        kwargs.setdefault("dtype", self.dtype)
+        # Built from the host copy of self's options, not self's own (they say `meta`).
+        host_self = torch.empty(0, dtype=self.dtype)
+        return _build_then_move(lambda **kw: original(host_self, data, *args, **kw), kwargs)
+    return _build_then_move(lambda **kw: original(self, data, *args, **kw), kwargs)
 
 
 def _with_device(name: str) -> Any:
     original = _ORIGINALS[(torch, name)]
 
     def make(*args: Any, **kwargs: Any) -> Any:
-        if "device" in kwargs:
-            kwargs["device"] = _resolve(kwargs["device"])
-        return original(*args, **kwargs)
+        return _build_then_move(lambda **kw: original(*args, **kw), kwargs)
 
     make.__name__ = name
     make.__doc__ = original.__doc__
     return make
+
+
+def _build_then_move(build: Any, kwargs: dict[str, Any]) -> Any:
+    """torch.tensor(data, device="cuda") writes the data straight into the new tensor's
+    memory, which a remote tensor does not have: build it on the host, then copy it over."""
+    device = _resolve(kwargs.pop("device")) if "device" in kwargs else None
+    if not (isinstance(device, torch.device) and device.type == "cuda"):
+        if device is not None:
+            kwargs["device"] = device
+        return build(**kwargs)
+    requires_grad = kwargs.pop("requires_grad", False)
+    kwargs.pop("pin_memory", None)
+    moved = to(build(**kwargs), device)
+    return moved.requires_grad_(True) if requires_grad else moved
 
 
 class _Move(torch.autograd.Function):
@@ -151,6 +166,7 @@ def install() -> None:
     for name in _TORCH_FUNCTIONS:
         _ORIGINALS[(torch, name)] = getattr(torch, name)
         setattr(torch, name, _with_device(name))
+    install_module_swap()
 
 
 def uninstall() -> None:
@@ -161,3 +177,31 @@ def uninstall() -> None:
             setattr(owner, name, original)
     _ORIGINALS.clear()
     _OWN.clear()
+    uninstall_module_swap()
+
+
+# ---- nn.Module.to keeps parameters' identity ------------------------------------------------
+
+
+def _swaps_into_place(tensor: object) -> bool:
+    """Module._apply swaps a converted parameter into the existing Parameter object (instead
+    of making a new one) for these; so tied weights (GPT-2's embedding and head) stay tied."""
+    return isinstance(tensor, RemoteTensor) or _ORIGINAL_TRACEABLE(tensor)
+
+
+_ORIGINAL_TRACEABLE: Any = None
+
+
+def install_module_swap() -> None:
+    global _ORIGINAL_TRACEABLE
+    module_py = torch.nn.modules.module
+    if _ORIGINAL_TRACEABLE is None:
+        _ORIGINAL_TRACEABLE = module_py.is_traceable_wrapper_subclass  # type: ignore[attr-defined]
+        module_py.is_traceable_wrapper_subclass = _swaps_into_place  # type: ignore[attr-defined,assignment]
+
+
+def uninstall_module_swap() -> None:
+    global _ORIGINAL_TRACEABLE
+    if _ORIGINAL_TRACEABLE is not None:
+        torch.nn.modules.module.is_traceable_wrapper_subclass = _ORIGINAL_TRACEABLE  # type: ignore[attr-defined]
+        _ORIGINAL_TRACEABLE = None

@@ -33,12 +33,11 @@ from gpupool.torch.shapes import (
     op_info,
 )
 from gpupool.torch.stream import DeviceStream
-from gpupool.torch.tensor import Handle, RemoteTensor, bind_dispatch, wrap
+from gpupool.torch.tensor import Handle, RemoteTensor, bind_dispatch, refresh_signature, wrap
 
 aten = torch.ops.aten
 _OP = Rec.OP
 _PLANS: dict[tuple[Any, ...], Plan] = {}
-_INFO: dict[Any, OpInfo] = {}
 
 CALL_BLOCK = 1 << 16
 _CALL_BLOCKS = itertools.count(1 << 20)
@@ -65,17 +64,7 @@ _TRUE, _FALSE = object(), object()
 
 def _encode(value: Any, keyed: bool, enc: _Encoding) -> Any:
     if isinstance(value, RemoteTensor):
-        handle = value._gp
-        stream = handle.stream
-        if enc.stream is not stream:
-            if enc.stream is not None:
-                raise RemoteDeviceError(
-                    "Expected all tensors to be on the same device, but found at least two "
-                    f"devices, {enc.stream.device} and {stream.device}!"
-                )
-            enc.stream = stream
-        enc.key.append((value.shape, value.stride(), value.storage_offset(), value.dtype))
-        return handle.ext
+        return _encode_remote(value, enc)
     kind = type(value)
     if kind is int or kind is float or value is None or kind is str:
         enc.key.append(value if keyed else kind)
@@ -116,6 +105,20 @@ def _encode(value: Any, keyed: bool, enc: _Encoding) -> Any:
     )
 
 
+def _encode_remote(value: RemoteTensor, enc: _Encoding) -> Any:
+    handle = value._gp
+    stream = handle.stream
+    if enc.stream is not stream:
+        if enc.stream is not None:
+            raise RemoteDeviceError(
+                "Expected all tensors to be on the same device, but found at least two "
+                f"devices, {enc.stream.device} and {stream.device}!"
+            )
+        enc.stream = stream
+    enc.key.append(value._sig)
+    return handle.ext
+
+
 def _encode_host_tensor(value: torch.Tensor, enc: _Encoding) -> Any:
     if value.device.type == "meta":
         raise NotImplementedError(
@@ -137,7 +140,17 @@ def _encode_call(
     info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], enc: _Encoding
 ) -> tuple[list[Any], dict[str, Any] | None]:
     keyed = info.keyed_scalars
-    wire_args = [_encode(a, i in keyed, enc) for i, a in enumerate(args)]
+    wire_args = []
+    for i, value in enumerate(args):
+        # The common arguments inline: this runs for every op of a training step.
+        kind = type(value)
+        if kind is RemoteTensor:
+            wire_args.append(_encode_remote(value, enc))
+        elif kind is int and i in keyed:
+            enc.key.append(value)
+            wire_args.append(value)
+        else:
+            wire_args.append(_encode(value, i in keyed, enc))
     wire_kwargs: dict[str, Any] | None = None
     if kwargs:
         wire_kwargs = {}
@@ -151,12 +164,10 @@ def _encode_call(
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    special = _SPECIAL.get(func)
+    special = _SPECIAL.get(id(func))  # by id(): OpOverload hashes in Python
     if special is not None:
         return special(func, args, kwargs)
-    info = _INFO.get(func)
-    if info is None:
-        info = _INFO[func] = op_info(func)
+    info = op_info(func)
     if info.short_name in autocast.POLICY_OPS:
         args, kwargs = autocast.adjust(info, args, kwargs)
     return run(info, args, kwargs)
@@ -171,13 +182,13 @@ def run(
     stream = enc.stream or runtime.stream(enc.device_index)
     if info.metadata_inplace:
         return _metadata_inplace(info, args, kwargs, stream)
-    op_id = stream.op_id(info.func)
+    op_id = stream.op_id(info)
     if info.all_alias:
         stream.emit([_OP, op_id, wire_args, wire_kwargs, None])
         return _aliased_result(info, args, kwargs)
     if info.values_only:
         return _call(info, stream, wire_args, wire_kwargs)
-    key = (info.func, *enc.key)
+    key = (info, *enc.key)
     plan = _PLANS.get(key)
     if plan is None:
         try:
@@ -193,7 +204,7 @@ def run(
 
 
 def _aliased_result(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    targets = [args[p] if isinstance(p, int) else kwargs[p] for p in info.returns_alias]
+    targets = [args[p] if isinstance(p, int) else kwargs[str(p)] for p in info.returns_alias]
     if not targets:
         return None
     return targets[0] if len(targets) == 1 else tuple(targets)
@@ -204,7 +215,7 @@ def _call(
 ) -> Any:
     """Ops whose outputs only the worker can tell (values, data-dependent shapes): a round trip."""
     base = next(_CALL_BLOCKS) * CALL_BLOCK
-    described = stream.call(info.func, wire_args, wire_kwargs, base)
+    described = stream.call(info, wire_args, wire_kwargs, base)
     result = _materialize(described, stream)
     if len(info.returns_alias) > 1 and isinstance(result, list):
         return tuple(result)
@@ -232,13 +243,14 @@ def _metadata_inplace(
     if not isinstance(target, RemoteTensor):
         raise NotImplementedError(f"{info.name} on a host tensor with remote arguments")
     own = stream.new_handle()
-    stream.emit([_OP, stream.op_id(aten.alias.default), [target._gp.ext], None, [own.id]])
+    stream.emit([_OP, stream.op_id(op_info(aten.alias.default)), [target._gp.ext], None, [own.id]])
     target._gp = own
     with torch._C._DisableTorchDispatch():
         info.func(*args, **kwargs)
+    refresh_signature(target)
     enc = _Encoding()
     wire_args, wire_kwargs = _encode_call(info, args, kwargs, enc)
-    stream.emit([_OP, stream.op_id(info.func), wire_args, wire_kwargs, None])
+    stream.emit([_OP, stream.op_id(info), wire_args, wire_kwargs, None])
     return target
 
 
@@ -252,7 +264,7 @@ def upload(host: torch.Tensor, stream: DeviceStream) -> RemoteTensor:
     stream.emit(
         [
             _OP,
-            stream.op_id(aten.empty.memory_format),
+            stream.op_id(op_info(aten.empty.memory_format)),
             [list(host.shape)],
             {"dtype": DTYPE_EXT[host.dtype], "device": REMOTE_DEVICE_EXT},
             [handle.id],
@@ -288,7 +300,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         rest = {
             k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking")
         }
-        return run(_info(func), args, rest)
+        return run(op_info(func), args, rest)
     host = download(source)
     dtype = kwargs.get("dtype")
     if dtype is not None and dtype != host.dtype:
@@ -308,7 +320,7 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if isinstance(target, RemoteTensor):
         if isinstance(source, RemoteTensor):
             if source._gp.stream is target._gp.stream:
-                return run(_info(func), args, kwargs)
+                return run(op_info(func), args, kwargs)
             source = download(source)
         elif source.device.type == "meta":
             raise NotImplementedError("copy_ from a meta tensor into a remote tensor")
@@ -340,25 +352,21 @@ def _unsupported(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     raise NotImplementedError(f"{func} is not supported on gpupool remote devices")
 
 
-def _info(func: Any) -> OpInfo:
-    info = _INFO.get(func)
-    if info is None:
-        info = _INFO[func] = op_info(func)
-    return info
-
-
-_SPECIAL: dict[Any, Any] = {
-    aten._local_scalar_dense.default: _local_scalar_dense,
-    aten._to_copy.default: _to_copy,
-    aten.copy_.default: _copy_,
-    aten.detach.default: _share,
-    aten.alias.default: _share,
-    aten.lift_fresh.default: _identity,
-    aten.record_stream.default: _nothing,
-    aten.is_pinned.default: _false,
-    aten._pin_memory.default: _unsupported,
-    aten.set_.source_Storage: _unsupported,
-    aten.set_.source_Storage_storage_offset: _unsupported,
+_SPECIAL: dict[int, Any] = {
+    id(op): handler
+    for op, handler in {
+        aten._local_scalar_dense.default: _local_scalar_dense,
+        aten._to_copy.default: _to_copy,
+        aten.copy_.default: _copy_,
+        aten.detach.default: _share,
+        aten.alias.default: _share,
+        aten.lift_fresh.default: _identity,
+        aten.record_stream.default: _nothing,
+        aten.is_pinned.default: _false,
+        aten._pin_memory.default: _unsupported,
+        aten.set_.source_Storage: _unsupported,
+        aten.set_.source_Storage_storage_offset: _unsupported,
+    }.items()
 }
 
 
@@ -369,7 +377,7 @@ def factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     device = kwargs.get("device")
     index = device.index if isinstance(device, torch.device) else None
     kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory" and v is not None}
-    return run(_info(func), args, kwargs, runtime.current_index() if index is None else index)
+    return run(op_info(func), args, kwargs, runtime.current_index() if index is None else index)
 
 
 bind_dispatch(dispatch)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from gpupool.torch import dispatch
+from gpupool.torch.shapes import op_info
 from gpupool.torch.tensor import RemoteTensor
 
 aten = torch.ops.aten
@@ -103,7 +104,7 @@ def _math(
     dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
 ) -> torch.Tensor:  # fmt: skip
     mask = _float_mask(attn_mask, query.dtype)
-    return aten._scaled_dot_product_attention_math.default(  # type: ignore[no-any-return]
+    return aten._scaled_dot_product_attention_math.default(
         query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
     )[0]
 
@@ -123,7 +124,7 @@ def _sdp_choice(
     choice = _SDP_CHOICES.get(signature)
     if choice is None:
         result = dispatch.run(
-            dispatch._info(aten._fused_sdp_choice.default),
+            op_info(aten._fused_sdp_choice.default),
             (query, key, value, mask, dropout_p, is_causal),
             {"scale": scale},
         )
@@ -175,13 +176,13 @@ def batch_norm(
 ) -> torch.Tensor:  # fmt: skip
     if isinstance(input, RemoteTensor) and running_mean is not None and running_var is not None:
         if training:
-            return aten._batch_norm_with_update.default(  # type: ignore[no-any-return]
+            return aten._batch_norm_with_update.default(
                 input, weight, bias, running_mean, running_var, momentum, eps
             )[0]
-        return aten._batch_norm_no_update.default(  # type: ignore[no-any-return]
+        return aten._batch_norm_no_update.default(
             input, weight, bias, running_mean, running_var, momentum, eps
         )[0]
-    return aten._batch_norm_impl_index.default(  # type: ignore[no-any-return]
+    return aten._batch_norm_impl_index.default(
         input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
     )[0]
 
@@ -191,4 +192,4 @@ def dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
         return input
     if p == 1:
         return input * 0
-    return aten.native_dropout.default(input, p, train)[0]  # type: ignore[no-any-return]
+    return aten.native_dropout.default(input, p, train)[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 
@@ -74,10 +75,9 @@ class _Flusher(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.wait(FLUSH_INTERVAL_S):
             for s in list(_streams):
-                try:
+                # A broken stream is reported by the next op the program runs on it.
+                with contextlib.suppress(Exception):
                     s.try_flush()
-                except Exception:  # noqa: BLE001 - the next op on that device reports it
-                    pass
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -115,7 +115,7 @@ def install() -> None:
     if _ORIGINALS:
         return
     _ORIGINALS["save"], _ORIGINALS["load"] = torch.save, torch.load
-    torch.save, torch.load = save, load  # type: ignore[assignment]
+    torch.save, torch.load = save, load
     if not getattr(torch.serialization, "_gpupool_tagger", False):
         torch.serialization.register_package(5, _tag, _never)
         torch.serialization._gpupool_tagger = True  # type: ignore[attr-defined]

@@ -13,7 +13,8 @@ from typing import Any
 
 import torch
 
-from gpupool.torch.tensor import META, Handle, RemoteTensor, wrap
+from gpupool.protocol.v1.tensors import op_name
+from gpupool.torch.tensor import META, Handle, RemoteTensor, refresh_signature, wrap
 
 PLAN_CACHE_MAX = 16384
 
@@ -61,13 +62,14 @@ class OpInfo:
 
     __slots__ = (
         "all_alias", "func", "has_out", "keyed_scalars", "metadata_inplace", "name",
-        "returns_alias", "short_name", "values_only",
+        "returns_alias", "short_name", "values_only", "wire_name",
     )  # fmt: skip
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         self.func = func
         self.name = schema.name
+        self.wire_name = op_name(func)
         self.short_name = schema.name.partition("::")[2]
         arguments = schema.arguments
         alias_sets: dict[str, int | str] = {}
@@ -104,13 +106,14 @@ class OpInfo:
         self.keyed_scalars = frozenset(keyed)
 
 
-_INFO: dict[Any, OpInfo] = {}
+_INFO: dict[int, OpInfo] = {}
 
 
 def op_info(func: Any) -> OpInfo:
-    info = _INFO.get(func)
+    # Keyed by id(): OpOverload hashes in Python; the overloads live as long as torch does.
+    info = _INFO.get(id(func))
     if info is None:
-        info = _INFO[func] = OpInfo(func)
+        info = _INFO[id(func)] = OpInfo(func)
     return info
 
 
@@ -187,7 +190,7 @@ def infer_plan(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> P
 def describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return TensorSpec(
-            tuple(value.shape), tuple(value.stride()), value.storage_offset(), value.dtype
+            tuple(value.shape), tuple(value.stride()), int(value.storage_offset()), value.dtype
         )
     if isinstance(value, list | tuple):
         return Seq(list if isinstance(value, list) else tuple, tuple(describe(v) for v in value))
@@ -232,3 +235,4 @@ def set_metadata(tensor: RemoteTensor, spec: TensorSpec) -> None:
     with torch._C._DisableTorchDispatch():
         torch.Tensor.resize_(tensor, spec.shape)
         torch.Tensor.as_strided_(tensor, spec.shape, spec.stride, spec.offset)
+    refresh_signature(tensor)

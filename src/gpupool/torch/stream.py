@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import itertools
 import os
 import socket
 import threading
 import time
 from collections import deque
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -37,11 +38,13 @@ from gpupool.protocol.v1.tensors import (
     dtype_from_name,
     dtype_name,
     host_bytes,
-    op_name,
     tensor_bytes,
     tensor_from_bytes,
 )
 from gpupool.torch.tensor import Handle
+
+if TYPE_CHECKING:
+    from gpupool.torch.shapes import OpInfo
 
 HANDLE_IDS = itertools.count(1)
 """Handles are chosen by the client, so making a tensor needs no round trip."""
@@ -50,6 +53,8 @@ MiB = 1 << 20
 FLUSH_AFTER_S = 0.001
 """A batch leaves at the latest this long after its first record (the flusher covers idle gaps)."""
 BATCH_MAX_BYTES = 8 * MiB
+LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
+"""As with CUDA: every op waits for the worker, so an error surfaces at the op that caused it."""
 
 
 class AttachError(RuntimeError):
@@ -85,9 +90,11 @@ class DeviceStream:
         self.lock = threading.RLock()
         self.open = True
         self._forked = False
+        self.round_trips = 0
+        """Requests that waited for the worker (reads, calls, syncs): the only waits."""
         self._first_at = 0.0
         self._pending_bytes = 0
-        self._op_ids: dict[Any, int] = {}
+        self._op_ids: dict[OpInfo, int] = {}
         self._op_counter = itertools.count(1)
         self._requests = itertools.count(1)
         self._client_arena = client_arena
@@ -113,19 +120,21 @@ class DeviceStream:
     def new_handle(self) -> Handle:
         return Handle(next(HANDLE_IDS), self)
 
-    def op_id(self, func: Any) -> int:
-        op_id = self._op_ids.get(func)
+    def op_id(self, op: OpInfo) -> int:
+        op_id = self._op_ids.get(op)
         if op_id is None:
             op_id = next(self._op_counter)
             # DEF goes in before the id is visible, so no thread can use an undefined id.
-            self.records.append([Rec.DEF, op_id, op_name(func)])
-            self._op_ids[func] = op_id
+            self.records.append([Rec.DEF, op_id, op.wire_name])
+            self._op_ids[op] = op_id
         return op_id
 
     def emit(self, record: list[Any]) -> None:
         records = self.records
         records.append(record)
-        if len(records) >= BATCH_MAX_RECORDS:
+        if LAUNCH_BLOCKING:
+            self.sync()
+        elif len(records) >= BATCH_MAX_RECORDS:
             self.flush()
             return
         now = time.perf_counter()
@@ -235,44 +244,42 @@ class DeviceStream:
 
     def read(self, handle_ext: Any) -> torch.Tensor:
         with self.lock:
-            req = next(self._requests)
-            self.records.append([Rec.READ, req, handle_ext])
-            self._flush_locked()
-            return self._receive_tensor(req)
+            return self._receive_tensor(self._request_locked(Rec.READ, handle_ext))
 
     def call(
-        self, func: Any, args: list[Any], kwargs: dict[str, Any] | None, handle_base: int
+        self, op: OpInfo, args: list[Any], kwargs: dict[str, Any] | None, handle_base: int
     ) -> Any:
         """Run an op now and return the worker's description of its outputs."""
         with self.lock:
-            op_id = self.op_id(func)
-            req = next(self._requests)
-            self.records.append([Rec.CALL, req, op_id, args, kwargs, handle_base])
-            self._flush_locked()
-            return self._receive_result(req)
+            op_id = self.op_id(op)
+            return self._receive_result(
+                self._request_locked(Rec.CALL, op_id, args, kwargs, handle_base)
+            )
 
     def sync(self) -> dict[str, Any]:
         with self.lock:
-            req = next(self._requests)
-            self.records.append([Rec.SYNC, req])
-            self._flush_locked()
-            return self._receive_result(req)  # type: ignore[no-any-return]
+            return self._receive_result(self._request_locked(Rec.SYNC))
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
-            req = next(self._requests)
-            self.records.append([Rec.STATS, req])
-            self._flush_locked()
-            return self._receive_result(req)  # type: ignore[no-any-return]
+            return self._receive_result(self._request_locked(Rec.STATS))
 
     def seed(self, seed: int) -> None:
         self.emit([Rec.SEED, int(seed)])
 
-    def _roundtrip_locked(self) -> None:
+    def op_names(self) -> set[str]:
+        """The ops this stream has sent to its worker so far."""
+        return {op.wire_name for op in self._op_ids}
+
+    def _request_locked(self, kind: Rec, *fields: Any) -> int:
         req = next(self._requests)
-        self.records.append([Rec.STATS, req])
+        self.records.append([kind, req, *fields])
         self._flush_locked()
-        self._receive_result(req)
+        self.round_trips += 1
+        return req
+
+    def _roundtrip_locked(self) -> None:
+        self._receive_result(self._request_locked(Rec.STATS))
 
     def _receive_head(self, req: int) -> tuple[list[Any], int]:
         try:
@@ -334,10 +341,8 @@ class DeviceStream:
     def close(self) -> None:
         if not self.open:
             return
-        try:
+        with contextlib.suppress(WorkerLost, DataPlaneError):
             self.flush()
-        except (WorkerLost, DataPlaneError):
-            pass
         self.open = False
         self.conn.close()
         for arena in (self._client_arena, self._worker_arena):
@@ -359,10 +364,33 @@ def remote_exception(body: ErrorBody) -> BaseException:
     return RuntimeError(body.message)
 
 
+BUSY_RETRY_S = 3.0
+"""A worker frees itself a moment after its previous client left; wait that long for it."""
+
+
 def open_stream(
     index: int, address: Address, lease: str, token: str, shm_mib: int = 256
 ) -> DeviceStream:
     """Connect, authenticate with the lease's token, and learn the device's facts."""
+    deadline = time.monotonic() + BUSY_RETRY_S
+    while True:
+        try:
+            return _open_stream(index, address, lease, token, shm_mib)
+        except _Busy:
+            if time.monotonic() > deadline:
+                raise AttachError(
+                    f"the worker at {address} already serves another client"
+                ) from None
+            time.sleep(0.05)
+
+
+class _Busy(Exception):
+    pass
+
+
+def _open_stream(
+    index: int, address: Address, lease: str, token: str, shm_mib: int
+) -> DeviceStream:
     try:
         sock = connect(address)
     except OSError as exc:
@@ -388,7 +416,11 @@ def open_stream(
     head = reply.head
     if head[0] == Kind.ERROR:
         sock.close()
+        if client_arena is not None:
+            client_arena.close()
         body = ErrorBody.from_wire(head[2] if len(head) > 2 else None)
+        if body.kind == ErrorKind.BUSY:
+            raise _Busy()
         raise AttachError(f"worker at {address} refused lease {lease}: {body.message}")
     if head[0] != Kind.WELCOME or not isinstance(head[1], dict):
         sock.close()

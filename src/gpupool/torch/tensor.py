@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 META = torch.device("meta")
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _NO_KWARGS: dict[str, Any] = {}
+_DATA: Any = torch._C.TensorBase.__dict__["data"]
 
 
 def _unbound(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -56,6 +57,8 @@ class RemoteTensor(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     _gp: Handle
+    _sig: tuple[Any, ...]
+    """(shape, stride, offset, dtype), kept at hand: every op's plan-cache key is made of these."""
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -63,37 +66,46 @@ class RemoteTensor(torch.Tensor):
     ) -> Any:
         return _dispatch(func, args, kwargs or _NO_KWARGS)
 
-    @property  # type: ignore[override]
-    def device(self) -> torch.device:
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
         return self._gp.stream.device
 
-    @property  # type: ignore[override]
-    def is_cuda(self) -> bool:
+    @property
+    def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
-    @property  # type: ignore[override]
-    def is_meta(self) -> bool:
+    @property
+    def is_meta(self) -> bool:  # type: ignore[override]
         return False
 
-    @property  # type: ignore[override]
-    def is_cpu(self) -> bool:
+    @property
+    def is_cpu(self) -> bool:  # type: ignore[override]
         return False
 
-    def get_device(self) -> int:  # type: ignore[override]
+    def get_device(self) -> int:
         return self._gp.stream.index
 
     # `t.data = other` swaps the C++ metadata; the handle must follow it.
-    @property  # type: ignore[override]
+    @property
     def data(self) -> torch.Tensor:
-        return torch.Tensor.data.__get__(self)  # type: ignore[attr-defined,no-any-return]
+        return _DATA.__get__(self)
 
     @data.setter
     def data(self, value: torch.Tensor) -> None:
-        torch.Tensor.data.__set__(self, value)  # type: ignore[attr-defined]
+        _DATA.__set__(self, value)
         if isinstance(value, RemoteTensor):
             self._gp = value._gp
+            refresh_signature(self)
 
-    def numpy(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def __format__(self, format_spec: str) -> str:
+        if self.dim() == 0:
+            return self.item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
+    def tolist(self) -> Any:
+        return self._gp.stream.read(self._gp.ext).tolist()
+
+    def numpy(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
             f"can't convert {self.device} device type tensor to numpy. "
             "Use Tensor.cpu() to copy the tensor to host memory first."
@@ -114,13 +126,13 @@ class RemoteTensor(torch.Tensor):
 
     def __deepcopy__(self, memo: dict[int, Any]) -> RemoteTensor:
         if id(self) in memo:
-            return memo[id(self)]  # type: ignore[no-any-return]
+            return memo[id(self)]
         with torch.no_grad():
             new = self.clone()
         assert isinstance(new, RemoteTensor)
         new.requires_grad_(self.requires_grad)
         for key, value in self.__dict__.items():
-            if key != "_gp":
+            if key not in ("_gp", "_sig"):
                 new.__dict__[key] = copy.deepcopy(value, memo)
         memo[id(self)] = new
         return new
@@ -136,8 +148,10 @@ def wrap(shape: Any, stride: Any, offset: int, dtype: torch.dtype, handle: Handl
         RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=META
     )
     tensor._gp = handle
+    tensor._sig = (tuple(shape), tuple(stride), offset, dtype)
     return tensor
 
 
-def is_remote(value: object) -> bool:
-    return isinstance(value, RemoteTensor)
+def refresh_signature(tensor: RemoteTensor) -> None:
+    """After the wrapper's own metadata changed (in-place shape ops, out=, `.data =`)."""
+    tensor._sig = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype)

@@ -8,6 +8,7 @@ import os
 import sys
 from pathlib import Path
 
+from gpupool.protocol.v1.dataplane import TOKEN_ENV
 from gpupool.worker.server import WorkerConfig, run
 
 
@@ -17,7 +18,7 @@ def parse_args(argv: list[str]) -> WorkerConfig:
     parser.add_argument(
         "--token",
         default=None,
-        help="the lease's client token (default: $GPUPOOL_WORKER_TOKEN, which keeps it out of ps)",
+        help=f"the lease's client token (default: ${TOKEN_ENV}, which keeps it out of ps)",
     )
     parser.add_argument("--device", default="cpu", help="cuda:N or cpu")
     parser.add_argument("--memory-limit-mib", type=int, default=None)
@@ -29,9 +30,9 @@ def parse_args(argv: list[str]) -> WorkerConfig:
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for a CPU worker")
     args = parser.parse_args(argv)
-    token = args.token or os.environ.get("GPUPOOL_WORKER_TOKEN")
+    token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
-        parser.error("--token or $GPUPOOL_WORKER_TOKEN is required")
+        parser.error(f"--token or ${TOKEN_ENV} is required")
     if args.memory_limit_mib is not None and args.memory_limit_mib <= 0:
         parser.error("--memory-limit-mib must be positive")
     return WorkerConfig(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -31,7 +30,7 @@ from gpupool.protocol.v1.tensors import (
     tensor_from_bytes,
 )
 from gpupool.worker.activity import Activity
-from gpupool.worker.memory import MiB, LimitExceeded, MemoryLimit
+from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
 
 ALLOWED_NAMESPACES = frozenset({"aten"})
 DENIED_OPS = frozenset({"aten::from_file"})
@@ -182,7 +181,7 @@ class Executor:
         return op.fn(*args, **kwargs) if kwargs else op.fn(*args)
 
     def _store(self, result: Any, outs: list[int | None]) -> None:
-        flat = list(_flatten(result))
+        flat = [result] if type(result) is torch.Tensor else list(_flatten(result))
         if len(flat) != len(outs):
             raise RuntimeError(
                 f"the op returned {len(flat)} values where the client expected {len(outs)}"

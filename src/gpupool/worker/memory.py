@@ -89,7 +89,8 @@ class HostMemory:
             for tensor in added:
                 self.release(tensor)
             raise LimitExceeded(
-                f"would hold {wanted / MiB:.1f} MiB, over the limit of {self.limit_bytes / MiB:.0f} MiB"
+                f"would hold {wanted / MiB:.1f} MiB, "
+                f"over the limit of {self.limit_bytes / MiB:.0f} MiB"
             )
         self._peak = max(self._peak, self._held)
 

@@ -10,6 +10,7 @@ import platform
 import socket
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,8 @@ from gpupool.protocol.v1.dataplane import (
     MAX_FRAME_BYTES,
     VERSION,
     Address,
-    ConnectionClosed,
     Connection,
+    ConnectionClosed,
     DataPlaneError,
     ErrorBody,
     ErrorKind,
@@ -79,6 +80,7 @@ class Worker:
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
         self._active: Connection | None = None
+        self._threads: list[threading.Thread] = []
         self._status = StatusFile(config.status_file, self.activity) if config.status_file else None
         self.address: Address | None = None
 
@@ -101,9 +103,16 @@ class Worker:
                 if self._stopping.is_set():
                     break
                 raise
-            threading.Thread(
+            thread = threading.Thread(
                 target=self._handle, args=(sock, peer), name="gpupool-client", daemon=True
-            ).start()
+            )
+            self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+            thread.start()
+
+    def join(self, timeout_s: float = 5.0) -> None:
+        """Wait for the connection threads to finish (after stop())."""
+        for thread in self._threads:
+            thread.join(timeout_s)
 
     def stop(self) -> None:
         self._stopping.set()
@@ -136,10 +145,20 @@ class Worker:
             for fd in fds:
                 os.close(fd)
             return
+        link = _Link(Connection(sock, self.config.max_frame_bytes))
         try:
-            self._serve(sock, fds, str(peer or "unix"))
+            problem = self._serve(link, fds, str(peer or "unix"))
         finally:
+            # Free the worker before the client sees its connection close, so that it can
+            # connect again at once.
+            self._active = None
+            self.executor.reset()
+            self.activity.client_connected, self.activity.client_peer = False, None
             self._session_lock.release()
+        if problem is not None:
+            with contextlib.suppress(DataPlaneError, OSError):
+                link.conn.send([Kind.ERROR, None, problem.to_wire()])
+        link.close()
 
     def _authenticate(self, sock: socket.socket) -> list[int]:
         sock.settimeout(HELLO_TIMEOUT_S)
@@ -175,8 +194,9 @@ class Worker:
         with contextlib.suppress(OSError):
             sock.close()
 
-    def _serve(self, sock: socket.socket, fds: list[int], peer: str) -> None:
-        link = _Link(Connection(sock, self.config.max_frame_bytes))
+    def _serve(self, link: _Link, fds: list[int], peer: str) -> ErrorBody | None:
+        """Run the client's stream until it leaves; a protocol error ends it with that error."""
+        sock = link.conn.sock
         if fds and sock.family == socket.AF_UNIX:
             link.client_arena = SharedArena.adopt(fds[0])
             link.worker_arena = SharedArena.create(self.config.read_arena_mib * MiB)
@@ -191,19 +211,12 @@ class Worker:
             with _device_stream(self.device):
                 torch.set_grad_enabled(False)
                 self._loop(link)
-        except ConnectionClosed:
+        except (ConnectionClosed, OSError):
             pass
         except ProtocolError as exc:
             log.warning("closing the client connection: %s", exc)
-            with contextlib.suppress(DataPlaneError, OSError):
-                link.conn.send(
-                    [Kind.ERROR, None, ErrorBody(ErrorKind.PROTOCOL, str(exc)).to_wire()]
-                )
-        finally:
-            link.close()
-            self._active = None
-            self.executor.reset()
-            self.activity.client_connected, self.activity.client_peer = False, None
+            return ErrorBody(ErrorKind.PROTOCOL, str(exc))
+        return None
 
     def _loop(self, link: _Link) -> None:
         executor = self.executor
@@ -286,11 +299,12 @@ def _closed(fds: list[int]) -> list[int]:
 
 
 @contextlib.contextmanager
-def _device_stream(device: torch.device):  # type: ignore[no-untyped-def]
+def _device_stream(device: torch.device) -> Iterator[None]:
     """The client's ops run on the worker's own CUDA stream, never the default stream."""
     if device.type != "cuda":
         yield
         return
+    torch.cuda.set_device(device)  # the current device is per thread
     stream = torch.cuda.Stream(device)
     with torch.cuda.stream(stream):
         yield
@@ -313,4 +327,9 @@ def run(config: WorkerConfig) -> int:
     sys.stdout.write(json.dumps(ready) + "\n")
     sys.stdout.flush()
     worker.serve_forever()
-    return 0
+    worker.join()
+    # Leave without finalizing the interpreter: torch's thread pools do not like to be torn
+    # down under a daemon thread that may still be inside an op.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

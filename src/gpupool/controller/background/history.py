@@ -1,16 +1,15 @@
 """The watch loop: every second, measure the pool, keep the sample in the history and
-evaluate the alert rules; tell the webhook and the event log when an alert fires or ends."""
+evaluate the alert rules; tell the webhook when an alert fires or ends."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 
 from gpupool.controller.services import history as histories
-from gpupool.controller.services.watch import PoolWatch, record_notices, tick
+from gpupool.controller.services.watch import PoolWatch, tick
 from gpupool.controller.store import Store
 
 log = logging.getLogger("gpupool.controller")
@@ -26,9 +25,7 @@ async def run(store: Store, watch: PoolWatch, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 notices = await asyncio.to_thread(tick, store, watch, time.time())
-                if notices:
-                    watch.webhook.send(notices)
-                    await store.write(functools.partial(record_notices, notices=notices))
+                watch.webhook.send(notices)
                 if watch.history_file and time.monotonic() - last_save > SAVE_EVERY_S:
                     await asyncio.to_thread(histories.save, watch.history, watch.history_file)
                     last_save = time.monotonic()

@@ -1,4 +1,6 @@
-"""The reconcile loop: expire silent leases, mark silent nodes down, serve the queue."""
+"""The reconcile loop: expire silent leases, mark silent nodes down, end preemptions whose
+grace is over, fail requests past the maximum wait, rebalance the dual pool, serve the
+queue, and preempt for blocked higher-priority requests."""
 
 from __future__ import annotations
 
@@ -9,23 +11,35 @@ import time
 
 from sqlalchemy.orm import Session
 
-from gpupool.controller.services import leases, nodes
+from gpupool.controller.db import checkpoint
+from gpupool.controller.services import gpus, leases, nodes
 from gpupool.controller.store import Store
 
 log = logging.getLogger("gpupool.controller")
 
 FLUSH_EVERY_S = 5.0
+CHECKPOINT_EVERY_S = 2.0
 
 
 def reconcile_once(store: Store, session: Session) -> None:
     leases.expire(store, session)
     nodes.mark_silent_down(store, session)
+    leases.end_preempted(store, session)
+    leases.fail_overdue(store, session)
+    gpus.rebalance(store, session)
     leases.serve(store, session)
+    leases.preempt(store, session)
 
 
 async def run(store: Store, stop: asyncio.Event) -> None:
-    last_flush = time.monotonic()
+    last_flush = last_checkpoint = time.monotonic()
     while not stop.is_set():
+        if time.monotonic() - last_checkpoint > CHECKPOINT_EVERY_S:
+            try:
+                await asyncio.to_thread(checkpoint, store.engine)
+            except Exception:
+                log.exception("SQLite checkpoint failed; retrying")
+            last_checkpoint = time.monotonic()
         try:
             await store.write(lambda s: reconcile_once(store, s))
             if time.monotonic() - last_flush > FLUSH_EVERY_S:

@@ -12,7 +12,7 @@ from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, release
 from gpupool.controller.store import Store
 from gpupool.controller.views import gpu_out
-from gpupool.core import GpuMode, InvalidRequest, ModeChange, NotFound, ReleaseReason
+from gpupool.core import GpuMode, InvalidRequest, ModeChange, NotFound, ReleaseReason, dualpool
 from gpupool.protocol.v1.api import GpuOut
 
 
@@ -119,3 +119,27 @@ def get(store: Store, session: Session, uuid: str) -> GpuOut:
     row = _row(store, session, uuid)
     with store.lock:
         return gpu_out(row, store.pool, store.live.telemetry.get(uuid))
+
+
+def rebalance(store: Store, session: Session) -> int:
+    """Dual pool: move idle GPUs between the pools to follow demand, when configured."""
+    ready = store.settings.physical_ready
+    if ready is None:
+        return 0
+    changes = dualpool.rebalance(store.pool, dualpool.DualPoolPolicy(ready=ready))
+    for change in changes:
+        row = store.gpu_row(session, change.gpu_uuid)
+        if row is None:
+            continue
+        row.mode = change.new.value
+        row.target_mode = change.target.value if change.target else None
+        record(
+            session,
+            "dual-pool policy",
+            "gpu.mode",
+            change.gpu_uuid,
+            f"mode {change.old.value} -> {change.new.value}: following demand",
+            old=change.old.value,
+            new=change.new.value,
+        )
+    return len(changes)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -50,6 +50,8 @@ def request_from(body: LeaseCreate) -> LeaseRequest:
         node=body.node,
         gpu_models=tuple(m.strip() for m in body.gpu_models if m.strip()),
         span_nodes=body.span_nodes,
+        prefer_node=body.prefer_node,
+        max_wait_s=body.max_wait_s,
     )
 
 
@@ -72,14 +74,15 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
                 f"{pool.held_by(request.tenant).leases + waiting + 1}, quota is {limit}"
             )
     lease_id = new_lease_id()
-    entry = pool.enqueue(lease_id, request)
-    grants = pool.serve_queue()
+    clock = time.time()
+    entry = pool.enqueue(lease_id, request, now=clock)
+    grants = pool.serve_queue(now=clock)
     mine = next((g for g in grants if g.lease_id == lease_id), None)
     now = utcnow()
     others = [g for g in grants if g.lease_id != lease_id]
     if mine is None and not body.wait:
         reason = pool.why_waiting(lease_id)
-        pool.queue.pop(lease_id, None)
+        pool.release(lease_id)
         persist_grants(store, session, others, now)
         raise NoCapacity(f"does not fit now ({reason}) and wait=false")
     ttl = body.ttl_s if body.ttl_s is not None else store.settings.lease_ttl_s
@@ -96,6 +99,8 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
         node=request.node,
         gpu_models=list(request.gpu_models),
         span_nodes=request.span_nodes,
+        prefer_node=request.prefer_node,
+        max_wait_s=request.max_wait_s,
         holder=body.holder or actor,
         ttl_s=ttl,
         queue_seq=entry.seq,
@@ -197,6 +202,7 @@ def release(
     lease_id: str,
     actor: str,
     reason: ReleaseReason = ReleaseReason.HOLDER,
+    detail: str | None = None,
 ) -> LeaseOut:
     row = store.lease_row(session, lease_id)
     if row is None:
@@ -209,15 +215,19 @@ def release(
     row.state = transition(was, LeaseState.RELEASED).value
     now = utcnow()
     row.released_at = now
-    row.release_reason = reason.value
+    if was is not LeaseState.PREEMPTED or not row.release_reason:
+        # A preempted lease keeps saying why it ended, whoever releases it at last.
+        why = reason.value if detail is None else f"{reason.value}: {detail}"
+        row.release_reason = why[:256]
     row.queue_seq = None
+    store.live.preempt_deadline.pop(lease_id, None)
     changes = store.pool.release(lease_id)
     store.live.lease_seen.pop(lease_id, None)
     store.live.dirty_leases.discard(lease_id)
     store.lease_rows.pop(lease_id, None)
     record(session, actor, "lease.released", lease_id, reason.value, was=was.value)
     persist_mode_changes(store, session, changes)
-    persist_grants(store, session, store.pool.serve_queue(), now)
+    persist_grants(store, session, store.pool.serve_queue(now=time.time()), now)
     return lease_out(row)
 
 
@@ -256,9 +266,73 @@ def expire(store: Store, session: Session) -> int:
 
 
 def serve(store: Store, session: Session) -> int:
-    grants = store.pool.serve_queue()
+    grants = store.pool.serve_queue(now=time.time())
     persist_grants(store, session, grants, utcnow())
     return len(grants)
+
+
+PREEMPTIBLE = frozenset({LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE})
+
+
+def preempt(store: Store, session: Session) -> int:
+    """Preempt lower-priority leases where that makes a blocked request fit.
+
+    The holder sees state `preempted` (and why) in its next heartbeat reply and should
+    stop; the lease is released when it does, or when the grace period ends.
+    """
+    pool = store.pool
+    if not store.settings.preemption or not any(
+        q.request.priority > 0 for q in pool.queue.values()
+    ):
+        return 0
+    clock = time.time()
+    count = 0
+    for plan in pool.plan_preemptions(now=clock):
+        rows = [store.lease_row(session, victim) for victim in plan.victims]
+        if any(r is None or LeaseState(r.state) not in PREEMPTIBLE for r in rows):
+            for victim in plan.victims:  # a victim moved on meanwhile: try again later
+                pool.preempting.pop(victim, None)
+            continue
+        winner = pool.queue[plan.lease_id].request
+        deadline = clock + store.settings.preempt_grace_s
+        for row in rows:
+            assert row is not None
+            row.state = transition(LeaseState(row.state), LeaseState.PREEMPTED).value
+            row.release_reason = (
+                f"{ReleaseReason.PREEMPTED.value}: lease {plan.lease_id} "
+                f"(priority {winner.priority} > {row.priority}) needs its GPUs; "
+                f"stop within {store.settings.preempt_grace_s:g} s"
+            )[:256]
+            row.preempt_deadline_at = datetime.fromtimestamp(deadline, UTC)
+            store.live.preempt_deadline[row.id] = deadline
+            record(
+                session,
+                "controller",
+                "lease.preempted",
+                row.id,
+                f"preempted for {plan.lease_id} (priority {winner.priority}); "
+                f"released in {store.settings.preempt_grace_s:g} s unless its holder stops first",
+                by=plan.lease_id,
+            )
+            count += 1
+    return count
+
+
+def end_preempted(store: Store, session: Session) -> int:
+    """Release preempted leases whose holders did not stop within the grace period."""
+    clock = time.time()
+    due = [lid for lid, at in store.live.preempt_deadline.items() if at <= clock]
+    for lease_id in due:
+        release(store, session, lease_id, "controller", ReleaseReason.PREEMPTED)
+    return len(due)
+
+
+def fail_overdue(store: Store, session: Session) -> int:
+    """Fail queued requests that waited past the maximum wait, saying why they waited."""
+    overdue = store.pool.overdue(time.time())
+    for lease_id, why in overdue:
+        release(store, session, lease_id, "controller", ReleaseReason.WAITED_TOO_LONG, why)
+    return len(overdue)
 
 
 def list_leases(

@@ -325,3 +325,15 @@ def registry_for(
 
 def exposition(registry: CollectorRegistry) -> bytes:
     return generate_latest(registry)
+
+
+def agent_targets(store: Store) -> list[dict[str, Any]]:
+    """Prometheus HTTP service discovery: one target group per agent that told its API URL."""
+    with store.lock:
+        nodes = [(row.name, row.agent_url) for row in store.node_rows.values() if row.agent_url]
+    groups = []
+    for name, url in sorted(nodes):
+        scheme, _, rest = url.partition("://")
+        host = rest.split("/", 1)[0]
+        groups.append({"targets": [host], "labels": {"node": name, "__scheme__": scheme or "http"}})
+    return groups

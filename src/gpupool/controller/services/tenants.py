@@ -31,6 +31,8 @@ def _apply_quota(row: TenantRow, quota: QuotaIn, only_set: bool) -> None:
         row.max_leases = quota.max_leases
     if "max_priority" in fields:
         row.max_priority = quota.max_priority
+    if "guaranteed_gpus" in fields:
+        row.guaranteed_gpus = quota.guaranteed_gpus or 0.0
 
 
 def _out(store: Store, row: TenantRow) -> TenantOut:

@@ -7,10 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prometheus_client import CollectorRegistry
-from sqlalchemy.orm import Session
 
-from gpupool.controller.services import events, metrics
 from gpupool.controller.services import history as histories
+from gpupool.controller.services import metrics
 from gpupool.controller.services import snapshot as snapshots
 from gpupool.controller.services.alerts import Alerts, Notice, Webhook
 from gpupool.controller.services.history import History
@@ -125,25 +124,6 @@ def sample(snap: PoolSnapshot, net: NetRates) -> dict[str, float]:
             values[f"node.{n.name}.net_sent_bytes_per_s"] = sent_rate
             values[f"node.{n.name}.net_recv_bytes_per_s"] = recv_rate
     return values
-
-
-def _subject(notice: Notice) -> str:
-    labels = dict(notice.alert.labels)
-    return labels.get("UUID") or labels.get("node") or notice.alert.rule.name
-
-
-def record_notices(session: Session, notices: list[Notice]) -> None:
-    for n in notices:
-        events.record(
-            session,
-            "controller",
-            f"alert.{n.status}",
-            _subject(n),
-            f"{n.alert.rule.name}: {n.alert.summary}",
-            alertname=n.alert.rule.name,
-            severity=n.alert.rule.severity,
-            labels=dict(n.alert.labels),
-        )
 
 
 def tick(store: Store, watch: PoolWatch, now: float) -> list[Notice]:

@@ -18,6 +18,8 @@ class Demand(NamedTuple):
     models: tuple[str, ...]
     cpu_milli: int
     host_memory_mib: int
+    memory_cap_mib: int | None = None
+    """Most memory one slice may take: what the tenant's memory quota leaves per GPU."""
 
     def slice_memory_mib(self, gpu_memory_mib: int) -> int:
         if self.physical:
@@ -70,6 +72,9 @@ def slot_fits(slot: Slot, demand: Demand) -> bool:
         or slot.free_compute < demand.compute_pct
         or slot.free_memory < demand.slice_memory_mib(slot.memory_mib)
     ):
+        return False
+    cap = demand.memory_cap_mib
+    if cap is not None and demand.slice_memory_mib(slot.memory_mib) > cap:
         return False
     return model_allowed(demand.models, slot.model)
 

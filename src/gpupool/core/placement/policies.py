@@ -34,10 +34,9 @@ class PlacementPolicy:
 _SCORERS: dict[str, tuple[Scorer, str]] = {
     "frag-aware": (
         scorers.frag_aware,
-        "least fragmentation growth plus least scarce room used up (gpupool's default)",
+        "least room for the usual request sizes used up, scarce room first (the default)",
     ),
     "fgd": (scorers.fragmentation_growth, "fragmentation gradient descent (Weng et al. 2023)"),
-    "room": (scorers.room_loss, "least share of the room left for typical requests used up"),
     "best-fit": (scorers.best_fit, "the server, then the GPU, left with the least free room"),
     "packing": (scorers.packing, "GPUs in use first, then idle GPUs of busy servers"),
     "spread": (scorers.spread, "the emptiest server and GPU"),

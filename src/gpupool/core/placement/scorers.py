@@ -114,14 +114,17 @@ def fragmentation_growth(c: Candidate, w: Workload) -> float:
 
 
 def frag_aware(c: Candidate, w: Workload) -> float:
-    """gpupool's default: fragmentation growth plus the scarce room the placement uses up.
+    """gpupool's default: the least of the pool's room for typical requests used up.
 
-    FGD alone keeps idle GPU usable but is blind to supply: it lets common requests
-    take the last GPUs of a model that constrained requests need, or the last empty
-    servers that 8-GPU gangs need. Weighing the room each kind of typical request loses,
-    relative to what is left of it, covers that; best fit breaks the remaining ties.
+    For each request size the pool usually sees (with its GPU model constraints and
+    server CPU and memory), the room is how much of that size the pool can still hand
+    out; a placement costs the room it removes, each size weighed by how often it comes
+    and by how scarce its room already is. Unlike FGD, which only counts idle GPU that
+    typical requests cannot use, this sees supply: it keeps the last GPUs of a model
+    that constrained requests need, and the last empty servers that 8-GPU gangs need.
+    Best fit breaks ties.
     """
-    return fragmentation_growth(c, w) + 0.5 * room_loss(c, w) + 1e-3 * best_fit(c, w)
+    return room_loss(c, w) + 1e-3 * best_fit(c, w)
 
 
 def room_loss(c: Candidate, w: Workload) -> float:

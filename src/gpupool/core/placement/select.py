@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from gpupool.core.model import LeaseRequest, Slice
 from gpupool.core.placement.filters import Demand, fitting_slots, host_fits
-from gpupool.core.placement.index import NodeIndex, NodeShape, Slot
+from gpupool.core.placement.index import Group, NodeIndex, NodeShape, Slot
 from gpupool.core.placement.policies import PlacementPolicy
 from gpupool.core.placement.scorers import Candidate, shape_after
 from gpupool.core.placement.workload import Workload
@@ -103,6 +103,7 @@ class Selector:
     memo: Memo
     held_back: HeldBack
     held_nodes: Set[str]
+    held_shapes: dict[tuple[object, ...], tuple[NodeShape, tuple[str, ...]]]
 
     def shape(self, node: str) -> tuple[NodeShape, tuple[str, ...]] | None:
         shape = self.index.shapes.get(node)
@@ -110,7 +111,13 @@ class Selector:
             return None
         order = self.index.order[node]
         if node in self.held_nodes:
-            return held_back_shape(shape, order, self.held_back)
+            key = (shape, order, tuple(self.held_back.get(u) for u in order))
+            hit = self.held_shapes.get(key)
+            if hit is None:
+                if len(self.held_shapes) > 10_000:
+                    self.held_shapes.clear()
+                hit = self.held_shapes[key] = held_back_shape(shape, order, self.held_back)
+            return hit
         return shape, order
 
     def place(self, request: LeaseRequest, demand: Demand) -> Placement | None:
@@ -138,19 +145,29 @@ class Selector:
             return None
         return self._build(node, shape, order, choice[1], demand)
 
-    def _quick_reject(self, max_free: int, idle: int, demand: Demand) -> bool:
+    @staticmethod
+    def _quick_reject(group: Group, demand: Demand) -> bool:
+        shape = group.shape
+        if demand.cpu_milli and shape.cpu_free is not None and shape.cpu_free < demand.cpu_milli:
+            return True
+        if (
+            demand.host_memory_mib
+            and shape.memory_free is not None
+            and shape.memory_free < demand.host_memory_mib
+        ):
+            return True
         if demand.gpus == 0:
             return False
         if demand.physical:
-            return idle < demand.gpus
-        return max_free < demand.compute_pct
+            return group.idle_slots < demand.gpus
+        return group.max_free_compute < demand.compute_pct
 
     def _best(self, demand: Demand) -> Placement | None:
         best: tuple[float, str, NodeShape, tuple[str, ...], tuple[int, ...]] | None = None
         held_nodes = self.held_nodes
         up = self.nodes_up
         for group in self.index:
-            if self._quick_reject(group.max_free_compute, group.idle_slots, demand):
+            if self._quick_reject(group, demand):
                 continue
             node = next((n for n in group.nodes if n in up and n not in held_nodes), None)
             if node is None:
@@ -175,7 +192,7 @@ class Selector:
         assert self.policy.rng is not None
         feasible: list[tuple[str, NodeShape, tuple[str, ...], tuple[int, ...]]] = []
         for group in self.index:
-            if self._quick_reject(group.max_free_compute, group.idle_slots, demand):
+            if self._quick_reject(group, demand):
                 continue
             nodes = [n for n in group.nodes if n in self.nodes_up and n not in self.held_nodes]
             if not nodes:
@@ -225,7 +242,7 @@ class Selector:
                 total += len(fits)
 
         for group in self.index:
-            if self._quick_reject(group.max_free_compute, group.idle_slots, one):
+            if self._quick_reject(group, one):
                 continue
             fits = self._fits(group.shape, one)
             if not fits:

@@ -1,9 +1,13 @@
-"""The request sizes a pool usually sees, and how much idle GPU they cannot use (fragmentation).
+"""The request sizes a pool usually sees, and two measures of what a placement costs them.
 
-The measure follows Fragmentation Gradient Descent (Weng et al., ATC '23): for a server
-and one typical request, the fragment is the idle GPU capacity that request cannot use
-there (all of it when the request cannot run on the server at all); the server's
-fragmentation is the expected fragment over the mix of typical requests.
+Fragmentation (Fragmentation Gradient Descent, Weng et al., ATC '23): for a server and
+one typical request, the idle GPU capacity that request cannot use there (all of it when
+the request cannot run on the server at all); a server's fragmentation is the expected
+fragment over the mix of typical requests.
+
+Room (gpupool's default policy): for each typical request, how much of it the server can
+still hand out (how many fit, times their size); the pool keeps the totals, so a
+placement's cost is the share of each kind's remaining room it uses up.
 """
 
 from __future__ import annotations
@@ -223,10 +227,16 @@ def mix_of(demands: Iterable[Demand], top: int = 64) -> list[tuple[Demand, float
 
 @dataclass(slots=True)
 class WorkloadLearner:
-    """Learns the mix from the requests a pool sees; refreshes the mix every `every` of them."""
+    """Learns the mix from the requests a pool sees.
 
-    every: int = 64
+    Every `every` requests it recomputes the mix from the last `keep`, and adopts it only
+    when it moved by more than `threshold` (total variation): a new mix invalidates the
+    memoised scores, so a steady stream of requests must not churn it.
+    """
+
+    every: int = 256
     keep: int = 2048
+    threshold: float = 0.1
     seen: list[Demand] = field(default_factory=list)
     pending: int = 0
 
@@ -235,6 +245,17 @@ class WorkloadLearner:
         if len(self.seen) > self.keep:
             del self.seen[: len(self.seen) - self.keep]
         self.pending += 1
-        if self.pending >= self.every:
-            self.pending = 0
-            workload.set_mix(mix_of(self.seen))
+        if self.pending < self.every and workload.version > 0:
+            return
+        if self.pending < min(self.every, 32):
+            return
+        self.pending = 0
+        mix = mix_of(self.seen)
+        if _moved(dict(workload.items), dict(mix)) > self.threshold:
+            workload.set_mix(mix)
+
+
+def _moved(old: dict[Demand, float], new: dict[Demand, float]) -> float:
+    """Total variation distance between two mixes."""
+    keys = set(old) | set(new)
+    return 0.5 * sum(abs(old.get(k, 0.0) - new.get(k, 0.0)) for k in keys)

@@ -148,6 +148,10 @@ class LeaseCreate(Strict):
     ttl_s: Annotated[float, Field(gt=0, le=86400)] | None = None
     wait: bool = True
     """False: fail with 409 instead of queueing when the request does not fit now."""
+    prefer_node: str | None = None
+    """The client's own server: placement tries it first, then any server (locality `any`)."""
+    max_wait_s: Annotated[float, Field(gt=0, le=30 * 86400)] | None = None
+    """Fail, saying why, instead of waiting longer than this in the queue."""
 
     @field_validator("compute_pct", mode="before")
     @classmethod
@@ -215,6 +219,8 @@ class QuotaIn(Strict):
     max_compute_pct: Annotated[int, Field(ge=0)] | None = None
     max_leases: Annotated[int, Field(ge=0)] | None = None
     max_priority: Annotated[int, Field(ge=0, le=1000)] | None = None
+    guaranteed_gpus: Annotated[float, Field(ge=0)] | None = None
+    """GPU-equivalents that preemption never takes from the tenant."""
 
     @field_validator("max_memory")
     @classmethod
@@ -243,6 +249,7 @@ class TenantOut(BaseModel):
     max_compute_pct: int | None
     max_leases: int | None
     max_priority: int | None
+    guaranteed_gpus: float = 0.0
     used_gpus: int
     used_memory_mib: int
     used_compute_pct: int

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import msgpack
 
@@ -325,7 +325,7 @@ class Connection:
     def __init__(self, sock: socket.socket, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.sock = sock
         self.max_frame_bytes = max_frame_bytes
-        self._reader: BinaryIO = sock.makefile("rb", buffering=256 * 1024)
+        self._reader = cast(BinaryIO, sock.makefile("rb", buffering=256 * 1024))
         self._unread_tail = 0
         self.closed = False
 
@@ -407,7 +407,7 @@ class Connection:
     def _read_exact(self, n: int) -> bytes:
         try:
             data = self._reader.read(n)
-        except (ConnectionResetError, OSError) as exc:
+        except (ConnectionResetError, OSError, ValueError) as exc:  # ValueError: closed here
             self.closed = True
             raise ConnectionClosed(f"connection lost while reading: {exc}") from exc
         if len(data) != n:
@@ -520,7 +520,92 @@ class SharedArena:
             os.close(self.fd)
 
 
-def socket_dir() -> Path:
-    """Where workers put unix sockets when asked for `unix:` without a path."""
-    base = os.environ.get("XDG_RUNTIME_DIR") or "/tmp"
-    return Path(base)
+# ---- starting a worker (the agent's side of the worker's command line) --------------------
+
+TOKEN_ENV = "GPUPOOL_WORKER_TOKEN"
+"""The worker reads its lease token from this variable, so it never shows in `ps`."""
+
+
+def worker_argv(
+    lease: str,
+    *,
+    device: str = "cpu",
+    listen: str = "tcp://127.0.0.1:0",
+    memory_limit_mib: int | None = None,
+    status_file: Path | None = None,
+    threads: int | None = None,
+    python: str | None = None,
+) -> list[str]:
+    """The command that starts a worker; pass the token in the environment as TOKEN_ENV."""
+    import sys
+
+    argv = [python or sys.executable, "-m", "gpupool.worker", "--lease", lease,
+            "--device", device, "--listen", listen]  # fmt: skip
+    if memory_limit_mib is not None:
+        argv += ["--memory-limit-mib", str(memory_limit_mib)]
+    if status_file is not None:
+        argv += ["--status-file", str(status_file)]
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    return argv
+
+
+@dataclass(frozen=True)
+class WorkerReady:
+    """The one JSON line a worker prints on stdout once it accepts connections."""
+
+    address: Address
+    lease: str
+    device: str
+    pid: int
+
+
+def parse_ready(line: str) -> WorkerReady:
+    import json
+
+    try:
+        data = json.loads(line)
+        if data.get("event") != "ready":
+            raise ValueError(f"not a ready line: {line!r}")
+        return WorkerReady(
+            parse_address(data["address"]),
+            str(data["lease"]),
+            str(data["device"]),
+            int(data["pid"]),
+        )
+    except (ValueError, KeyError, TypeError) as exc:
+        raise DataPlaneError(f"worker did not report ready: {line.strip()!r}") from exc
+
+
+def start_worker_process(
+    lease: str,
+    token: str,
+    *,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 120.0,
+    **options: Any,
+) -> tuple[Any, WorkerReady]:
+    """Start `python -m gpupool.worker` (options as for worker_argv) and wait for its ready
+    line: what an agent does for a remote lease. Returns (Popen, WorkerReady)."""
+    import selectors
+    import subprocess
+
+    child_env = {**(os.environ if env is None else env), TOKEN_ENV: token}
+    proc = subprocess.Popen(
+        worker_argv(lease, **options), stdout=subprocess.PIPE, text=True, env=child_env
+    )
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as selector:
+        selector.register(proc.stdout, selectors.EVENT_READ)
+        if not selector.select(ready_timeout_s):
+            proc.kill()
+            raise DataPlaneError(
+                f"worker for lease {lease} did not start within {ready_timeout_s:.0f} s"
+            )
+    line = proc.stdout.readline()
+    if not line:
+        proc.wait()
+        raise DataPlaneError(
+            f"worker for lease {lease} exited with {proc.returncode} before it was ready"
+        )
+    return proc, parse_ready(line)

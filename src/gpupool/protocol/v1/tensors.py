@@ -57,8 +57,13 @@ def dtype_from_name(name: object) -> torch.dtype:
     return DTYPES[name]
 
 
+_new_tuple = tuple.__new__
+_TENSOR = int(Ext.TENSOR)
+
+
 def handle_ext(handle: int) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.TENSOR, handle.to_bytes(8, "big"))
+    # ExtType's own constructor validates in Python; one of these is made per tensor.
+    return _new_tuple(msgpack.ExtType, (_TENSOR, handle.to_bytes(8, "big")))
 
 
 def host_bytes(tensor: torch.Tensor) -> memoryview:

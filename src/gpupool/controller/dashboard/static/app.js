@@ -258,11 +258,13 @@
   };
 
   // ---- charts: inline SVG -----------------------------------------------------------------
-  function niceCeil(v) {
-    if (!(v > 0)) return 1;
-    const p = 10 ** Math.floor(Math.log10(v));
-    for (const m of [1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10]) if (m * p >= v) return m * p;
-    return 10 * p;
+  // The top of an axis with four gridlines, each a round step (1, 1.5, 2, 2.5, ... times 10^k).
+  function niceTop(v) {
+    if (!(v > 0)) return 4;
+    const step = v / 4;
+    const p = 10 ** Math.floor(Math.log10(step));
+    for (const m of [1, 1.5, 2, 2.5, 3, 4, 5, 6, 8, 10]) if (m * p >= step) return 4 * m * p;
+    return 40 * p;
   }
 
   function timeLabel(t, span) {
@@ -283,7 +285,7 @@
     for (const s of series) for (const v of s.values) if (isNum(v) && v > top) top = v;
     // Ticks fall on round numbers of the unit people read (GiB, whole requests).
     const unit = spec.unit || 1;
-    top = spec.fixedMax || niceCeil((top * 1.05) / unit) * unit;
+    top = spec.fixedMax || niceTop((top * 1.05) / unit) * unit;
     if (spec.integer) top = Math.max(4, Math.ceil(top / 4) * 4);
     const now = Date.now() / 1000;
     const t1 = t.length ? Math.max(t[t.length - 1], now - 5) : now;
@@ -455,7 +457,7 @@
       async mount(root) {
         root.innerHTML = `
           <div class="grid kpis" id="kpis"></div>
-          <div class="grid three">
+          <div class="grid two">
             <section class="panel"><header><h2>Capacity</h2><span class="sub">granted to leases and in use, GPUs in service</span></header><div class="body capacity" id="capacity"></div></section>
             <section class="panel"><header><h2>Active alerts</h2><a class="sub" href="#/alerts">all alerts and rules →</a></header><div class="body flush" id="ov-alerts"></div></section>
           </div>
@@ -677,13 +679,13 @@
               <button type="button" class="btn" data-action="clear">Clear isolation</button>
             </div></header>
             <div class="body slices" id="slices"></div></section>
-          <div class="grid three">
-            <section class="panel"><header><h2>Slice holders</h2><span class="sub" id="holders-count"></span></header><div class="body flush" id="holders"></div></section>
-            <section class="panel"><header><h2>Readings</h2><span class="sub">from the agent's last heartbeat</span></header><div class="body" id="readings"></div></section>
-          </div>
+          <section class="panel"><header><h2>Slice holders</h2><span class="sub" id="holders-count"></span></header><div class="body flush" id="holders"></div></section>
           <section class="panel"><header><h2>History</h2>${rangeControl()}</header>
             <div class="body grid two">${charts.map((c) => chartPanel(c.id, c.id === "gutil" ? "Utilisation" : "Memory", c)).join("")}</div></section>
-          <section class="panel"><header><h2>Events of this GPU</h2><a class="sub" href="#/events?subject=${enc(uuid)}">all →</a></header><div class="body flush" id="gpu-events"></div></section>`;
+          <div class="grid three">
+            <section class="panel"><header><h2>Events of this GPU</h2><a class="sub" href="#/events?subject=${enc(uuid)}">all →</a></header><div class="body flush" id="gpu-events"></div></section>
+            <section class="panel"><header><h2>Readings</h2><span class="sub">from the agent's last heartbeat</span></header><div class="body" id="readings"></div></section>
+          </div>`;
         const on = (action, fn) => $(`[data-action="${action}"]`, root).addEventListener("click", () => current && fn(current.gpu));
         on("mode-virtual", (g) => actions.setMode(g, "virtual"));
         on("mode-physical", (g) => actions.setMode(g, "physical"));
@@ -913,7 +915,7 @@
       title: "Event log",
       async mount(root) {
         root.innerHTML = `<div class="toolbar"><div class="filters">
-            <label class="field">Kind<select id="f-kind"><option value="">all</option>${["lease.*", "gpu.*", "node.*", "tenant.*", "alert.*"].map((k) => `<option>${k}</option>`).join("")}</select></label>
+            <label class="field">Kind<select id="f-kind"><option value="">all</option>${["lease.*", "gpu.*", "node.*", "tenant.*"].map((k) => `<option>${k}</option>`).join("")}</select></label>
             <label class="field">Subject<input id="f-subject" placeholder="GPU, lease, node or tenant" value="${esc(query.get("subject") || "")}"></label>
           </div><span class="count-note">every change, newest first · who did it is in the actor column</span></div>
           <section class="panel"><div class="body flush table-wrap" id="events"></div></section>`;
@@ -1046,7 +1048,8 @@
       await Promise.all([view.refresh(), refreshChrome()]);
       if (mine === generation) setLive(true, `Live · updated ${new Date().toLocaleTimeString()}`);
     } catch (err) {
-      setLive(false, `Disconnected · retrying (${err.message})`);
+      // A refresh of a page the operator has already left may fail on its missing parts.
+      if (mine === generation) setLive(false, `Disconnected · retrying (${err.message})`);
     } finally {
       state.busy = false;
     }

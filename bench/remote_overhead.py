@@ -1,0 +1,353 @@
+"""What a remote GPU costs: training steps run locally and through a gpupool worker.
+
+Runs on a GPU server. Starts one worker (`python -m gpupool.worker --device cuda:0`) on the
+local GPU, then measures, in one run, each workload twice in fresh processes:
+  - local:  the program with the GPU (plain PyTorch);
+  - remote: the same program in a process that sees no GPU (CUDA_VISIBLE_DEVICES=""), attached
+            to the worker with gpupool.torch.attach() (a Unix socket: same host, shared memory).
+Workloads: torchvision ResNet-50 (bf16 autocast, SGD) at batch 32 and 128; a GPT-2-small-shaped
+transformers model built from its config (no weight download; bf16 autocast, AdamW) at
+sequence 512; op throughput, round-trip latency, and host↔GPU copy bandwidth.
+Writes bench/results/remote_overhead.json: a list of
+{workload, batch, mode, local_ms, remote_ms, ratio, machine} (mode "eager"), plus the extra
+fields each micro-benchmark has.
+
+    python bench/remote_overhead.py [--steps 20] [--only resnet50,gpt2,ops,roundtrip,copy]
+
+torchvision and transformers are imported only inside the workloads that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results" / "remote_overhead.json"
+TOKEN = "bench-remote-overhead"
+LEASE = "bench-lease"
+
+
+# ---- workloads: each builds its state once and returns a step function ------------------
+
+
+def resnet50_step(batch: int) -> Any:
+    import torch
+    import torch.nn.functional as F
+    import torchvision
+
+    torch.manual_seed(0)
+    model = torchvision.models.resnet50(weights=None).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    images = torch.randn(batch, 3, 224, 224, device="cuda")
+    labels = torch.randint(0, 1000, (batch,), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(images), labels)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def gpt2_step(batch: int, sequence: int = 512) -> Any:
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12)
+    config._attn_implementation = "sdpa"
+    model = transformers.GPT2LMHeadModel(config).cuda()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, config.vocab_size, (batch, sequence), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def time_steps(step: Any, steps: int, warmup: int) -> float:
+    """Mean milliseconds per step, GPU work included."""
+    import torch
+
+    for _ in range(warmup):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def op_throughput(ops: int = 20000) -> dict[str, float]:
+    """Small dependent ops: how fast a program can issue work (ms per op, ops per second)."""
+    import torch
+
+    x = torch.zeros(1024, device="cuda")
+    for _ in range(200):
+        x = x + 1
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(ops):
+        x = x + 1
+    issued = time.perf_counter()
+    torch.cuda.synchronize()
+    done = time.perf_counter()
+    return {
+        "ms": (done - start) / ops * 1e3,
+        "ops_per_s": ops / (done - start),
+        "issue_ops_per_s": ops / (issued - start),
+    }
+
+
+def round_trip(reads: int = 2000) -> dict[str, float]:
+    """A value read back (`.item()` of a scalar that was just computed): ms per read."""
+    import torch
+
+    x = torch.zeros((), device="cuda")
+    for _ in range(100):
+        x.add_(1).item()
+    start = time.perf_counter()
+    for _ in range(reads):
+        x.add_(1).item()
+    return {"ms": (time.perf_counter() - start) / reads * 1e3}
+
+
+def copy_bandwidth(mib: int = 256, repeats: int = 5) -> dict[str, float]:
+    """Host→GPU and GPU→host copies of a pageable host tensor, GB/s."""
+    import torch
+
+    host = torch.randn(mib * (1 << 20) // 4)
+    device_copy = host.to("cuda")
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        device_copy = host.to("cuda")
+    torch.cuda.synchronize()
+    h2d = (time.perf_counter() - start) / repeats
+    start = time.perf_counter()
+    for _ in range(repeats):
+        back = device_copy.cpu()
+    d2h = (time.perf_counter() - start) / repeats
+    assert back.shape == host.shape
+    gb = mib * (1 << 20) / 1e9
+    return {"ms": (h2d + d2h) / 2 * 1e3, "h2d_gb_per_s": gb / h2d, "d2h_gb_per_s": gb / d2h}
+
+
+def memory_isolation(limit_mib: int) -> dict[str, Any]:
+    """A client that tries to raise its own limits still gets exactly its lease's memory."""
+    import torch
+
+    held = torch.empty(limit_mib * 3 // 4 * (1 << 20) // 4, device="cuda")
+    torch.cuda.synchronize()
+    try:
+        too_much = torch.empty(limit_mib // 2 * (1 << 20) // 4, device="cuda")
+        torch.cuda.synchronize()
+        refused, message = False, f"allocated {too_much.numel() * 4 >> 20} MiB over the limit"
+    except torch.OutOfMemoryError as exc:
+        refused, message = True, str(exc).splitlines()[0][:300]
+    still_works = float((held[:10] * 0 + 1).sum()) == 10.0
+    return {
+        "ms": 0.0,
+        "refused_over_limit": refused,
+        "still_works": still_works,
+        "message": message,
+    }
+
+
+HOSTILE_ENV = {
+    "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=200G",
+    "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "100",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    "LD_PRELOAD": "",
+    "LD_LIBRARY_PATH": os.environ.get("LD_LIBRARY_PATH", ""),
+}
+"""What a tenant might set to escape its limits; the worker was started by the agent, so none
+of it reaches the CUDA context."""
+
+
+# ---- one measurement in its own process -------------------------------------------------
+
+
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """Runs inside a child process: local (GPU visible) or remote (attached to the worker)."""
+    import torch
+
+    if spec["mode"] == "remote":
+        import gpupool.torch
+
+        gpupool.torch.attach(workers=[spec["address"]], token=TOKEN, lease=LEASE)
+        assert torch.cuda.is_available() and torch.cuda.device_count() == 1
+    workload, batch, steps = spec["workload"], spec["batch"], spec["steps"]
+    if workload == "resnet50":
+        return {"ms": time_steps(resnet50_step(batch), steps, warmup=5)}
+    if workload == "gpt2":
+        return {"ms": time_steps(gpt2_step(batch), steps, warmup=3)}
+    if workload == "op_throughput":
+        return op_throughput()
+    if workload == "round_trip":
+        return round_trip()
+    if workload == "copy_256MiB":
+        return copy_bandwidth()
+    if workload == "isolation_memory":
+        return memory_isolation(spec["limit_mib"])
+    raise ValueError(f"unknown workload {workload}")
+
+
+def run_child(
+    spec: dict[str, Any],
+    gpu_visible: bool,
+    timeout_s: float,
+    extra_env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    env = {**os.environ, **(extra_env or {})}
+    if not gpu_visible:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout_s,
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-12:]
+        return {"error": f"exit {proc.returncode}: " + " | ".join(tail)}
+    return json.loads(lines[-1])  # type: ignore[no-any-return]
+
+
+def machine() -> str:
+    try:
+        gpu = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30,
+        ).stdout.strip().splitlines()[0]  # fmt: skip
+    except (OSError, IndexError, subprocess.SubprocessError):
+        gpu = "unknown GPU"
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    return f"{gpu}; {cpu} x{os.cpu_count()}; torch {torch.__version__}"
+
+
+def isolation_row(tmp: str, host: str, timeout_s: float) -> dict[str, Any]:
+    from gpupool.protocol.v1.dataplane import start_worker_process
+
+    limit_mib = 4096
+    worker, ready = start_worker_process(
+        LEASE, TOKEN, device="cuda:0", listen=f"unix:{tmp}/limited.sock", memory_limit_mib=limit_mib
+    )
+    try:
+        spec = {"workload": "isolation_memory", "batch": 1, "steps": 1, "mode": "remote",
+                "address": str(ready.address), "limit_mib": limit_mib}  # fmt: skip
+        outcome = run_child(spec, gpu_visible=False, timeout_s=timeout_s, extra_env=HOSTILE_ENV)
+    finally:
+        worker.terminate()
+        worker.wait(timeout=30)
+    row: dict[str, Any] = {
+        "workload": "isolation_memory", "batch": 1, "mode": "eager", "local_ms": None,
+        "remote_ms": None, "ratio": None, "machine": host, "limit_mib": limit_mib,
+        "client_env": sorted(HOSTILE_ENV),
+    }  # fmt: skip
+    return row | {k: v for k, v in outcome.items() if k != "ms"}
+
+
+PLAN = [
+    ("resnet50", 32),
+    ("resnet50", 128),
+    ("gpt2", 8),
+    ("op_throughput", 1),
+    ("round_trip", 1),
+    ("copy_256MiB", 1),
+]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--only", default="", help="comma-separated workload names")
+    parser.add_argument("--transport", choices=["unix", "tcp"], default="unix")
+    parser.add_argument("--timeout", type=float, default=900.0, help="per measurement, seconds")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        try:
+            print(json.dumps(measure(json.loads(args.child))), flush=True)
+        except Exception:  # reported to the parent as this workload's error
+            traceback.print_exc()
+            return 1
+        return 0
+
+    from gpupool.protocol.v1.dataplane import start_worker_process
+
+    wanted = {w for w in args.only.split(",") if w}
+    plan = [(w, b) for w, b in PLAN if not wanted or w in wanted or w.split("_")[0] in wanted]
+    with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
+        listen = f"unix:{tmp}/worker.sock" if args.transport == "unix" else "tcp://127.0.0.1:0"
+        worker, ready = start_worker_process(LEASE, TOKEN, device="cuda:0", listen=listen)
+        try:
+            host = machine()
+            results: list[dict[str, Any]] = []
+            for workload, batch in plan:
+                spec = {"workload": workload, "batch": batch, "steps": args.steps}
+                local = run_child(
+                    {**spec, "mode": "local"}, gpu_visible=True, timeout_s=args.timeout
+                )
+                remote = run_child(
+                    {**spec, "mode": "remote", "address": str(ready.address)},
+                    gpu_visible=False,
+                    timeout_s=args.timeout,
+                )
+                row: dict[str, Any] = {
+                    "workload": workload,
+                    "batch": batch,
+                    "mode": "eager",
+                    "local_ms": local.get("ms"),
+                    "remote_ms": remote.get("ms"),
+                    "ratio": (remote["ms"] / local["ms"])
+                    if "ms" in local and "ms" in remote
+                    else None,
+                    "machine": host,
+                    "transport": args.transport,
+                }
+                for side, values in (("local", local), ("remote", remote)):
+                    for key, value in values.items():
+                        if key != "ms":
+                            row[f"{side}_{key}"] = value
+                results.append(row)
+                print(json.dumps(row), flush=True)
+            if not wanted or "isolation" in wanted:
+                results.append(isolation_row(tmp, host, args.timeout))
+                print(json.dumps(results[-1]), flush=True)
+        finally:
+            worker.terminate()
+            worker.wait(timeout=30)
+    RESULTS.parent.mkdir(parents=True, exist_ok=True)
+    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {RESULTS}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

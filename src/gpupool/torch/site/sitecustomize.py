@@ -1,0 +1,65 @@
+"""Put on PYTHONPATH by `gpupool run --remote`: unchanged programs attach to the lease's GPUs.
+
+With GPUPOOL_LEASE, GPUPOOL_WORKERS and GPUPOOL_TOKEN set, the program attaches the moment it
+first imports torch (programs that never do pay nothing: this file imports only the standard
+library). The variables then leave the environment, so that subprocesses (spawned DataLoader
+workers, tools the program runs) do not try to be a second client of the same workers.
+Any sitecustomize this one shadows still runs afterwards.
+"""
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+_ENV = ("GPUPOOL_LEASE", "GPUPOOL_WORKERS", "GPUPOOL_TOKEN")
+
+
+def _attach_from_environment() -> None:
+    settings = {name: os.environ.pop(name, None) for name in _ENV}
+    if not settings["GPUPOOL_WORKERS"]:
+        return
+    import gpupool.torch
+
+    gpupool.torch.attach(
+        settings["GPUPOOL_LEASE"] or "",
+        workers=[w for w in (settings["GPUPOOL_WORKERS"] or "").split(",") if w],
+        token=settings["GPUPOOL_TOKEN"],
+    )
+
+
+class _AttachAfterTorch(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: wraps torch's loader so that attaching follows its import."""
+
+    def find_spec(
+        self, fullname: str, path: Any, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        if fullname != "torch":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is None or spec.loader is None:
+            return spec
+        load = spec.loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            load(module)
+            _attach_from_environment()
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+if os.environ.get("GPUPOOL_WORKERS"):
+    sys.meta_path.insert(0, _AttachAfterTorch())
+
+_here = os.path.dirname(os.path.abspath(__file__))
+_spec = importlib.machinery.PathFinder.find_spec(
+    "sitecustomize", [p for p in sys.path if os.path.abspath(p or ".") != _here]
+)
+if _spec is not None and _spec.loader is not None:
+    _module = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(_module)

@@ -1,0 +1,229 @@
+"""Ordinary PyTorch programs, written for a device, as users write them. Each returns host
+tensors to compare between a local CPU run and a run on gpupool remote GPUs."""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def _data(
+    n: int, *shape: int, classes: int = 0, seed: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, *shape, generator=g)
+    y = torch.randint(0, classes, (n,), generator=g) if classes else torch.randn(n, 1, generator=g)
+    return x, y
+
+
+def _host(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+
+# ---- MLP, SGD with momentum (foreach), on a DataLoader -----------------------------------
+
+
+def mlp_training(device: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
+    )
+    model.to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = _data(64, 8)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=True,
+        generator=torch.Generator().manual_seed(3),
+    )  # fmt: skip
+    losses = []
+    for _epoch in range(3):
+        for xb, yb in loader:
+            xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
+            opt.zero_grad()
+            loss = F.mse_loss(model(xb), yb)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    return {"losses": torch.tensor(losses), **_host(model)}
+
+
+# ---- small CNN with batch norm, Adam, cross entropy, grad clipping ------------------------
+
+
+class SmallCNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.bn2 = nn.BatchNorm2d(16)
+        self.head = nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.max_pool2d(x, 2)
+        x = F.relu(self.bn2(self.conv2(x)))
+        x = torch.flatten(F.adaptive_avg_pool2d(x, 1), 1)
+        return self.head(x)
+
+
+def cnn_training(device: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = SmallCNN().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    x, y = _data(32, 3, 16, 16, classes=5)
+    losses = []
+    for step in range(6):
+        xb, yb = x[step % 2 * 16 :][:16].to(device), y[step % 2 * 16 :][:16].to(device)
+        opt.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        accuracy = (model(x.to(device)).argmax(1) == y.to(device)).float().mean()
+    return {"losses": torch.tensor(losses), "accuracy": accuracy.cpu(), **_host(model)}
+
+
+# ---- a small causal transformer under bf16 autocast, AdamW ------------------------------
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.GELU(approximate="tanh"), nn.Linear(4 * dim, dim)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attn.transpose(1, 2).contiguous().view(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(
+        self, vocab: int = 64, dim: int = 32, heads: int = 4, layers: int = 2, context: int = 16
+    ) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Embedding(context, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def transformer_bf16(device: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = TinyGPT().to(device)
+    # SGD: its steps follow the gradients' size, so bf16-level gradient differences stay small
+    # (Adam's sign-like steps would amplify them); Adam runs in the CNN program.
+    opt = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9, weight_decay=0.01)
+    g = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 64, (8, 17), generator=g)
+    losses, dtypes = [], set()
+    device_type = torch.device(device).type
+    for _step in range(4):
+        idx, target = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            logits = model(idx)
+            dtypes.add(logits.dtype)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {
+        "losses": torch.tensor(losses),
+        "logits_bf16": torch.tensor(dtypes == {torch.bfloat16}),
+        **_host(model),
+    }
+
+
+# ---- checkpoint save and load in the middle of training ------------------------------------
+
+
+def checkpoint_resume(device: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    x, y = _data(16, 8)
+
+    def make() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).to(device)
+        return model, torch.optim.Adam(model.parameters(), lr=1e-2)
+
+    def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
+        for _ in range(steps):
+            opt.zero_grad()
+            F.mse_loss(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+
+    model, opt = make()
+    train(model, opt, 3)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": 3}, buffer)
+    checkpoint = buffer.getvalue()
+    buffer.seek(0)
+    state = torch.load(buffer)
+    resumed, resumed_opt = make()
+    resumed.load_state_dict(state["model"])
+    resumed_opt.load_state_dict(state["opt"])
+    train(resumed, resumed_opt, 3)
+    on_device = all(str(t.device).startswith(device) for t in state["model"].values())
+    return {
+        "resumed": _host(resumed),
+        "state_on_device": torch.tensor(on_device),
+        "checkpoint": checkpoint,
+    }
+
+
+# ---- a lease of two GPUs: a model split across them ----------------------------------------
+
+
+def two_device_pipeline(devices: tuple[str, str]) -> dict[str, Any]:
+    torch.manual_seed(0)
+    first = nn.Sequential(nn.Linear(8, 16), nn.ReLU()).to(devices[0])
+    second = nn.Sequential(nn.Linear(16, 4)).to(devices[1])
+    opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
+    x, y = _data(16, 8, classes=4)
+    losses = []
+    for _ in range(4):
+        opt.zero_grad()
+        hidden = first(x.to(devices[0]))
+        logits = second(hidden.to(devices[1]))
+        loss = F.cross_entropy(logits, y.to(devices[1]))
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    placed = (str(next(first.parameters()).device), str(next(second.parameters()).device))
+    return {
+        "losses": torch.tensor(losses),
+        "placed": placed,
+        "first": _host(first),
+        "second": _host(second),
+        "norm": torch.tensor(
+            math.sqrt(sum(float(p.detach().pow(2).sum()) for p in first.parameters()))
+        ),
+    }

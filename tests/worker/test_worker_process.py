@@ -1,0 +1,117 @@
+"""A real worker process: ready line, one client at a time, activity for the agent, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+import gpupool.torch
+from gpupool.protocol.v1.dataplane import (
+    VERSION,
+    ErrorKind,
+    Kind,
+    connect,
+    parse_address,
+    recv_handshake,
+    send_handshake,
+    start_worker_process,
+)
+
+pytestmark = pytest.mark.slow
+TOKEN = "worker-test-token"
+
+
+@pytest.fixture(scope="module")
+def worker(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[subprocess.Popen[str], str, Path]]:
+    status = tmp_path_factory.mktemp("status") / "worker.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc, ready = start_worker_process("lease-w", TOKEN, env=env, threads=1, status_file=status)
+    assert ready.lease == "lease-w" and ready.device == "cpu" and ready.pid == proc.pid
+    yield proc, str(ready.address), status
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def hello(
+    address: str, token: str = TOKEN, lease: str = "lease-w"
+) -> tuple[socket.socket, list[object]]:
+    sock = connect(parse_address(address))
+    send_handshake(sock, [Kind.HELLO, {"v": VERSION, "lease": lease, "token": token, "shm": False}])
+    return sock, recv_handshake(sock).head
+
+
+def wait_for(predicate: object, timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():  # type: ignore[operator]
+            return
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def test_status_file_tells_the_agent_last_op_time_and_memory_held(
+    worker: tuple[subprocess.Popen[str], str, Path],
+) -> None:
+    _, address, status = worker
+    read = lambda: json.loads(status.read_text())  # noqa: E731
+    assert read()["client_connected"] is False and read()["lease_id"] == "lease-w"
+    gpupool.torch.attach(workers=[address], token=TOKEN, lease="lease-w")
+    try:
+        x = torch.ones(256, 1024, device="cuda")
+        torch.cuda.synchronize()
+        wait_for(lambda: read()["client_connected"] and read()["memory_held_bytes"] == 1 << 20)
+        started = read()["last_op_at"]
+        assert started is not None and abs(started - time.time()) < 30
+        del x
+    finally:
+        gpupool.torch.detach()
+    wait_for(lambda: not read()["client_connected"] and read()["memory_held_bytes"] == 0)
+    assert read()["ops_total"] > 0
+
+
+def test_one_client_at_a_time(worker: tuple[subprocess.Popen[str], str, Path]) -> None:
+    _, address, _ = worker
+    gpupool.torch.attach(workers=[address], token=TOKEN, lease="lease-w")
+    try:
+        sock, head = hello(address)
+        sock.close()
+        assert head[0] == Kind.ERROR and head[2]["kind"] == ErrorKind.BUSY  # type: ignore[index]
+        assert torch.ones(2, device="cuda").sum().item() == 2.0
+    finally:
+        gpupool.torch.detach()
+    gpupool.torch.attach(workers=[address], token=TOKEN, lease="lease-w")
+    gpupool.torch.detach()
+
+
+def test_a_connection_without_the_lease_token_is_refused(
+    worker: tuple[subprocess.Popen[str], str, Path],
+) -> None:
+    _, address, _ = worker
+    for token, lease in (("wrong", "lease-w"), (TOKEN, "another-lease")):
+        sock, head = hello(address, token=token, lease=lease)
+        assert head[0] == Kind.ERROR and head[2]["kind"] == ErrorKind.AUTH  # type: ignore[index]
+        assert sock.recv(1) == b"", "the worker closes a refused connection"
+        sock.close()
+    with pytest.raises(gpupool.torch.AttachError, match="no valid token"):
+        gpupool.torch.attach(workers=[address], token="wrong", lease="lease-w")
+
+
+def test_worker_stops_on_sigterm_and_removes_its_socket(tmp_path: Path) -> None:
+    path = tmp_path / "w.sock"
+    proc, ready = start_worker_process("lease-s", TOKEN, listen=f"unix:{path}", threads=1)
+    assert ready.address.path == str(path) and path.exists()
+    assert oct(path.stat().st_mode & 0o777) == "0o600"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+    assert not path.exists()
