@@ -92,3 +92,38 @@ def test_direct_run_on_several_slices_is_refused_before_any_request() -> None:
     )
     assert result.exit_code == 2
     assert "cannot be held to its limits by MPS" in result.output
+
+
+def test_locality_chooses_between_pinning_preferring_and_any_server() -> None:
+    import socket
+
+    from gpupool.cli.errors import BadInput
+    from gpupool.cli.leases import resolve_locality
+
+    here = socket.gethostname()
+    assert resolve_locality(None, None) == (None, here)
+    assert resolve_locality(None, "gpu-7") == ("gpu-7", None)
+    assert resolve_locality("local", None) == (here, None)
+    assert resolve_locality("any", None) == (None, None)
+    assert resolve_locality("node=gpu-3", None) == ("gpu-3", None)
+    for bad in ("nearby", "node="):
+        try:
+            resolve_locality(bad, None)
+        except BadInput as exc:
+            assert "--locality" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_bad_max_wait_and_guarantee_are_refused_before_any_request() -> None:
+    from typer.testing import CliRunner
+
+    from gpupool.cli.main import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["--url", "http://127.0.0.1:9", "lease", "create", "--max-wait", "-5"])
+    assert result.exit_code == 2 and "--max-wait" in result.output
+    result = runner.invoke(
+        app, ["--url", "http://127.0.0.1:9", "tenant", "create", "t1", "--guaranteed-gpus", "-1"]
+    )
+    assert result.exit_code == 2 and "--guaranteed-gpus" in result.output

@@ -40,3 +40,19 @@ def test_tenant_is_deleted(pool: Pool) -> None:
     pool.ok("tenant", "create", "gone")
     assert "deleted tenant gone" in pool.ok("tenant", "delete", "gone").stdout
     assert pool.cli("tenant", "show", "gone").returncode == 2
+
+
+def test_guarantee_is_set_and_kept_when_other_limits_change(pool: Pool) -> None:
+    created = pool.json("tenant", "create", "prod", "--guaranteed-gpus", "2", "--max-gpus", "4")
+    assert created["guaranteed_gpus"] == 2
+    changed = pool.json("tenant", "set", "prod", "--max-gpus", "6")
+    assert (changed["guaranteed_gpus"], changed["max_gpus"]) == (2, 6)
+    changed = pool.json("tenant", "set", "prod", "--guaranteed-gpus", "1")
+    assert (changed["guaranteed_gpus"], changed["max_gpus"]) == (1, 6)
+
+
+def test_lease_with_locality_and_max_wait_reaches_the_controller(pool: Pool) -> None:
+    lease = pool.json(
+        "lease", "create", "--compute", "10%", "-m", "1GiB", "--locality", "any", "--max-wait", "120"
+    )
+    assert lease["state"] == "granted"

@@ -118,6 +118,25 @@ def test_manual_seed_makes_remote_randomness_repeatable(attach: Callable[..., An
     torch.testing.assert_close(F.dropout(torch.ones(20, device="cuda"), 0.5).cpu(), d.cpu())
 
 
+def test_activation_checkpointing_replays_the_same_dropout(attach: Callable[..., Any]) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    attach()
+    layer = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 1)).cuda()
+    x = torch.randn(4, 8, device="cuda", requires_grad=True)
+    grads = []
+    for use_checkpoint in (False, True):
+        torch.manual_seed(7)
+        out = checkpoint(layer, x, use_reentrant=False) if use_checkpoint else layer(x)
+        (grad,) = torch.autograd.grad(out.sum(), x)
+        grads.append(grad.cpu())
+    torch.testing.assert_close(grads[0], grads[1])
+    state = torch.cuda.get_rng_state()
+    first = torch.rand(3, device="cuda").cpu()
+    torch.cuda.set_rng_state(state)
+    torch.testing.assert_close(torch.rand(3, device="cuda").cpu(), first)
+
+
 def test_composite_ops_reach_the_worker_whole(attach: Callable[..., Any]) -> None:
     attach()
     stream = runtime.stream(0)
@@ -176,8 +195,8 @@ def test_saved_remote_tensors_load_as_cuda_or_where_mapped(attach: Callable[...,
 
 def test_unsupported_things_fail_loudly_naming_what(attach: Callable[..., Any]) -> None:
     attach()
-    with pytest.raises(NotImplementedError, match="get_rng_state"):
-        torch.cuda.get_rng_state()
+    with pytest.raises(NotImplementedError, match="Event"):
+        torch.cuda.Event(enable_timing=True)
     with pytest.raises(NotImplementedError, match="Generator"):
         torch.randn(3, device="cuda", generator=torch.Generator())
 

@@ -18,6 +18,7 @@ MiB = 1 << 20
 class Replies:
     client_arena: SharedArena | None = None
     worker_arena: SharedArena | None = None
+    pinned = False
 
     def __init__(self) -> None:
         self.heads: list[list[Any]] = []

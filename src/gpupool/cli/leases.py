@@ -46,8 +46,13 @@ def build_request(
     holder: str,
     ttl_s: float,
     wait: bool,
+    locality: str | None = None,
+    max_wait_s: float | None = None,
 ) -> LeaseCreate:
     """Check the user's request here, so that bad input fails before anything is sent."""
+    node, prefer_node = resolve_locality(locality, node)
+    if max_wait_s is not None and not 0 < max_wait_s <= 30 * 86400:
+        raise BadInput(f"--max-wait must be more than 0 s and at most 30 days, got {max_wait_s:g}")
     if not 1 <= gpus <= 256:
         raise BadInput(f"--gpus must be 1..256, got {gpus}")
     if not 0 <= priority <= 1000:
@@ -69,13 +74,34 @@ def build_request(
             priority=priority,
             access="direct",
             node=node,
+            prefer_node=prefer_node,
             gpu_models=models,
             holder=holder[:256],
             ttl_s=ttl_s,
             wait=wait,
+            max_wait_s=max_wait_s,
         )
     except ValidationError as exc:
         raise BadInput(validation_message(exc)) from None
+
+
+def resolve_locality(locality: str | None, node: str | None) -> tuple[str | None, str | None]:
+    """`--locality`: (server the lease must use, server it prefers).
+
+    Without it a request prefers this server and takes any other when this one is full.
+    """
+    here = socket.gethostname()
+    if locality is None:
+        return node, (None if node else here)
+    if node is not None:
+        raise BadInput("give either --node or --locality, not both")
+    if locality == "local":
+        return here, None
+    if locality == "any":
+        return None, None
+    if locality.startswith("node=") and len(locality) > 5:
+        return locality[5:], None
+    raise BadInput(f"--locality must be local, any or node=NAME, got {locality!r}")
 
 
 def default_holder() -> str:
@@ -204,6 +230,17 @@ def create(
             help="Queue when it does not fit now, or fail at once (exit 2).",
         ),
     ] = True,
+    locality: Annotated[
+        str | None,
+        typer.Option(
+            "--locality",
+            help="local (this server only), any, or node=NAME; default: this server first.",
+        ),
+    ] = None,
+    max_wait: Annotated[
+        float | None,
+        typer.Option("--max-wait", help="Give up with the reason after this many seconds."),
+    ] = None,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     request = build_request(
@@ -218,6 +255,8 @@ def create(
         holder=holder or default_holder(),
         ttl_s=ttl,
         wait=queue,
+        locality=locality,
+        max_wait_s=max_wait,
     )
     with cli_context(ctx).client() as client:
         lease = client.create_lease(request)

@@ -33,6 +33,20 @@ MaxPriority = Annotated[
     str | None, typer.Option("--max-priority", help="Highest priority it may ask for.")
 ]
 Weight = Annotated[float | None, typer.Option("--weight", help="Fair-share weight (default 1).")]
+Guaranteed = Annotated[
+    float | None,
+    typer.Option(
+        "--guaranteed-gpus", help="GPUs' worth of leases that preemption never takes away."
+    ),
+]
+
+
+def _with_guarantee(quota: QuotaIn, guaranteed: float | None) -> QuotaIn:
+    if guaranteed is None:
+        return quota
+    if not 0 <= guaranteed <= 100_000:
+        raise BadInput(f"--guaranteed-gpus must be 0..100000, got {guaranteed:g}")
+    return quota.model_copy(update={"guaranteed_gpus": guaranteed})
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,13 +171,16 @@ def create_tenant(
     max_leases: MaxLeases = None,
     max_priority: MaxPriority = None,
     weight: Weight = None,
+    guaranteed_gpus: Guaranteed = None,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     """Create a tenant; limits left out are unlimited."""
     _check_weight(weight)
     change = QuotaChange.parse(max_gpus, max_memory, max_compute, max_leases, max_priority)
     body = TenantCreate(
-        name=name, weight=1.0 if weight is None else weight, quota=change.applied_to(None)
+        name=name,
+        weight=1.0 if weight is None else weight,
+        quota=_with_guarantee(change.applied_to(None), guaranteed_gpus),
     )
     with cli_context(ctx).client() as client:
         tenant = client.create_tenant(body)
@@ -180,19 +197,22 @@ def set_tenant(
     max_leases: MaxLeases = None,
     max_priority: MaxPriority = None,
     weight: Weight = None,
+    guaranteed_gpus: Guaranteed = None,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     """Change a tenant's limits or weight; 'unlimited' removes a limit, others stay."""
     _check_weight(weight)
     change = QuotaChange.parse(max_gpus, max_memory, max_compute, max_leases, max_priority)
-    if weight is None and not change.any_given():
-        raise BadInput("nothing to change: give --weight or a --max-... option")
+    if weight is None and guaranteed_gpus is None and not change.any_given():
+        raise BadInput("nothing to change: give --weight, --guaranteed-gpus or a --max-... option")
     with cli_context(ctx).client() as client:
         update = TenantUpdate()
         if weight is not None:
             update.weight = weight
         if change.any_given():
             update.quota = change.applied_to(client.tenant(name))
+        if guaranteed_gpus is not None:
+            update.quota = _with_guarantee(update.quota or QuotaIn(), guaranteed_gpus)
         tenant = client.update_tenant(name, update)
     show(output, tenant, tenants_table([tenant]))
 

@@ -183,8 +183,6 @@ def report(engineers: int, days: int = 5, seed: int = 0) -> dict[str, Any]:
         },
         "busy_gpu_hours": best["busy_gpu_hours"],
         "pooled_utilisation_pct": round(100 * best["busy_gpu_hours"] / (high * hours), 1),
-        "dedicated_utilisation_pct": round(
-            100 * best["busy_gpu_hours"] / (dedicated * hours), 1
-        ),
+        "dedicated_utilisation_pct": round(100 * best["busy_gpu_hours"] / (dedicated * hours), 1),
         "tried": [tried[g] for g in sorted(tried)],
     }

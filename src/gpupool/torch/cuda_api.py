@@ -122,6 +122,23 @@ def seed_all() -> None:
     manual_seed_all(random.getrandbits(63))
 
 
+def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+    return runtime.stream(_index(device)).rng_state()
+
+
+def set_rng_state(new_state: torch.Tensor, device: Any = "cuda") -> None:
+    runtime.stream(_index(device)).set_rng_state(new_state)
+
+
+def get_rng_state_all() -> list[torch.Tensor]:
+    return [stream.rng_state() for stream in runtime.streams()]
+
+
+def set_rng_state_all(new_states: list[torch.Tensor]) -> None:
+    for stream, state in zip(runtime.streams(), new_states, strict=True):
+        stream.set_rng_state(state)
+
+
 def _nothing(*args: Any, **kwargs: Any) -> None:
     return None
 
@@ -157,13 +174,23 @@ REPLACEMENTS: dict[str, Any] = {
     "seed": seed,
     "seed_all": seed_all,
     "is_initialized": lambda: True,
+    # Activation checkpointing saves the device RNG state only of an initialized device.
+    "_initialized": True,
     "init": _nothing,
     # A CPU-only torch calls this before making anything on `cuda`; our kernels need no init.
     "_lazy_init": _nothing,
-    "get_rng_state": _not_supported("get_rng_state"),
-    "set_rng_state": _not_supported("set_rng_state"),
-    "get_rng_state_all": _not_supported("get_rng_state_all"),
-    "set_rng_state_all": _not_supported("set_rng_state_all"),
+    "get_rng_state": get_rng_state,
+    "set_rng_state": set_rng_state,
+    "get_rng_state_all": get_rng_state_all,
+    "set_rng_state_all": set_rng_state_all,
+    # Streams, events and graphs of the remote device are the worker's own.
+    "Stream": _not_supported("Stream"),
+    "Event": _not_supported("Event"),
+    "stream": _not_supported("stream"),
+    "current_stream": _not_supported("current_stream"),
+    "default_stream": _not_supported("default_stream"),
+    "CUDAGraph": _not_supported("CUDAGraph"),
+    "graph": _not_supported("graph"),
 }
 
 

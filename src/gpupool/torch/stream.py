@@ -134,7 +134,8 @@ class DeviceStream:
         records.append(record)
         if LAUNCH_BLOCKING:
             self.sync()
-        elif len(records) >= BATCH_MAX_RECORDS:
+            return
+        if len(records) >= BATCH_MAX_RECORDS:
             self.flush()
             return
         now = time.perf_counter()
@@ -220,7 +221,7 @@ class DeviceStream:
             arena = self._client_arena
             if arena is not None and nbytes <= arena.size:
                 if self._arena_cursor + nbytes > arena.size:
-                    self._roundtrip_locked()  # the worker has copied out everything before
+                    self._roundtrip_locked()  # wait until the worker copied out everything before
                 offset = self._arena_cursor
                 torch.frombuffer(arena.map, dtype=torch.uint8, count=nbytes, offset=offset).copy_(
                     host.reshape(-1).view(torch.uint8)
@@ -244,7 +245,9 @@ class DeviceStream:
 
     def read(self, handle_ext: Any) -> torch.Tensor:
         with self.lock:
-            return self._receive_tensor(self._request_locked(Rec.READ, handle_ext))
+            value = self._receive_tensor(self._request_locked(Rec.READ, handle_ext))
+            self._arena_cursor = 0  # a read waits for the worker's stream: puts are done
+            return value
 
     def call(
         self, op: OpInfo, args: list[Any], kwargs: dict[str, Any] | None, handle_base: int
@@ -258,7 +261,9 @@ class DeviceStream:
 
     def sync(self) -> dict[str, Any]:
         with self.lock:
-            return self._receive_result(self._request_locked(Rec.SYNC))
+            stats = self._receive_result(self._request_locked(Rec.SYNC))
+            self._arena_cursor = 0
+            return stats
 
     def stats(self) -> dict[str, Any]:
         with self.lock:
@@ -266,6 +271,14 @@ class DeviceStream:
 
     def seed(self, seed: int) -> None:
         self.emit([Rec.SEED, int(seed)])
+
+    def rng_state(self) -> torch.Tensor:
+        with self.lock:
+            state = self._receive_result(self._request_locked(Rec.RNG_STATE))
+        return torch.frombuffer(bytearray(state), dtype=torch.uint8)
+
+    def set_rng_state(self, state: torch.Tensor) -> None:
+        self.emit([Rec.SET_RNG_STATE, tensor_bytes(state.to(torch.uint8))])
 
     def op_names(self) -> set[str]:
         """The ops this stream has sent to its worker so far."""
@@ -279,7 +292,8 @@ class DeviceStream:
         return req
 
     def _roundtrip_locked(self) -> None:
-        self._receive_result(self._request_locked(Rec.STATS))
+        self._receive_result(self._request_locked(Rec.SYNC))
+        self._arena_cursor = 0
 
     def _receive_head(self, req: int) -> tuple[list[Any], int]:
         try:
@@ -287,8 +301,6 @@ class DeviceStream:
             head = frame.head()
         except DataPlaneError as exc:
             self._lost(exc)
-        # Any reply means the worker has consumed every payload sent before the request.
-        self._arena_cursor = 0
         if head[0] == Kind.ERROR:
             body = ErrorBody.from_wire(head[2] if len(head) > 2 else None)
             if head[1] is None:

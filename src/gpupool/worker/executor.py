@@ -36,6 +36,9 @@ ALLOWED_NAMESPACES = frozenset({"aten"})
 DENIED_OPS = frozenset({"aten::from_file"})
 """Ops that touch the worker's files; everything else a tenant may run on its own tensors."""
 
+SHM_READ_MIN_BYTES = 1 << 20
+"""Smaller reads ride in the reply frame; larger ones go through the shared arena."""
+
 _BUILTIN_ERRORS = frozenset(
     {"RuntimeError", "ValueError", "TypeError", "IndexError", "NotImplementedError", "KeyError"}
 )
@@ -46,6 +49,8 @@ class Link(Protocol):
 
     client_arena: SharedArena | None
     worker_arena: SharedArena | None
+    pinned: bool
+    """The arenas are registered with CUDA: copies from and to them are DMA at full speed."""
 
     def reply(self, head: list[Any], tail: memoryview | None = None) -> None: ...
 
@@ -82,7 +87,6 @@ class Executor:
     error: ErrorBody | None = None
 
     def __post_init__(self) -> None:
-        self._device_ext = self.device
         self._host = torch.device("cpu")
         self._handlers: dict[int, Callable[[list[Any], Link], None]] = {
             Rec.DEF: self._def,
@@ -94,6 +98,8 @@ class Executor:
             Rec.SYNC: self._sync,
             Rec.SEED: self._seed,
             Rec.STATS: self._stats,
+            Rec.RNG_STATE: self._rng_state,
+            Rec.SET_RNG_STATE: self._set_rng_state,
         }
 
     # ---- decoding ------------------------------------------------------------------------
@@ -107,7 +113,7 @@ class Executor:
         if code == Ext.DTYPE:
             return dtype_from_name(data.decode())
         if code == Ext.DEVICE:
-            return self._host if data == b"cpu" else self._device_ext
+            return self._host if data == b"cpu" else self.device
         if code == Ext.LITERAL:
             return literal_from_ext(data)
         if code == Ext.LAYOUT:
@@ -229,7 +235,9 @@ class Executor:
             target = self.tensors.get(handle)
             if target is None:
                 raise RuntimeError(f"copy into tensor {handle}, which the worker does not hold")
-            target.copy_(source)
+            # From the pinned arena the copy runs on the stream; the client reuses that memory
+            # only after a read or sync, which wait for the stream.
+            target.copy_(source, non_blocking=link.pinned and shm_offset is not None)
         except Exception as exc:
             self._fail(exc, "copy_ (host to device)", [], None)
 
@@ -240,32 +248,35 @@ class Executor:
         if isinstance(tensor, Missing):
             link.reply([Kind.ERROR, req, _missing_error(tensor).to_wire()])
             return
+        head: list[Any] = [
+            Kind.DATA,
+            req,
+            dtype_name(tensor.dtype),
+            list(tensor.shape),
+            0,
+            0,
+            False,
+        ]
+        total = tensor.numel() * tensor.element_size()
+        arena = link.worker_arena
         try:
+            if arena is not None and SHM_READ_MIN_BYTES < total <= arena.size:
+                # One copy, device (or worker memory) straight into the shared arena.
+                into = torch.frombuffer(arena.map, dtype=torch.uint8, count=total)
+                into.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+                head[5], head[6] = total, True
+                link.reply(head)
+                return
             host = tensor.detach().contiguous().to(self._host)
         except Exception as exc:
             self._fail(exc, "read", [tensor], None)
             self._report_error(req, link)
             return
-        self._send_tensor(req, host, link)
+        self._send_tensor(head, host, link)
 
-    def _send_tensor(self, req: int, host: torch.Tensor, link: Link) -> None:
+    def _send_tensor(self, head: list[Any], host: torch.Tensor, link: Link) -> None:
         data = host_bytes(host)
-        total = len(data)
-        head: list[Any] = [
-            Kind.DATA,
-            req,
-            dtype_name(host.dtype),
-            list(host.shape),
-            0,
-            total,
-            False,
-        ]
-        arena = link.worker_arena
-        if arena is not None and total > CHUNK_BYTES // 8 and total <= arena.size:
-            arena.view(0, total)[:] = data
-            head[6] = True
-            link.reply(head)
-            return
+        total = head[5] = len(data)
         if total <= CHUNK_BYTES:
             link.reply(head, data)
             return
@@ -327,6 +338,27 @@ class Executor:
                 torch.cuda.manual_seed(seed)
         else:
             torch.manual_seed(seed)
+
+    def _rng_state(self, rec: list[Any], link: Link) -> None:
+        if self._report_error(rec[1], link):
+            return
+        if self.device.type == "cuda":
+            state = torch.cuda.get_rng_state(self.device)
+        else:
+            state = torch.get_rng_state()
+        link.reply([Kind.RESULT, rec[1], bytes(host_bytes(state))])
+
+    def _set_rng_state(self, rec: list[Any], link: Link) -> None:
+        if self.error is not None:
+            return
+        state = torch.frombuffer(bytearray(rec[1]), dtype=torch.uint8)
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(state, self.device)
+            else:
+                torch.set_rng_state(state)
+        except Exception as exc:
+            self._fail(exc, "set_rng_state", [], None)
 
     # ---- errors --------------------------------------------------------------------------
 

@@ -186,7 +186,12 @@ class Worker:
             self._refuse(sock, problem)
             raise ProtocolError(problem.message)
         sock.settimeout(None)
-        return hello.fds if body.get("shm") else _closed(hello.fds)  # type: ignore[union-attr]
+        assert isinstance(body, dict)
+        if body.get("shm"):
+            return hello.fds  # the client's memfd arena
+        for fd in hello.fds:
+            os.close(fd)
+        return []
 
     def _refuse(self, sock: socket.socket, error: ErrorBody) -> None:
         with contextlib.suppress(OSError, DataPlaneError):
@@ -200,6 +205,8 @@ class Worker:
         if fds and sock.family == socket.AF_UNIX:
             link.client_arena = SharedArena.adopt(fds[0])
             link.worker_arena = SharedArena.create(self.config.read_arena_mib * MiB)
+            if self.device.type == "cuda":
+                link.pin(self.device)
         self._active = link.conn
         self.activity.client_connected, self.activity.client_peer = True, peer
         try:
@@ -269,6 +276,8 @@ class _Link:
         self.conn = conn
         self.client_arena: SharedArena | None = None
         self.worker_arena: SharedArena | None = None
+        self.pinned = False
+        self._device: torch.device | None = None
 
     def reply(self, head: list[Any], tail: memoryview | None = None) -> None:
         self.conn.send(head, tail)
@@ -285,17 +294,34 @@ class _Link:
             self.conn.read_tail_into(dest[filled : filled + frame.tail_len])
             filled += frame.tail_len
 
+    def pin(self, device: torch.device) -> None:
+        """Register both arenas with CUDA, so host↔device copies are DMA from shared memory."""
+        arenas = [a for a in (self.client_arena, self.worker_arena) if a is not None]
+        try:
+            for arena in arenas:
+                torch.cuda.check_error(
+                    torch.cuda.cudart().cudaHostRegister(_address(arena), arena.size, 0)
+                )
+        except Exception as exc:  # pageable copies still work, only slower
+            log.warning("could not pin the shared arenas: %s", exc)
+            return
+        self.pinned, self._device = True, device
+
     def close(self) -> None:
         self.conn.close()
+        if self.pinned:
+            torch.cuda.synchronize(self._device)  # no copy may still read the arenas
+            for arena in (self.client_arena, self.worker_arena):
+                if arena is not None:
+                    with contextlib.suppress(Exception):
+                        torch.cuda.cudart().cudaHostUnregister(_address(arena))
         for arena in (self.client_arena, self.worker_arena):
             if arena is not None:
                 arena.close()
 
 
-def _closed(fds: list[int]) -> list[int]:
-    for fd in fds:
-        os.close(fd)
-    return []
+def _address(arena: SharedArena) -> int:
+    return int(torch.frombuffer(arena.map, dtype=torch.uint8, count=1).data_ptr())
 
 
 @contextlib.contextmanager

@@ -212,7 +212,7 @@ def mix_of(demands: Iterable[Demand], top: int = 64) -> list[tuple[Demand, float
     groups: dict[Demand, list[Demand]] = {}
     for d in demands:
         groups.setdefault(d._replace(cpu_milli=0, host_memory_mib=0), []).append(d)
-    ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:top]
+    ranked = sorted(groups.items(), key=lambda kv: (-len(kv[1]), _order(kv[0])))[:top]
     total = sum(len(members) for _, members in ranked) or 1
     out = []
     for shape, members in ranked:
@@ -253,6 +253,19 @@ class WorkloadLearner:
         mix = mix_of(self.seen)
         if _moved(dict(workload.items), dict(mix)) > self.threshold:
             workload.set_mix(mix)
+
+
+def _order(d: Demand) -> tuple[object, ...]:
+    """A total order on demands (None memory sorts first), for reproducible ties."""
+    return (
+        d.gpus,
+        d.compute_pct,
+        -1 if d.memory_mib is None else d.memory_mib,
+        d.physical,
+        d.models,
+        d.cpu_milli,
+        d.host_memory_mib,
+    )
 
 
 def _moved(old: dict[Demand, float], new: dict[Demand, float]) -> float:

@@ -84,6 +84,10 @@ class Rec(IntEnum):
     """[SEED, seed]: seed the worker device's random generator."""
     STATS = 9
     """[STATS, req]: reply with memory and activity counters."""
+    RNG_STATE = 10
+    """[RNG_STATE, req]: reply with the device generator's state (bytes)."""
+    SET_RNG_STATE = 11
+    """[SET_RNG_STATE, state]: restore the device generator (as checkpointing does)."""
 
 
 class Ext(IntEnum):
