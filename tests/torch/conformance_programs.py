@@ -227,3 +227,53 @@ def two_device_pipeline(devices: tuple[str, str]) -> dict[str, Any]:
             math.sqrt(sum(float(p.detach().pow(2).sum()) for p in first.parameters()))
         ),
     }
+
+
+# ---- residual CNN (ResNet's bottleneck) under bf16 autocast, SGD with momentum --------------
+
+
+class Bottleneck(nn.Module):
+    def __init__(self, channels: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride=stride, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, channels, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(channels)
+        self.relu = nn.ReLU(inplace=True)
+        self.down = None
+        if stride != 1:
+            self.down = nn.Sequential(
+                nn.Conv2d(channels, channels, 1, stride=stride, bias=False),
+                nn.BatchNorm2d(channels),
+            )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        identity = x if self.down is None else self.down(x)
+        out = self.relu(self.bn1(self.conv1(x)))
+        out = self.relu(self.bn2(self.conv2(out)))
+        out = self.bn3(self.conv3(out))
+        out += identity
+        return self.relu(out)
+
+
+def resnet_bf16(device: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
+        Bottleneck(16, 8), Bottleneck(16, 8, stride=2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Linear(16, 10),
+    ).to(device)  # fmt: skip
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
+    x, y = _data(8, 3, 16, 16, classes=10)
+    device_type = torch.device(device).type
+    losses = []
+    for _ in range(4):
+        with torch.autocast(device_type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": torch.tensor(losses), **_host(model)}

@@ -12,6 +12,7 @@ from conformance_programs import (
     checkpoint_resume,
     cnn_training,
     mlp_training,
+    resnet_bf16,
     transformer_bf16,
     two_device_pipeline,
 )
@@ -57,6 +58,13 @@ def test_transformer_under_bf16_autocast_matches_local(attach: Callable[..., Any
     torch.testing.assert_close(remote["losses"], local["losses"], rtol=2e-2, atol=2e-2)
     for key in ("tok.weight", "blocks.0.qkv.weight", "blocks.1.mlp.2.weight", "ln.weight"):
         torch.testing.assert_close(remote[key], local[key], rtol=0, atol=2e-2)
+
+
+def test_residual_cnn_under_bf16_autocast_matches_local(attach: Callable[..., Any]) -> None:
+    local = resnet_bf16("cpu")
+    attach()
+    remote = resnet_bf16("cuda")
+    assert_same(local, remote, rtol=1e-2, atol=1e-2)
 
 
 def test_checkpoint_saved_mid_training_resumes_to_the_same_weights(

@@ -145,3 +145,16 @@ def test_literal_host_tensors_are_passed_by_value() -> None:
                    [Rec.OP, 3, [handle_ext(10), literal_ext(torch.tensor([2.0, 3.0]))], None, [11]]])  # fmt: skip
     assert read(executor, 11) == [3.0, 4.0]
     assert isinstance(msgpack.packb(literal_ext(torch.tensor(1.0))), bytes)
+
+
+def test_a_put_larger_than_its_shape_or_target_is_refused_before_allocating() -> None:
+    import pytest
+
+    from gpupool.protocol.v1.dataplane import ProtocolError
+
+    executor = make()
+    run(executor, [empty(10, 4)])
+    with pytest.raises(ProtocolError, match="bytes for"):
+        run(executor, [[Rec.PUT, 10, "float32", [4], None, 1 << 40, None]])
+    with pytest.raises(ProtocolError, match="elements into a tensor of 4"):
+        run(executor, [[Rec.PUT, 10, "float32", [1 << 30], None, 4 << 30, None]])

@@ -23,12 +23,14 @@ from gpupool.agent.backends import Backend, FakeBackend, GpuEvent, detect
 from gpupool.agent.health import is_fault, isolation_reason
 from gpupool.agent.metrics import HealthCounts
 from gpupool.agent.mps import MpsSupervisor
+from gpupool.agent.workers import WorkerSupervisor
 from gpupool.protocol.v1.api import (
     GpuDesired,
     GpuInventory,
     NodeHeartbeat,
     NodeHeartbeatReply,
     NodeRegister,
+    RemoteLease,
 )
 
 log = logging.getLogger(__name__)
@@ -149,6 +151,9 @@ class Agent:
         self._sent_gpus: list[GpuInventory] | None = None
         self._refusal_logged: str | None = None
         self.mps = MpsSupervisor(settings.data_dir / "mps")
+        self.workers: WorkerSupervisor | None = None
+        self._remote_leases: dict[str, RemoteLease] = {}
+        self._workers_wake = asyncio.Event()
         self.agent_url: str | None = None
         self.faults_reported = 0
         self._faults: asyncio.Queue[GpuEvent] = asyncio.Queue()
@@ -166,8 +171,15 @@ class Agent:
         # The first cpu_percent() reading is meaningless (no interval yet): prime it now.
         await asyncio.to_thread(psutil.cpu_percent, None)
         api = await self._start_api()
+        self.workers = WorkerSupervisor(
+            self.settings.data_dir / "workers",
+            self.mps,
+            simulated=backend.simulated,
+            listen_host=self.settings.address or "127.0.0.1",
+        )
         done = asyncio.Event()
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")
+        keeper = asyncio.create_task(self._keep_workers(done), name="agent-workers")
         try:
             async with httpx.AsyncClient(
                 base_url=self.settings.controller_url.rstrip("/"),
@@ -189,6 +201,9 @@ class Agent:
             if api is not None:
                 api.should_exit = True
                 await self._api_task
+            self._workers_wake.set()
+            await keeper
+            await asyncio.to_thread(self.workers.stop_all)
             await asyncio.to_thread(self.mps.stop_all)
             await asyncio.to_thread(backend.close)
             log.info("agent %s stopped", self.settings.node_name)
@@ -312,6 +327,9 @@ class Agent:
         modes = {uuid: (d.mode, d.target_mode) for uuid, d in reply.gpus.items()}
         if modes:
             await asyncio.to_thread(self.mps.reconcile, modes)
+        if reply.leases != self._remote_leases:
+            self._remote_leases = reply.leases
+            self._workers_wake.set()
         self.heartbeats_sent += 1
         self._refusal_logged = None
         return True
@@ -362,8 +380,26 @@ class Agent:
             )
             for t in backend.telemetry()
         ]
-        body = NodeHeartbeat(telemetry=telemetry, host=host_stats(self.settings.data_dir))
+        body = NodeHeartbeat(
+            telemetry=telemetry,
+            host=host_stats(self.settings.data_dir),
+            workers=self.workers.reports() if self.workers is not None else [],
+        )
         return body, gpus
+
+    async def _keep_workers(self, done: asyncio.Event) -> None:
+        """Start and stop workers as remote leases come and go, off the heartbeat's path
+        (a worker takes seconds to start: heartbeats must not wait for it)."""
+        assert self.workers is not None
+        while not done.is_set():
+            await self._workers_wake.wait()
+            self._workers_wake.clear()
+            if done.is_set():
+                return
+            try:
+                await asyncio.to_thread(self.workers.reconcile, dict(self._remote_leases))
+            except Exception:
+                log.exception("managing workers failed; retrying with the next heartbeat")
 
     # ---- what people see --------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ def build_request(
     wait: bool,
     locality: str | None = None,
     max_wait_s: float | None = None,
+    access: str = "direct",
 ) -> LeaseCreate:
     """Check the user's request here, so that bad input fails before anything is sent."""
     node, prefer_node = resolve_locality(locality, node)
@@ -72,7 +73,7 @@ def build_request(
             memory=memory_text,
             physical=physical,
             priority=priority,
-            access="direct",
+            access="remote" if access == "remote" else "direct",
             node=node,
             prefer_node=prefer_node,
             gpu_models=models,

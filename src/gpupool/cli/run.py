@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shlex
 import signal
@@ -52,6 +53,9 @@ _OWN_VARIABLES = (
     "CUDA_MPS_LOG_DIRECTORY",
     "GPUPOOL_LEASE_ID",
     "GPUPOOL_SIMULATED",
+    "GPUPOOL_LEASE",
+    "GPUPOOL_WORKERS",
+    "GPUPOOL_TOKEN",
 )
 
 
@@ -281,6 +285,13 @@ def run(
         float,
         typer.Option("--grace", help="Seconds between TERM and KILL when the lease is lost."),
     ] = STOP_GRACE_S,
+    remote: Annotated[
+        bool,
+        typer.Option(
+            "--remote",
+            help="GPUs of any server, through workers: the command's PyTorch sees them as cuda.",
+        ),
+    ] = False,
 ) -> None:
     if not cmd:
         raise BadInput(
@@ -288,7 +299,9 @@ def run(
         )
     if grace < 0:
         raise BadInput(f"--grace must not be negative, got {grace:g}")
-    if gpus > 1 and not physical:
+    if remote and physical:
+        raise BadInput("physical GPUs are always direct: drop --remote or --physical")
+    if gpus > 1 and not physical and not remote:
         # One MPS daemon per GPU, and a process reaches only one daemon: a program spread over
         # several slices could not be held to its limits on all of them.
         raise BadInput(
@@ -304,17 +317,94 @@ def run(
         physical=physical,
         priority=priority,
         tenant=tenant,
-        node=node or host,
+        # A direct program must run beside its GPU; a remote one prefers it but takes any.
+        node=node if remote else (node or host),
         gpu_models=gpu_model,
         holder=f"{context.actor}@{host} pid {os.getpid()}: {shlex.join(cmd)}",
         ttl_s=ttl,
         wait=wait,
+        access="remote" if remote else "direct",
     )
     with context.client() as client:
         lease = client.create_lease(request)
+        token = lease.token
         try:
             lease = await_grant(client, lease)
-            code = _run_on_lease(context, client, lease, cmd, grace)
+            if remote:
+                lease = await_workers(client, lease)
+                code = _run_remote(context, lease, token or "", cmd, grace)
+            else:
+                code = _run_on_lease(context, client, lease, cmd, grace)
         finally:
             _release(client, lease)
     raise typer.Exit(code)
+
+
+WORKER_START_TIMEOUT_S = 180.0
+
+
+def await_workers(client: PoolClient, lease: LeaseOut) -> LeaseOut:
+    """Wait until the agents run a worker for every slice of a granted remote lease."""
+    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
+    while True:
+        lease = client.heartbeat_lease(lease.id)
+        if lease.state not in ("granted", "active", "idle"):
+            raise CommandFailed(f"lease {lease.id} ended before its workers ran ({lease.state})", 1)
+        if all(piece.endpoint for piece in lease.slices):
+            return lease
+        errors = lease.activity.get("errors") or []
+        if errors:
+            raise CommandFailed(f"the worker of lease {lease.id} did not start: {errors[0]}", 1)
+        if time.monotonic() > deadline:
+            raise CommandFailed(
+                f"the workers of lease {lease.id} did not start in {WORKER_START_TIMEOUT_S:.0f} s",
+                1,
+            )
+        time.sleep(0.3)
+
+
+def remote_env(lease: LeaseOut, token: str, url: str) -> dict[str, str]:
+    """What makes an unchanged PyTorch program use the lease's workers as its cuda devices."""
+    spec = importlib.util.find_spec("gpupool.torch")
+    if spec is None or not spec.submodule_search_locations:
+        raise CommandFailed("gpupool.torch is not installed here: pip install 'gpupool[torch]'", 1)
+    site = str(Path(next(iter(spec.submodule_search_locations))) / "site")
+    python_path = os.environ.get("PYTHONPATH")
+    return {
+        "GPUPOOL_LEASE": lease.id,
+        "GPUPOOL_LEASE_ID": lease.id,
+        "GPUPOOL_WORKERS": ",".join(piece.endpoint or "" for piece in lease.slices),
+        "GPUPOOL_TOKEN": token,
+        URL_ENV: url,
+        "PYTHONPATH": site + (os.pathsep + python_path if python_path else ""),
+    }
+
+
+def _run_remote(
+    context: CliContext, lease: LeaseOut, token: str, cmd: Sequence[str], grace_s: float
+) -> int:
+    env = child_env(os.environ, remote_env(lease, token, context.url))
+    where = ", ".join(f"{p.node}:{p.gpu_index} via {p.endpoint}" for p in lease.slices)
+    note(escape(f"{granted_text(lease)} (remote: {where})"))
+    supervisor = Supervisor(cmd, env, grace_s)
+    keeper = LeaseKeeper(
+        context.url,
+        lease.id,
+        interval_s=max(lease.ttl_s / 3, 0.2),
+        actor=context.actor,
+        on_end=supervisor.lease_lost,
+        on_error=_Warner(lease.id),
+    )
+    with signals_to(supervisor.forward, _FORWARDED):
+        try:
+            supervisor.start()
+            keeper.start()
+            returncode = supervisor.wait()
+        finally:
+            keeper.stop()
+    if supervisor.lost_reason is not None:
+        raise CommandFailed(
+            f"lease {lease.id} was taken away while the command ran ({supervisor.lost_reason})",
+            EXIT_LEASE_LOST,
+        )
+    return exit_status(returncode)

@@ -121,6 +121,8 @@ class LeaseRow(Base):
     prefer_node: Mapped[str | None] = mapped_column(String(128))
     max_wait_s: Mapped[float | None] = mapped_column(Float)
     preempt_deadline_at: Mapped[datetime | None] = mapped_column()
+    worker_token: Mapped[str | None] = mapped_column(String(64))
+    """The data-plane token of a remote lease: its holder and its workers share it."""
 
     slices: Mapped[list[LeaseSliceRow]] = relationship(
         back_populates="lease",
@@ -148,6 +150,8 @@ class LeaseSliceRow(Base):
     compute_pct: Mapped[int] = mapped_column(Integer)
     memory_mib: Mapped[int] = mapped_column(Integer)
     whole: Mapped[bool] = mapped_column(Boolean, default=False)
+    endpoint: Mapped[str | None] = mapped_column(String(256))
+    """Where the worker of a remote slice listens, once its agent has started it."""
 
     lease: Mapped[LeaseRow] = relationship(back_populates="slices")
 

@@ -58,6 +58,8 @@ class Liveness:
     dirty_nodes: set[str] = field(default_factory=set)
     preempt_deadline: dict[str, float] = field(default_factory=dict)
     """Preempted leases → when they are released if their holder has not stopped."""
+    lease_activity: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Remote leases → what their workers report: last op time, memory held."""
 
 
 class Store:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from gpupool.controller.models import EventRow, GpuRow, LeaseRow, NodeRow, TenantRow
 from gpupool.core import Pool
 from gpupool.core.model import GpuUsage, Usage
 from gpupool.protocol.v1.api import EventOut, GpuOut, LeaseOut, NodeOut, SliceOut, TenantOut
 
 
-def lease_out(row: LeaseRow, pool: Pool | None = None) -> LeaseOut:
+def lease_out(
+    row: LeaseRow, pool: Pool | None = None, activity: dict[str, Any] | None = None
+) -> LeaseOut:
     position = reason = None
     if pool is not None and row.state == "queued":
         position = pool.position(row.id)
@@ -38,11 +42,13 @@ def lease_out(row: LeaseRow, pool: Pool | None = None) -> LeaseOut:
                 compute_pct=s.compute_pct,
                 memory_mib=s.memory_mib,
                 whole=s.whole,
+                endpoint=s.endpoint,
             )
             for s in row.slices
         ],
         queue_position=position,
         waiting_reason=reason,
+        activity=dict(activity or {}),
         node=row.node,
         gpu_models=list(row.gpu_models or []),
     )

@@ -12,6 +12,7 @@ input's dtype, as it does after a real autocast region.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -80,6 +81,8 @@ POLICY_OPS = (
 """Ops whose dispatch asks this module first (a frozenset lookup for every other op)."""
 
 _state = threading.local()
+_casts: weakref.WeakKeyDictionary[Any, tuple[int, torch.dtype, Any]] = weakref.WeakKeyDictionary()
+"""Weight → its 16-bit copy, valid while the weight's version is unchanged."""
 _ORIGINALS: dict[str, Any] = {}
 
 
@@ -92,10 +95,13 @@ def _enabled() -> tuple[bool, torch.dtype]:
 
 def _set_autocast_enabled(*args: Any) -> None:
     _ORIGINALS["set_autocast_enabled"](*args)
+    was = getattr(_state, "enabled", False)
     if len(args) == 2 and args[0] == "cuda":
         _state.enabled = bool(args[1])
     elif len(args) == 1:  # the old signature meant CUDA
         _state.enabled = bool(args[0])
+    if _state.enabled and not was:
+        _casts.clear()  # a new region (the next step): last step's weight copies are stale
 
 
 def _set_autocast_dtype(device_type: str, dtype: torch.dtype) -> None:
@@ -209,12 +215,25 @@ def _cast_kw(
 def _cast_value(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...]) -> Any:
     if isinstance(value, RemoteTensor):
         if value.dtype in sources and value.dtype != dtype:
+            if value.is_leaf and value.requires_grad:
+                return _cached_cast(value, dtype)
             # Goes through the dispatcher below autograd: a worker-side cast, invisible to autograd.
             return torch.ops.aten._to_copy.default(value, dtype=dtype)
         return value
     if isinstance(value, list | tuple) and value and isinstance(value[0], RemoteTensor):
         return type(value)(_cast_value(v, dtype, sources) for v in value)
     return value
+
+
+def _cached_cast(weight: RemoteTensor, dtype: torch.dtype) -> Any:
+    """A weight's 16-bit copy, made once per step: its forward and its backward (which meets
+    the saved float32 weight again) share it, as CUDA autocast's own cast cache does."""
+    cached = _casts.get(weight._gp)
+    if cached is not None and cached[0] == weight._version and cached[1] == dtype:
+        return cached[2]
+    cast = torch.ops.aten._to_copy.default(weight, dtype=dtype)
+    _casts[weight._gp] = (weight._version, dtype, cast)
+    return cast
 
 
 def _float_dtypes(args: tuple[Any, ...]) -> set[torch.dtype]:

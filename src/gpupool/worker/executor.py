@@ -164,6 +164,8 @@ class Executor:
         try:
             fn = op_overload(name)
         except (AttributeError, RuntimeError, ProtocolError):
+            fn = None
+        if not isinstance(fn, torch._ops.OpOverload):
             return _Op(name, None, f"{name} is unknown to the worker's torch {torch.__version__}")
         if any(arg.name == "filename" for arg in fn._schema.arguments):
             return _Op(name, None, f"{name} reads files and is not allowed on a gpupool worker")
@@ -219,6 +221,7 @@ class Executor:
     def _put(self, rec: list[Any], link: Link) -> None:
         _, handle, dtype, shape, payload, nbytes, shm_offset = rec
         dtype = dtype_from_name(dtype)
+        _check_put_size(dtype, shape, nbytes, self.tensors.get(handle))
         if payload is None and shm_offset is None:
             # The bytes follow in PUT frames; they must be consumed even when the put is skipped.
             buffer = bytearray(nbytes)
@@ -399,6 +402,20 @@ class Executor:
         link.reply([Kind.ERROR, req, self.error.to_wire()])
         self.error = None
         return True
+
+
+def _check_put_size(dtype: torch.dtype, shape: Any, nbytes: Any, target: Any) -> None:
+    """Before the worker allocates anything for a put: its size must be what its dtype and
+    shape say, and no more elements than the tensor it is copied into."""
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        raise ProtocolError(f"PUT with a bad shape {shape!r}")
+    numel = 1
+    for size in shape:
+        numel *= size
+    if nbytes != numel * dtype.itemsize:
+        raise ProtocolError(f"PUT of {nbytes!r} bytes for {shape} {dtype}")
+    if isinstance(target, torch.Tensor) and numel > max(target.numel(), 1):
+        raise ProtocolError(f"PUT of {numel} elements into a tensor of {target.numel()}")
 
 
 def _missing_error(missing: Missing, op: str | None = None) -> ErrorBody:

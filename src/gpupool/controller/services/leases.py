@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import secrets
 import time
 import uuid
 from collections.abc import Iterable
@@ -106,6 +107,7 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
         queue_seq=entry.seq,
         created_at=now,
         last_heartbeat_at=now,
+        worker_token=secrets.token_urlsafe(32) if request.access is Access.REMOTE else None,
     )
     session.add(row)
     store.lease_rows[lease_id] = row
@@ -126,7 +128,8 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
     else:
         record(session, "controller", "lease.queued", lease_id, pool.why_waiting(lease_id))
     persist_grants(store, session, others, now)
-    return lease_out(row, pool)
+    # The token goes to whoever asked for the lease, once; no later answer shows it.
+    return lease_out(row, pool).model_copy(update={"token": row.worker_token})
 
 
 def describe(request: LeaseRequest) -> str:
@@ -225,6 +228,7 @@ def release(
     store.live.lease_seen.pop(lease_id, None)
     store.live.dirty_leases.discard(lease_id)
     store.lease_rows.pop(lease_id, None)
+    store.live.lease_activity.pop(lease_id, None)
     record(session, actor, "lease.released", lease_id, reason.value, was=was.value)
     persist_mode_changes(store, session, changes)
     persist_grants(store, session, store.pool.serve_queue(now=time.time()), now)
@@ -368,7 +372,7 @@ def list_leases(
     query = query.order_by(LeaseRow.created_at.desc()).limit(limit)
     rows = list(session.scalars(query))
     with store.lock:
-        return [lease_out(r, store.pool) for r in rows]
+        return [lease_out(r, store.pool, store.live.lease_activity.get(r.id)) for r in rows]
 
 
 def get(store: Store, session: Session, lease_id: str) -> LeaseOut:
@@ -376,7 +380,7 @@ def get(store: Store, session: Session, lease_id: str) -> LeaseOut:
     if row is None:
         raise NotFound(f"no lease {lease_id!r}")
     with store.lock:
-        return lease_out(row, store.pool)
+        return lease_out(row, store.pool, store.live.lease_activity.get(row.id))
 
 
 def queue(store: Store, session: Session) -> list[tuple[int, LeaseOut]]:

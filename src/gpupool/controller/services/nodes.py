@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -12,13 +13,16 @@ from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants
 from gpupool.controller.store import Store, gpu_of
 from gpupool.controller.views import node_out
-from gpupool.core import Conflict, GpuMode, NotFound
+from gpupool.core import HOLDING, Conflict, GpuMode, LeaseState, NotFound, transition
 from gpupool.protocol.v1.api import (
     GpuDesired,
     NodeHeartbeat,
     NodeHeartbeatReply,
     NodeOut,
     NodeRegister,
+    RemoteLease,
+    RemoteSlice,
+    WorkerReport,
 )
 
 
@@ -111,7 +115,63 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
         store.pool.set_node_up(name, True)
         record(session, "controller", "node.up", name, "heartbeats resumed")
         persist_grants(store, session, store.pool.serve_queue(), utcnow())
-    return NodeHeartbeatReply(resumed=resumed, gpus=desired(store, name))
+    note_workers(store, body.workers)
+    return NodeHeartbeatReply(
+        resumed=resumed, gpus=desired(store, name), leases=remote_leases(store, name)
+    )
+
+
+IDLE_AFTER_S = 30.0
+"""A remote lease whose workers ran no op for this long shows as idle."""
+
+
+def note_workers(store: Store, reports: list[WorkerReport]) -> None:
+    """Record where each remote slice's worker listens and what it is doing."""
+    now = time.time()
+    by_lease: dict[str, list[WorkerReport]] = {}
+    for report in reports:
+        by_lease.setdefault(report.lease_id, []).append(report)
+    for lease_id, workers in by_lease.items():
+        row = store.lease_rows.get(lease_id)
+        if row is None:
+            continue
+        endpoints = {w.gpu_uuid: w.endpoint for w in workers if w.alive}
+        for piece in row.slices:
+            if piece.gpu_uuid in endpoints and piece.endpoint != endpoints[piece.gpu_uuid]:
+                piece.endpoint = endpoints[piece.gpu_uuid]
+        last_ops = [w.last_op_at for w in workers if w.last_op_at is not None]
+        activity: dict[str, Any] = {
+            "workers": len(workers),
+            "memory_mib": sum(w.memory_mib or 0 for w in workers),
+            "last_op_at": max(last_ops) if last_ops else None,
+            "errors": [w.error for w in workers if w.error],
+        }
+        store.live.lease_activity[lease_id] = activity
+        state = LeaseState(row.state)
+        if state in (LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE) and last_ops:
+            busy = now - max(last_ops) < IDLE_AFTER_S
+            row.state = transition(state, LeaseState.ACTIVE if busy else LeaseState.IDLE).value
+
+
+def remote_leases(store: Store, node: str) -> dict[str, RemoteLease]:
+    """The remote leases with slices on `node`, for its agent to run their workers."""
+    out: dict[str, RemoteLease] = {}
+    for lease_id, row in store.lease_rows.items():
+        if row.worker_token is None or LeaseState(row.state) not in HOLDING:
+            continue
+        mine = [
+            RemoteSlice(
+                gpu_uuid=s.gpu_uuid,
+                gpu_index=s.gpu_index,
+                compute_pct=s.compute_pct,
+                memory_mib=s.memory_mib,
+            )
+            for s in row.slices
+            if s.node == node
+        ]
+        if mine:
+            out[lease_id] = RemoteLease(token=row.worker_token, slices=mine)
+    return out
 
 
 def desired(store: Store, node: str) -> dict[str, GpuDesired]:

@@ -68,6 +68,7 @@ class NodeHeartbeat(Strict):
     telemetry: list[GpuTelemetry] = Field(default_factory=list)
     host: dict[str, Any] = Field(default_factory=dict)
     gpus: list[GpuInventory] | None = None
+    workers: list[WorkerReport] = Field(default_factory=list)
 
 
 class GpuDesired(BaseModel):
@@ -78,10 +79,37 @@ class GpuDesired(BaseModel):
     leases: list[str]
 
 
+class RemoteSlice(BaseModel):
+    gpu_uuid: str
+    gpu_index: int
+    compute_pct: int
+    memory_mib: int
+
+
+class RemoteLease(BaseModel):
+    """A remote lease with slices on the agent's node: the agent runs one worker per slice."""
+
+    token: str
+    slices: list[RemoteSlice]
+
+
+class WorkerReport(BaseModel):
+    """One worker as its agent sees it, sent with each heartbeat."""
+
+    lease_id: str
+    gpu_uuid: str
+    endpoint: str | None = None
+    alive: bool = True
+    last_op_at: float | None = None
+    memory_mib: int | None = None
+    error: str | None = None
+
+
 class NodeHeartbeatReply(BaseModel):
     ok: bool = True
     resumed: bool = False
     gpus: dict[str, GpuDesired] = Field(default_factory=dict)
+    leases: dict[str, RemoteLease] = Field(default_factory=dict)
 
 
 class NodeOut(BaseModel):
@@ -180,6 +208,8 @@ class SliceOut(BaseModel):
     compute_pct: int
     memory_mib: int
     whole: bool
+    endpoint: str | None = None
+    """The worker of a remote slice (tcp://HOST:PORT), once it runs."""
 
 
 class LeaseOut(BaseModel):
@@ -202,6 +232,10 @@ class LeaseOut(BaseModel):
     slices: list[SliceOut]
     queue_position: int | None = None
     waiting_reason: str | None = None
+    token: str | None = None
+    """A remote lease's data-plane token: only in the answer to the request that made it."""
+    activity: dict[str, Any] = Field(default_factory=dict)
+    """A remote lease's GPU activity as its workers report it (last op, memory held)."""
     node: str | None = None
     gpu_models: list[str] = Field(default_factory=list)
 
