@@ -25,6 +25,8 @@ import uuid
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import contextlib
+
 from _http import HttpConnection
 
 RESULTS = Path(__file__).resolve().parent / "results" / "controller_throughput.json"
@@ -103,6 +105,19 @@ async def register_node(port: int, gpus: int) -> None:
         raise RuntimeError(f"register failed: {status} {data}")
 
 
+async def heartbeat_node(port: int, stop: asyncio.Event) -> None:
+    """Be the bench node's agent: a node that stops heartbeating goes down and takes no leases."""
+    conn = HttpConnection("127.0.0.1", port)
+    await conn.connect()
+    try:
+        while not stop.is_set():
+            await conn.request("POST", "/api/v1/nodes/bench-node/heartbeat", {})
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=2.0)
+    finally:
+        await conn.close()
+
+
 async def client_loop(port: int, stop_at: float, pair_ms: list[float], errors: list[str]) -> None:
     conn = HttpConnection("127.0.0.1", port)
     await conn.connect()
@@ -130,6 +145,16 @@ def percentile(values: list[float], pct: float) -> float:
 
 
 async def measure(port: int, clients: int, seconds: float) -> dict[str, float | int]:
+    stop = asyncio.Event()
+    beats = asyncio.create_task(heartbeat_node(port, stop))
+    try:
+        return await _measure(port, clients, seconds)
+    finally:
+        stop.set()
+        await beats
+
+
+async def _measure(port: int, clients: int, seconds: float) -> dict[str, float | int]:
     # Warm-up: connections, caches, and the controller's first queries.
     warm: list[float] = []
     await asyncio.gather(

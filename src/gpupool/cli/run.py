@@ -376,6 +376,9 @@ def remote_env(lease: LeaseOut, token: str, url: str) -> dict[str, str]:
         "GPUPOOL_WORKERS": ",".join(piece.endpoint or "" for piece in lease.slices),
         "GPUPOOL_TOKEN": token,
         URL_ENV: url,
+        # The program's cuda devices are the lease's workers; a GPU of this host, if it has
+        # one, is not part of the lease.
+        "CUDA_VISIBLE_DEVICES": "",
         "PYTHONPATH": site + (os.pathsep + python_path if python_path else ""),
     }
 

@@ -150,6 +150,16 @@ def _not_supported(name: str) -> Any:
     return fail
 
 
+def _not_supported_class(name: str) -> type:
+    """A class, not a function: libraries use these in annotations (`CUDAGraph | None`) and
+    isinstance checks at import time; only making one fails."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        raise NotImplementedError(f"torch.cuda.{name} is not supported on gpupool remote GPUs")
+
+    return type(name, (), {"__init__": __init__, "__module__": "gpupool.torch.cuda_api"})
+
+
 REPLACEMENTS: dict[str, Any] = {
     "is_available": is_available,
     "device_count": device_count,
@@ -184,12 +194,12 @@ REPLACEMENTS: dict[str, Any] = {
     "get_rng_state_all": get_rng_state_all,
     "set_rng_state_all": set_rng_state_all,
     # Streams, events and graphs of the remote device are the worker's own.
-    "Stream": _not_supported("Stream"),
-    "Event": _not_supported("Event"),
+    "Stream": _not_supported_class("Stream"),
+    "Event": _not_supported_class("Event"),
     "stream": _not_supported("stream"),
     "current_stream": _not_supported("current_stream"),
     "default_stream": _not_supported("default_stream"),
-    "CUDAGraph": _not_supported("CUDAGraph"),
+    "CUDAGraph": _not_supported_class("CUDAGraph"),
     "graph": _not_supported("graph"),
 }
 
