@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from e2e_pool import Pool
 
@@ -63,3 +65,22 @@ def test_drained_gpu_takes_no_new_leases(pool: Pool) -> None:
     assert lease["slices"][0]["gpu_uuid"] == second["uuid"]
     assert "stays drained" in pool.ok("gpu", "drain", first["uuid"]).stdout
     assert pool.json("gpu", "mode", first["uuid"], "virtual")["mode"] == "virtual"
+
+
+def test_mode_wait_shows_the_drain_and_ends_when_the_gpu_switched(pool: Pool) -> None:
+    lease = pool.json("lease", "create", "--compute", "25%")
+    uuid = lease["slices"][0]["gpu_uuid"]
+    waiting = pool.spawn("gpu", "mode", uuid, "physical", "--wait", "-o", "json")
+    try:
+        pool.wait_for(
+            "the drain to start",
+            lambda: pool.json("gpu", "show", uuid)["mode"] == "draining",
+        )
+        assert waiting.poll() is None, "--wait returns only once the GPU has switched"
+        pool.ok("lease", "release", lease["id"])
+        out, err = waiting.communicate(timeout=60)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+    assert waiting.returncode == 0, err
+    assert json.loads(out)["mode"] == "physical"

@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import time
 from enum import StrEnum
-from typing import Annotated
+from typing import Annotated, Literal
 
 import typer
 
 from gpupool.cli.context import cli_context
 from gpupool.cli.errors import EXIT_BAD_INPUT, CommandFailed
-from gpupool.cli.output import OutputFormat, OutputOption, gpu_detail, gpus_table, print_json, show
+from gpupool.cli.output import (
+    OutputFormat,
+    OutputOption,
+    gpu_detail,
+    gpus_table,
+    print_json,
+    show,
+    stderr_console,
+)
 from gpupool.client.sdk import ApiError, PoolClient
 from gpupool.protocol.v1.api import GpuOut
 
@@ -101,14 +110,50 @@ def set_mode(
     ctx: typer.Context,
     ref: GpuArgument,
     mode: Annotated[PoolMode, typer.Argument(help="virtual (sliced, shared) or physical (whole).")],
+    wait: Annotated[
+        bool,
+        typer.Option(
+            "--wait", help="While it drains, show the leases it waits for; end when done."
+        ),
+    ] = False,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="With --wait: give up after this many seconds.")
+    ] = 3600.0,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     """Move a GPU to the virtual or the physical pool; a busy GPU drains first."""
+    target: Literal["virtual", "physical"] = "virtual" if mode is PoolMode.VIRTUAL else "physical"
     with cli_context(ctx).client() as client:
-        gpu = client.set_gpu_mode(
-            find_gpu(client, ref).uuid, "virtual" if mode is PoolMode.VIRTUAL else "physical"
-        )
+        gpu = client.set_gpu_mode(find_gpu(client, ref).uuid, target)
+        if wait and gpu.mode == "draining":
+            gpu = wait_for_drain(client, gpu, target, timeout)
     _report(output, gpu, "switched")
+
+
+DRAIN_POLL_S = 1.0
+
+
+def wait_for_drain(client: PoolClient, gpu: GpuOut, target: str, timeout_s: float) -> GpuOut:
+    """Show a draining GPU's remaining leases until it reaches `target` (or the time is up)."""
+    from rich.live import Live
+
+    started = time.monotonic()
+    with Live(console=stderr_console(), transient=True, refresh_per_second=4) as live:
+        while gpu.mode == "draining":
+            waited = time.monotonic() - started
+            if waited > timeout_s:
+                raise CommandFailed(
+                    f"GPU {gpu.uuid} still drains after {timeout_s:g} s: "
+                    f"{len(gpu.leases)} lease(s) hold it ({', '.join(gpu.leases)})",
+                    1,
+                )
+            live.update(
+                f"[yellow]draining[/yellow] {gpu.uuid} to {target}: waiting for "
+                f"{len(gpu.leases)} lease(s) {', '.join(gpu.leases)} ({waited:.0f}s)"
+            )
+            time.sleep(DRAIN_POLL_S)
+            gpu = client.gpu(gpu.uuid)
+    return gpu
 
 
 @app.command("drain")

@@ -53,6 +53,9 @@ MiB = 1 << 20
 FLUSH_AFTER_S = 0.001
 """A batch leaves at the latest this long after its first record (the flusher covers idle gaps)."""
 BATCH_MAX_BYTES = 8 * MiB
+REPLY_SPIN_S = int(os.environ.get("GPUPOOL_SPIN_US", "1000")) / 1e6
+"""A request polls for its reply this long before it sleeps in recv: short replies (`.item()`)
+then arrive without a scheduler wakeup of this process."""
 LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
 """As with CUDA: every op waits for the worker, so an error surfaces at the op that caused it."""
 
@@ -297,6 +300,8 @@ class DeviceStream:
 
     def _receive_head(self, req: int) -> tuple[list[Any], int]:
         try:
+            if REPLY_SPIN_S:
+                self.conn.wait(REPLY_SPIN_S)
             frame = self.conn.recv()
             head = frame.head()
         except DataPlaneError as exc:

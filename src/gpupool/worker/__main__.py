@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from gpupool.protocol.v1.dataplane import TOKEN_ENV
-from gpupool.worker.server import WorkerConfig, run
+from gpupool.worker.server import SPIN_US, WorkerConfig, run
 
 
 def parse_args(argv: list[str]) -> WorkerConfig:
@@ -29,6 +29,12 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         "--status-file", type=Path, default=None, help="JSON activity for the agent"
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for a CPU worker")
+    parser.add_argument(
+        "--spin-us",
+        type=int,
+        default=SPIN_US,
+        help="after each batch, poll this long for the next frame before sleeping (0: never)",
+    )
     args = parser.parse_args(argv)
     token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
@@ -43,6 +49,7 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         listen=args.listen,
         status_file=args.status_file,
         threads=args.threads,
+        spin_us=max(0, args.spin_us),
     )
 
 

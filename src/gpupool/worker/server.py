@@ -44,6 +44,12 @@ from gpupool.worker.memory import MiB, memory_limit_for
 
 log = logging.getLogger("gpupool.worker")
 
+SPIN_US = 2000
+"""After a batch the worker polls its socket this long before it sleeps in recv: a client in
+a training loop sends every millisecond or so, and a worker that never sleeps needs no wakeup
+(each costs the sender a scheduler wakeup and the worker tens to hundreds of microseconds to
+get back onto a core). An idle client costs at most this much CPU after its last frame."""
+
 
 @dataclass(frozen=True)
 class WorkerConfig:
@@ -57,6 +63,7 @@ class WorkerConfig:
     max_frame_bytes: int = MAX_FRAME_BYTES
     read_arena_mib: int = 256
     """Shared memory the worker offers for reads to a client on the same host (Unix sockets)."""
+    spin_us: int = SPIN_US
 
 
 class Worker:
@@ -227,8 +234,12 @@ class Worker:
 
     def _loop(self, link: _Link) -> None:
         executor = self.executor
+        conn = link.conn
+        spin_s = self.config.spin_us / 1e6
         while True:
-            frame = link.conn.recv()
+            if spin_s:
+                conn.wait(spin_s)
+            frame = conn.recv()
             objects = frame.objects(executor.ext_hook)
             head = next(objects)
             if not isinstance(head, list) or not head or head[0] != Kind.BATCH:

@@ -17,11 +17,12 @@ import hmac
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import Any
 
 import msgpack
 
@@ -323,13 +324,93 @@ def unpack_head(body: bytes) -> list[Any]:
     return head
 
 
+class _Reader:
+    """A receive buffer over a blocking socket that can also tell, without blocking, whether
+    bytes are waiting (what `Connection.wait` spins on): a BufferedReader cannot."""
+
+    __slots__ = ("_buf", "_end", "_size", "_sock", "_start", "_view")
+
+    def __init__(self, sock: socket.socket, size: int = 256 * 1024) -> None:
+        self._sock = sock
+        self._size = size
+        self._buf = bytearray(size)
+        self._view = memoryview(self._buf)
+        self._start = 0
+        self._end = 0
+
+    def buffered(self) -> int:
+        return self._end - self._start
+
+    def _compact(self) -> None:
+        start, end = self._start, self._end
+        if start:
+            if end > start:
+                self._view[: end - start] = self._view[start:end]
+            self._start, self._end = 0, end - start
+
+    def poll(self) -> bool:
+        """Whether bytes (or the end of the stream) are ready, without blocking."""
+        if self._end > self._start:
+            return True
+        self._start = self._end = 0
+        try:
+            n = self._sock.recv_into(self._view, self._size, socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        if not n:
+            return True  # end of stream: the blocking read reports it
+        self._end = n
+        return True
+
+    def _fill(self) -> int:
+        if self._end == self._size:
+            self._compact()
+        n = self._sock.recv_into(self._view[self._end :])
+        self._end += n
+        return n
+
+    def read(self, n: int) -> bytes:
+        """Exactly n bytes, or fewer at the end of the stream."""
+        if self._end - self._start >= n:
+            start = self._start
+            self._start = start + n
+            return bytes(self._view[start : start + n])
+        if n > self._size:
+            out = bytearray(n)
+            got = self.readinto(memoryview(out))
+            return bytes(out[:got]) if got < n else bytes(out)
+        if self._start + n > self._size:
+            self._compact()
+        while self._end - self._start < n:
+            if not self._fill():
+                break
+        start = self._start
+        take = min(n, self._end - start)
+        self._start = start + take
+        return bytes(self._view[start : start + take])
+
+    def readinto(self, dest: memoryview) -> int:
+        """Fill dest from the buffer, then straight from the socket; fewer at end of stream."""
+        want = len(dest)
+        have = min(want, self._end - self._start)
+        if have:
+            dest[:have] = self._view[self._start : self._start + have]
+            self._start += have
+        while have < want:
+            n = self._sock.recv_into(dest[have:])
+            if not n:
+                break
+            have += n
+        return have
+
+
 class Connection:
     """Frames over one blocking stream socket; one reader and one writer thread at a time."""
 
     def __init__(self, sock: socket.socket, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self.sock = sock
         self.max_frame_bytes = max_frame_bytes
-        self._reader = cast(BinaryIO, sock.makefile("rb", buffering=256 * 1024))
+        self._reader = _Reader(sock)
         self._unread_tail = 0
         self.closed = False
 
@@ -344,11 +425,20 @@ class Connection:
             raise ProtocolError(
                 f"frame of {len(body) + tail_len} bytes exceeds the limit of {self.max_frame_bytes}"
             )
-        parts: list[bytes | memoryview] = [_HEADER.pack(len(body), tail_len), body]
-        if tail_len:
-            assert tail is not None
-            parts.append(tail)
-        self._sendmsg_all(parts)
+        header = _HEADER.pack(len(body), tail_len)
+        if not tail_len:
+            try:
+                # One small frame: a single send, no list of views.
+                sent = self.sock.send(header + body)
+            except OSError as exc:
+                self.closed = True
+                raise ConnectionClosed(f"connection lost while sending: {exc}") from exc
+            if sent == len(header) + len(body):
+                return
+            self._sendmsg_all([memoryview(header + body)[sent:]])
+            return
+        assert tail is not None
+        self._sendmsg_all([header, body, tail])
 
     def _sendmsg_all(self, parts: list[bytes | memoryview]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
@@ -365,6 +455,25 @@ class Connection:
             raise ConnectionClosed(f"connection lost while sending: {exc}") from exc
 
     # -- reading --
+
+    def wait(self, spin_s: float) -> bool:
+        """Spin up to spin_s for the next frame's first bytes, without sleeping; True if they
+        came. The peer then needs no wakeup to reach this process (a sleeping receiver costs
+        the sender a scheduler wakeup, and the receiver tens to hundreds of microseconds to
+        get back onto a core); past spin_s the caller blocks in `recv` as usual."""
+        if self._unread_tail:
+            return True
+        reader = self._reader
+        try:
+            if reader.poll():
+                return True
+            deadline = time.perf_counter() + spin_s
+            while time.perf_counter() < deadline:
+                if reader.poll():
+                    return True
+        except OSError:
+            return True  # the blocking read reports it
+        return False
 
     def recv(self) -> Frame:
         """The next frame; its tail (if any) must be read with `read_tail*` before the next."""
@@ -391,20 +500,19 @@ class Connection:
         if len(dest) != self._unread_tail:
             raise ProtocolError(f"tail of {self._unread_tail} bytes, expected {len(dest)}")
         view = dest.cast("B") if dest.format != "B" else dest
-        got = 0
-        while got < len(view):
-            n = self._reader.readinto(view[got:])  # type: ignore[attr-defined]
-            if not n:
-                self.closed = True
-                raise ConnectionClosed("connection closed inside a frame")
-            got += n
+        try:
+            got = self._reader.readinto(view)
+        except (ConnectionResetError, OSError, ValueError) as exc:
+            self.closed = True
+            raise ConnectionClosed(f"connection lost while reading: {exc}") from exc
+        if got < len(view):
+            self.closed = True
+            raise ConnectionClosed("connection closed inside a frame")
         self._unread_tail = 0
 
     def _skip(self, n: int) -> None:
         while n:
-            chunk = self._reader.read(min(n, CHUNK_BYTES))
-            if not chunk:
-                raise ConnectionClosed("connection closed inside a frame")
+            chunk = self._read_exact(min(n, CHUNK_BYTES))
             n -= len(chunk)
         self._unread_tail = 0
 
@@ -423,8 +531,6 @@ class Connection:
 
     def close(self) -> None:
         self.closed = True
-        with contextlib.suppress(OSError):
-            self._reader.close()
         with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
