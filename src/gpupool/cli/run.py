@@ -225,6 +225,17 @@ def _run_on_lease(
         escape(granted_text(lease))
         + (" [yellow](SIMULATED)[/yellow]" if "GPUPOOL_SIMULATED" in env else "")
     )
+    return _supervise(context, lease, cmd, env, grace_s)
+
+
+def _supervise(
+    context: CliContext,
+    lease: LeaseOut,
+    cmd: Sequence[str],
+    env: Mapping[str, str],
+    grace_s: float,
+) -> int:
+    """Run CMD while heartbeating its lease; stop it when the lease is taken away."""
     supervisor = Supervisor(cmd, env, grace_s)
     keeper = LeaseKeeper(
         context.url,
@@ -389,25 +400,4 @@ def _run_remote(
     env = child_env(os.environ, remote_env(lease, token, context.url))
     where = ", ".join(f"{p.node}:{p.gpu_index} via {p.endpoint}" for p in lease.slices)
     note(escape(f"{granted_text(lease)} (remote: {where})"))
-    supervisor = Supervisor(cmd, env, grace_s)
-    keeper = LeaseKeeper(
-        context.url,
-        lease.id,
-        interval_s=max(lease.ttl_s / 3, 0.2),
-        actor=context.actor,
-        on_end=supervisor.lease_lost,
-        on_error=_Warner(lease.id),
-    )
-    with signals_to(supervisor.forward, _FORWARDED):
-        try:
-            supervisor.start()
-            keeper.start()
-            returncode = supervisor.wait()
-        finally:
-            keeper.stop()
-    if supervisor.lost_reason is not None:
-        raise CommandFailed(
-            f"lease {lease.id} was taken away while the command ran ({supervisor.lost_reason})",
-            EXIT_LEASE_LOST,
-        )
-    return exit_status(returncode)
+    return _supervise(context, lease, cmd, env, grace_s)

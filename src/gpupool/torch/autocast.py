@@ -213,8 +213,12 @@ def _cast_kw(
 
 
 def _cast_value(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...]) -> Any:
-    if isinstance(value, RemoteTensor):
-        if value.dtype in sources and value.dtype != dtype:
+    kind = type(value)
+    if kind is int or kind is float or kind is bool or value is None:
+        return value  # most arguments of a convolution or matmul: nothing to look at
+    if kind is RemoteTensor or isinstance(value, RemoteTensor):
+        current = value.dtype
+        if current in sources and current != dtype:
             if value.is_leaf and value.requires_grad:
                 return _cached_cast(value, dtype)
             # Goes through the dispatcher below autograd: a worker-side cast, invisible to autograd.

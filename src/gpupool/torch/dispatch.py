@@ -33,7 +33,14 @@ from gpupool.torch.shapes import (
     op_info,
 )
 from gpupool.torch.stream import DeviceStream
-from gpupool.torch.tensor import Handle, RemoteTensor, bind_dispatch, refresh_signature, wrap
+from gpupool.torch.tensor import (
+    Handle,
+    RemoteTensor,
+    bind_dispatch,
+    refresh_signature,
+    wrap,
+    wrap_signature,
+)
 
 aten = torch.ops.aten
 _OP = Rec.OP
@@ -73,8 +80,21 @@ def _encode(value: Any, keyed: bool, enc: _Encoding) -> Any:
         enc.key.append((_TRUE if value else _FALSE) if keyed else kind)
         return value
     if kind is list or kind is tuple or kind is torch.Size:
-        enc.key.append(len(value))
-        return [_encode(item, keyed, enc) for item in value]
+        key = enc.key
+        key.append(len(value))
+        out = []
+        for item in value:
+            # Lists of remote tensors (foreach ops, cat) inline, the rest the long way.
+            if type(item) is RemoteTensor:
+                handle = item._gp
+                if enc.stream is not handle.stream:
+                    _encode_remote(item, enc)
+                else:
+                    key.append(item._sig)
+                out.append(handle.ext)
+            else:
+                out.append(_encode(item, keyed, enc))
+        return out
     if kind is torch.dtype:
         enc.key.append(value)
         return DTYPE_EXT[value]
@@ -333,7 +353,7 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _share(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """detach() and alias() only matter to autograd, which lives in the client: no worker op."""
     source = args[0]
-    return wrap(source.shape, source.stride(), source.storage_offset(), source.dtype, source._gp)
+    return wrap_signature(source._sig, source._gp)
 
 
 def _identity(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -14,7 +14,14 @@ from typing import Any
 import torch
 
 from gpupool.protocol.v1.tensors import op_name
-from gpupool.torch.tensor import META, Handle, RemoteTensor, refresh_signature, wrap
+from gpupool.torch.tensor import (
+    META,
+    Handle,
+    RemoteTensor,
+    refresh_signature,
+    wrap,
+    wrap_signature,
+)
 
 PLAN_CACHE_MAX = 16384
 
@@ -120,22 +127,47 @@ def op_info(func: Any) -> OpInfo:
 class Plan:
     """How to build an op's outputs: new wrappers from specs, inputs for aliases, values."""
 
-    __slots__ = ("single", "template")
+    __slots__ = ("flat", "single", "template")
 
     def __init__(self, template: Any) -> None:
         self.template = template
-        self.single = template if type(template) is TensorSpec else None
+        # The common shapes precomputed: one new tensor (most ops), or a sequence of new
+        # tensors and values (batch norm, convolution backward); wrappers get these
+        # signature tuples as they are.
+        self.single = _signature(template) if type(template) is TensorSpec else None
+        self.flat: tuple[type, tuple[Any, ...]] | None = None
+        if type(template) is Seq and all(type(i) in (TensorSpec, Value) for i in template.items):
+            self.flat = (
+                template.kind,
+                tuple(_signature(i) if type(i) is TensorSpec else i for i in template.items),
+            )
 
     def build(
         self, new_handle: Callable[[], Handle], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[list[int | None], Any]:
-        spec = self.single
-        if spec is not None:
+        sig = self.single
+        if sig is not None:
             handle = new_handle()
-            return [handle.id], wrap(spec.shape, spec.stride, spec.offset, spec.dtype, handle)
+            return [handle.id], wrap_signature(sig, handle)
         outs: list[int | None] = []
+        flat = self.flat
+        if flat is not None:
+            items: list[Any] = []
+            for node in flat[1]:
+                if type(node) is tuple:
+                    handle = new_handle()
+                    outs.append(handle.id)
+                    items.append(wrap_signature(node, handle))
+                else:
+                    outs.append(None)
+                    items.append(node.value)
+            return outs, (items if flat[0] is list else tuple(items))
         result = _build(self.template, new_handle, args, kwargs, outs)
         return outs, result
+
+
+def _signature(spec: TensorSpec) -> tuple[Any, ...]:
+    return (spec.shape, spec.stride, spec.offset, spec.dtype)
 
 
 def _build(

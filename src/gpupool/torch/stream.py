@@ -53,9 +53,10 @@ MiB = 1 << 20
 FLUSH_AFTER_S = 0.001
 """A batch leaves at the latest this long after its first record (the flusher covers idle gaps)."""
 BATCH_MAX_BYTES = 8 * MiB
-REPLY_SPIN_S = int(os.environ.get("GPUPOOL_SPIN_US", "1000")) / 1e6
-"""A request polls for its reply this long before it sleeps in recv: short replies (`.item()`)
-then arrive without a scheduler wakeup of this process."""
+REPLY_SPIN_S = int(os.environ.get("GPUPOOL_SPIN_US", "0") or 0) / 1e6
+"""A request may poll for its reply this long before it sleeps in recv (`GPUPOOL_SPIN_US`), so
+that short replies (`.item()`) arrive without a scheduler wakeup. Off by default: it helps only
+with a core to spare."""
 LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
 """As with CUDA: every op waits for the worker, so an error surfaces at the op that caused it."""
 

@@ -152,6 +152,17 @@ def wrap(shape: Any, stride: Any, offset: int, dtype: torch.dtype, handle: Handl
     return tensor
 
 
+def wrap_signature(sig: tuple[Any, ...], handle: Handle) -> RemoteTensor:
+    """wrap() from a signature already made (a cached plan's, another wrapper's): shared as is."""
+    shape, stride, offset, dtype = sig
+    tensor: RemoteTensor = _make_wrapper(
+        RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=META
+    )
+    tensor._gp = handle
+    tensor._sig = sig
+    return tensor
+
+
 def refresh_signature(tensor: RemoteTensor) -> None:
     """After the wrapper's own metadata changed (in-place shape ops, out=, `.data =`)."""
     tensor._sig = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype)

@@ -7,7 +7,8 @@ import json
 import os
 import threading
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 
@@ -23,14 +24,29 @@ class Activity:
     memory_held_bytes: int = 0
     memory_limit_bytes: int | None = None
 
-    def ran(self, ops: int, memory_held_bytes: int) -> None:
+    _memory_probe: Callable[[], int] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
+
+    def watch_memory(self, probe: Callable[[], int]) -> None:
+        """memory_held_bytes is asked of `probe` when a snapshot is taken, not after every
+        batch: on CUDA it is `torch.cuda.memory_stats`, whose dictionary takes far longer to
+        build than a small batch takes to run (it made every read wait for it)."""
+        self._memory_probe = probe
+
+    def ran(self, ops: int, memory_held_bytes: int | None = None) -> None:
         if ops:
             self.ops_total += ops
             self.last_op_at = time.time()
-        self.memory_held_bytes = memory_held_bytes
+        if memory_held_bytes is not None:
+            self.memory_held_bytes = memory_held_bytes
 
     def snapshot(self) -> dict[str, object]:
-        return asdict(self)
+        probe = self._memory_probe
+        if probe is not None:
+            with contextlib.suppress(Exception):
+                self.memory_held_bytes = int(probe())
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.init}
 
 
 class StatusFile:

@@ -88,6 +88,7 @@ class Executor:
 
     def __post_init__(self) -> None:
         self._host = torch.device("cpu")
+        self.activity.watch_memory(self.memory.held_bytes)
         self._handlers: dict[int, Callable[[list[Any], Link], None]] = {
             Rec.DEF: self._def,
             Rec.OP: self._op,
@@ -139,7 +140,7 @@ class Executor:
             except (IndexError, ValueError, TypeError, KeyError) as exc:
                 raise ProtocolError(f"malformed record {Rec(record[0]).name}: {exc}") from exc
             count += 1
-        self.activity.ran(count, self.memory.held_bytes())
+        self.activity.ran(count)
 
     def reset(self) -> None:
         """Forget everything the previous client left (it disconnected)."""

@@ -44,11 +44,10 @@ from gpupool.worker.memory import MiB, memory_limit_for
 
 log = logging.getLogger("gpupool.worker")
 
-SPIN_US = 2000
-"""After a batch the worker polls its socket this long before it sleeps in recv: a client in
-a training loop sends every millisecond or so, and a worker that never sleeps needs no wakeup
-(each costs the sender a scheduler wakeup and the worker tens to hundreds of microseconds to
-get back onto a core). An idle client costs at most this much CPU after its last frame."""
+SPIN_US = 0
+"""After a batch, the worker may poll its socket this long before it sleeps in recv
+(`--spin-us`): a worker that does not sleep needs no scheduler wakeup when the next batch
+comes. Off by default: it helps only with a core to spare, and hurts on a busy host."""
 
 
 @dataclass(frozen=True)
