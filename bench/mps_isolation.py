@@ -14,16 +14,62 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
+import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _pool import ROOT, finish, gpu_pool, machine, wait
+import httpx
 
+ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "mps_isolation.json"
+GP = [sys.executable, "-m", "gpupool.cli"]
+NODE = socket.gethostname()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait(predicate: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out waiting for {what}")
+
+
+def run_leased(url: str, lease_args: list[str], program: list[str]) -> subprocess.Popen[str]:
+    env = dict(os.environ, GPUPOOL_URL=url)
+    return subprocess.Popen(
+        [*GP, "run", *lease_args, "--", sys.executable, *program],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+
+
+def finish(proc: subprocess.Popen[str], timeout_s: float = 180) -> tuple[int, dict[str, Any], str]:
+    out, err = proc.communicate(timeout=timeout_s)
+    data: dict[str, Any] = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            data = json.loads(line)
+    return proc.returncode, data, err[-2000:]
 
 
 def main() -> None:
@@ -31,13 +77,57 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="gpupool-mps-"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    logs = open(work / "pool.log", "w")  # noqa: SIM115 - closed at exit with the processes
+    ctl = subprocess.Popen(
+        [
+            *GP,
+            "controller",
+            "--port",
+            str(port),
+            "--data-dir",
+            str(work / "ctl"),
+            "--lease-ttl",
+            "120",
+        ],
+        stdout=logs,
+        stderr=subprocess.STDOUT,
+        cwd=ROOT,
+    )
+    agent = None
     result: dict[str, Any] = {}
-    with gpu_pool() as pool:
-        api = pool.api
+    try:
+        api = httpx.Client(base_url=url + "/api/v1", timeout=30)
+        wait(lambda: api.get("/health").status_code == 200, 60, "controller")
+        agent = subprocess.Popen(
+            [
+                *GP,
+                "agent",
+                "--url",
+                url,
+                "--node",
+                NODE,
+                "--interval",
+                "1",
+                "--data-dir",
+                str(work / "agent"),
+            ],
+            stdout=logs,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+        )
+        wait(lambda: len(api.get("/gpus").json()) > 0, 60, "GPUs to register")
         gpu = api.get("/gpus").json()[0]
         uuid = gpu["uuid"]
+        wait(
+            lambda: api.get(f"/gpus/{uuid}").json()["telemetry"].get("mps_pipe_dir"),
+            60,
+            "MPS daemon",
+        )
         result["inventory"] = {
-            "node": api.get(f"/nodes/{gpu['node']}").json(),
+            "node": api.get(f"/nodes/{NODE}").json(),
             "gpus": api.get("/gpus").json(),
         }
         print("inventory:", json.dumps(result["inventory"]["gpus"][0])[:400], flush=True)
@@ -51,8 +141,12 @@ def main() -> None:
             "--start-at",
             str(start_at),
         ]
-        low = pool.run(["--compute", "30%", "--memory", "30GiB"], [*program, "--label", "low"])
-        high = pool.run(["--compute", "70%", "--memory", "30GiB"], [*program, "--label", "high"])
+        low = run_leased(
+            url, ["--compute", "30%", "--memory", "30GiB"], [*program, "--label", "low"]
+        )
+        high = run_leased(
+            url, ["--compute", "70%", "--memory", "30GiB"], [*program, "--label", "high"]
+        )
         (rc_low, low_out, low_err), (rc_high, high_out, high_err) = finish(low), finish(high)
         if rc_low or rc_high:
             raise RuntimeError(f"split runs failed: {rc_low} {low_err} / {rc_high} {high_err}")
@@ -72,7 +166,8 @@ def main() -> None:
 
         # 2. Memory limit: a 4 GiB lease asks for 6 GiB while another lease keeps computing.
         start_at = time.time() + 15
-        other = pool.run(
+        other = run_leased(
+            url,
             ["--compute", "50%", "--memory", "20GiB"],
             [
                 "bench/gpu/matmul.py",
@@ -85,12 +180,12 @@ def main() -> None:
             ],
         )
         time.sleep(max(0.0, start_at + 5 - time.time()))
-        small_ok = pool.run(
-            ["--compute", "50%", "--memory", "4GiB"], ["bench/gpu/alloc.py", "--gib", "3"]
+        small_ok = run_leased(
+            url, ["--compute", "50%", "--memory", "4GiB"], ["bench/gpu/alloc.py", "--gib", "3"]
         )
         rc_ok, ok_out, ok_err = finish(small_ok)
-        oversized = pool.run(
-            ["--compute", "50%", "--memory", "4GiB"], ["bench/gpu/alloc.py", "--gib", "6"]
+        oversized = run_leased(
+            url, ["--compute", "50%", "--memory", "4GiB"], ["bench/gpu/alloc.py", "--gib", "6"]
         )
         rc_big, big_out, big_err = finish(oversized)
         rc_other, other_out, other_err = finish(other)
@@ -125,7 +220,7 @@ def main() -> None:
             30,
             "MPS to stop",
         )
-        phys = pool.run(["--physical"], ["bench/gpu/physical_check.py"])
+        phys = run_leased(url, ["--physical"], ["bench/gpu/physical_check.py"])
         rc_phys, phys_out, phys_err = finish(phys)
         result["physical"] = {
             "mode_after_switch": mode,
@@ -144,7 +239,26 @@ def main() -> None:
             f"{e['kind']} {e['subject']}: {e['message']}"
             for e in api.get("/events", params={"limit": 60}).json()
         ]
-    result["machine"] = machine()
+    finally:
+        for proc in (agent, ctl):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        logs.close()
+        result["log_tail"] = (work / "pool.log").read_text()[-3000:]
+    smi = subprocess.run(
+        ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    import torch
+
+    result["machine"] = (
+        f"{smi}; torch {torch.__version__}; {platform.node()}, {os.cpu_count()} CPUs"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {args.out}")

@@ -16,7 +16,10 @@ Numbers in bench/results/remote_client_cost.json come from a 2-core CPU box (cli
 worker share the two cores), not the GPU server; compare "before" and "after" with each other,
 not with bench/results/remote_overhead.json.
 
-    python bench/remote_client_cost.py [--steps 30] [--label after] [--profile out.prof]
+    python bench/remote_client_cost.py [--steps 30] [--repeat 3] [--label after] [--profile F]
+
+Each number is the median over --repeat runs (each with a fresh worker): the box is shared and
+noisy. `before` was measured with the previous sources first on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -83,7 +86,7 @@ def build(batch: int, blocks: int) -> Any:
     return step
 
 
-def measure(steps: int, blocks: int, profile: str | None) -> dict[str, Any]:
+def measure(steps: int, blocks: int, profile: str | None, spin_us: int) -> dict[str, Any]:
     import torch
 
     import gpupool.torch
@@ -91,8 +94,9 @@ def measure(steps: int, blocks: int, profile: str | None) -> dict[str, Any]:
     from gpupool.torch import runtime
 
     tmp = tempfile.mkdtemp(prefix="gp-bench-")
+    options: dict[str, Any] = {"spin_us": spin_us} if spin_us else {}
     worker, ready = start_worker_process(
-        LEASE, TOKEN, device="cpu", listen=f"unix:{tmp}/w.sock", threads=1
+        LEASE, TOKEN, device="cpu", listen=f"unix:{tmp}/w.sock", threads=1, **options
     )
     try:
         gpupool.torch.attach(workers=[str(ready.address)], token=TOKEN, lease=LEASE)
@@ -176,12 +180,26 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--blocks", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=3, help="fresh workers; medians kept")
+    parser.add_argument(
+        "--spin-us", type=int, default=0, help="busy-poll: worker --spin-us, client a third"
+    )
     parser.add_argument("--label", default=None, help="store the numbers under this key")
     parser.add_argument("--profile", default=None, help="write cProfile stats of the steps")
     args = parser.parse_args()
+    if args.spin_us:
+        os.environ["GPUPOOL_SPIN_US"] = str(max(1, args.spin_us // 3))
     import torch
 
-    result = measure(args.steps, args.blocks, args.profile)
+    runs = [
+        measure(args.steps, args.blocks, args.profile, args.spin_us)
+        for _ in range(max(1, args.repeat))
+    ]
+    result: dict[str, Any] = {
+        key: sorted(run[key] for run in runs)[len(runs) // 2] for key in runs[0]
+    }
+    result["runs"] = runs
+    result["spin_us"] = args.spin_us
     result["machine"] = (
         f"{platform.machine()} x{os.cpu_count()} CPU only (client and CPU worker share it); "
         f"torch {torch.__version__}; python {sys.version.split()[0]}"

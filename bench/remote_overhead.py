@@ -262,7 +262,11 @@ def isolation_row(tmp: str, host: str, timeout_s: float) -> dict[str, Any]:
         outcome = run_child(spec, gpu_visible=False, timeout_s=timeout_s, extra_env=HOSTILE_ENV)
     finally:
         worker.terminate()
-        worker.wait(timeout=30)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+            worker.wait()
     row: dict[str, Any] = {
         "workload": "isolation_memory", "batch": 1, "mode": "eager", "local_ms": None,
         "remote_ms": None, "ratio": None, "machine": host, "limit_mib": limit_mib,
@@ -289,6 +293,13 @@ def main() -> int:
     parser.add_argument("--only", default="", help="comma-separated workload names")
     parser.add_argument("--transport", choices=["unix", "tcp"], default="unix")
     parser.add_argument("--timeout", type=float, default=900.0, help="per measurement, seconds")
+    parser.add_argument(
+        "--spin-us",
+        type=int,
+        default=None,
+        help="worker and client poll the socket this long before sleeping (default: off)",
+    )
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
@@ -305,7 +316,10 @@ def main() -> int:
     plan = [(w, b) for w, b in PLAN if not wanted or w in wanted or w.split("_")[0] in wanted]
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
         listen = f"unix:{tmp}/worker.sock" if args.transport == "unix" else "tcp://127.0.0.1:0"
-        worker, ready = start_worker_process(LEASE, TOKEN, device="cuda:0", listen=listen)
+        worker, ready = start_worker_process(
+            LEASE, TOKEN, device="cuda:0", listen=listen, spin_us=args.spin_us
+        )
+        spin_env = {"GPUPOOL_SPIN_US": str(args.spin_us)} if args.spin_us else None
         try:
             host = machine()
             results: list[dict[str, Any]] = []
@@ -318,6 +332,7 @@ def main() -> int:
                     {**spec, "mode": "remote", "address": str(ready.address)},
                     gpu_visible=False,
                     timeout_s=args.timeout,
+                    extra_env=spin_env,
                 )
                 row: dict[str, Any] = {
                     "workload": workload,
@@ -330,6 +345,7 @@ def main() -> int:
                     else None,
                     "machine": host,
                     "transport": args.transport,
+                    "spin_us": args.spin_us or 0,
                 }
                 for side, values in (("local", local), ("remote", remote)):
                     for key, value in values.items():
@@ -342,10 +358,14 @@ def main() -> int:
                 print(json.dumps(results[-1]), flush=True)
         finally:
             worker.terminate()
-            worker.wait(timeout=30)
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(results, indent=2) + "\n")
-    print(f"wrote {RESULTS}")
+            try:
+                worker.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                worker.kill()
+                worker.wait()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -200,6 +200,8 @@ REPLACEMENTS: dict[str, Any] = {
     "current_stream": _not_supported("current_stream"),
     "default_stream": _not_supported("default_stream"),
     "CUDAGraph": _not_supported_class("CUDAGraph"),
+    # Optimizers ask this before every step; no graph is ever captured on the client.
+    "is_current_stream_capturing": lambda: False,
     "graph": _not_supported("graph"),
 }
 

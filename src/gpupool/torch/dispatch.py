@@ -92,6 +92,9 @@ def _encode(value: Any, keyed: bool, enc: _Encoding) -> Any:
                 else:
                     key.append(item._sig)
                 out.append(handle.ext)
+            elif type(item) is int:  # sizes, strides, dims
+                key.append(item if keyed else int)
+                out.append(item)
             else:
                 out.append(_encode(item, keyed, enc))
         return out
@@ -160,14 +163,20 @@ def _encode_call(
     info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], enc: _Encoding
 ) -> tuple[list[Any], dict[str, Any] | None]:
     keyed = info.keyed_scalars
+    key = enc.key
     wire_args = []
     for i, value in enumerate(args):
         # The common arguments inline: this runs for every op of a training step.
         kind = type(value)
         if kind is RemoteTensor:
-            wire_args.append(_encode_remote(value, enc))
+            handle = value._gp
+            if handle.stream is enc.stream:
+                key.append(value._sig)
+                wire_args.append(handle.ext)
+            else:
+                wire_args.append(_encode_remote(value, enc))
         elif kind is int and i in keyed:
-            enc.key.append(value)
+            key.append(value)
             wire_args.append(value)
         else:
             wire_args.append(_encode(value, i in keyed, enc))

@@ -50,6 +50,9 @@ SPIN_US = 0
 comes. Off by default: it helps only with a core to spare, and hurts on a busy host."""
 
 
+BUSY_WAIT_S = 2.0
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     lease_id: str
@@ -146,7 +149,9 @@ class Worker:
             with contextlib.suppress(OSError):
                 sock.close()
             return
-        if not self._session_lock.acquire(blocking=False):
+        # A client that reconnects right after its connection ended may arrive before that
+        # connection's thread has let go; a second client at the same time is refused.
+        if not self._session_lock.acquire(timeout=BUSY_WAIT_S):
             self._refuse(sock, ErrorBody(ErrorKind.BUSY, "this worker already serves a client"))
             for fd in fds:
                 os.close(fd)

@@ -469,6 +469,7 @@ class Connection:
                 return True
             deadline = time.perf_counter() + spin_s
             while time.perf_counter() < deadline:
+                os.sched_yield()  # a busy host's other threads get the core
                 if reader.poll():
                     return True
         except OSError:
@@ -644,6 +645,7 @@ def worker_argv(
     memory_limit_mib: int | None = None,
     status_file: Path | None = None,
     threads: int | None = None,
+    spin_us: int | None = None,
     python: str | None = None,
 ) -> list[str]:
     """The command that starts a worker; pass the token in the environment as TOKEN_ENV."""
@@ -657,6 +659,8 @@ def worker_argv(
         argv += ["--status-file", str(status_file)]
     if threads is not None:
         argv += ["--threads", str(threads)]
+    if spin_us is not None:
+        argv += ["--spin-us", str(spin_us)]
     return argv
 
 
