@@ -220,6 +220,9 @@ class Agent:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.settings.api_host, self.settings.api_port))
         host, port = sock.getsockname()[:2]
+        if host in ("0.0.0.0", ""):
+            # Listening everywhere: tell the controller the name other hosts reach us by.
+            host = self.settings.address or socket.gethostname()
         self.agent_url = f"http://{host}:{port}"
         config = uvicorn.Config(
             create_agent_app(self), log_level="warning", access_log=False, lifespan="off"

@@ -276,10 +276,19 @@ def agent(
     address: Annotated[
         str | None, typer.Option("--address", help="Address other hosts reach this node at.")
     ] = None,
+    api_host: Annotated[
+        str,
+        typer.Option("--api-host", help="Where the agent's own API and /metrics listen."),
+    ] = "127.0.0.1",
+    api_port: Annotated[
+        int, typer.Option("--api-port", help="Port of the agent's API (0: any free port).")
+    ] = 0,
     banner: Annotated[bool, typer.Option("--banner/--no-banner", hidden=True)] = True,
 ) -> None:
     if interval <= 0:
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
+    if not 0 <= api_port <= 65535:
+        raise BadInput(f"--api-port must be 0..65535, got {api_port}")
     from gpupool.agent.service import AgentSettings, run_agent
 
     try:
@@ -290,6 +299,8 @@ def agent(
             heartbeat_interval_s=interval,
             data_dir=data_dir,
             address=address,
+            api_host=api_host,
+            api_port=api_port,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None
