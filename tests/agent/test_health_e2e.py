@@ -87,6 +87,9 @@ def test_lost_gpu_is_isolated_and_an_operator_clears_it(pool) -> None:
         uuid = "GPU-sim-sim-node-0"
         httpx.post(f"{agent_url}/agent/v1/faults", json={"index": 0, "kind": "lost"})
         _wait(lambda: client.get(f"/gpus/{uuid}").json()["mode"] == "isolated", 5.0)
+        # The operator clears only after the agent's report has been answered: a report still
+        # in flight would isolate the GPU again, as it should.
+        _wait(lambda: httpx.get(f"{agent_url}/agent/v1/status").json()["faults_reported"] >= 1, 5.0)
         httpx.post(f"{agent_url}/agent/v1/faults", json={"index": 0, "kind": "clear"})
         assert client.post(f"/gpus/{uuid}/clear").json()["mode"] == "virtual"
         kinds = [e["kind"] for e in client.get("/events", params={"subject": uuid}).json()]

@@ -34,6 +34,7 @@ def create_agent_app(agent: Agent) -> FastAPI:
             "simulated": bool(backend and backend.simulated),
             "registered": agent.registered,
             "controller_reachable": agent.controller_reachable,
+            "faults_reported": agent.faults_reported,
             "mps": {uuid: agent.mps.pipe_dir(uuid) for uuid in agent.mps.daemons},
             "health_events": [
                 {"gpu_uuid": e.gpu_uuid, "kind": e.kind, "value": e.value, "message": e.message}
