@@ -127,3 +127,16 @@ def test_bad_max_wait_and_guarantee_are_refused_before_any_request() -> None:
         app, ["--url", "http://127.0.0.1:9", "tenant", "create", "t1", "--guaranteed-gpus", "-1"]
     )
     assert result.exit_code == 2 and "--guaranteed-gpus" in result.output
+
+
+def test_bad_server_cpu_is_refused_before_any_request() -> None:
+    from typer.testing import CliRunner
+
+    from gpupool.cli.main import app
+
+    result = CliRunner().invoke(app, ["--url", "http://127.0.0.1:9", "lease", "create", "--cpu", "lots"])
+    assert result.exit_code == 2 and "CPU" in result.output
+    result = CliRunner().invoke(
+        app, ["--url", "http://127.0.0.1:9", "run", "--remote", "--cpu", "2", "--", "true"]
+    )
+    assert result.exit_code == 2 and "direct runs" in result.output

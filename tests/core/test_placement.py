@@ -202,3 +202,25 @@ def test_physical_gpus_are_left_to_physical_requests() -> None:
     pool.set_mode("a-g1", GpuMode.PHYSICAL)
     assert grant(pool, "whole", LeaseRequest(physical=True)) == ("a-g1",)
     assert grant(pool, "slice", LeaseRequest(compute_pct=10)) == ("a-g0",)
+
+
+def test_request_for_more_server_cpu_than_any_server_has_can_never_fit() -> None:
+    import pytest
+
+    from gpupool.core import Gpu, LeaseRequest, NoCapacity, Pool
+    from gpupool.core.model import Host
+
+    pool = Pool()
+    for node in ("a", "b"):
+        pool.set_node_up(node, True)
+        pool.set_host(node, Host(cpu_milli=8000, memory_mib=65536))
+        for i in range(2):
+            pool.upsert_gpu(Gpu(uuid=f"{node}{i}", node=node, model="H100", memory_mib=81920, index=i))
+    pool.check_can_ever_fit(LeaseRequest(gpus=1, compute_pct=10, memory_mib=1024, cpu_milli=8000))
+    pool.check_can_ever_fit(LeaseRequest(gpus=4, compute_pct=10, memory_mib=1024, cpu_milli=12000))
+    with pytest.raises(NoCapacity, match="never"):
+        pool.check_can_ever_fit(LeaseRequest(gpus=1, compute_pct=10, memory_mib=1024, cpu_milli=9000))
+    with pytest.raises(NoCapacity, match="never"):
+        pool.check_can_ever_fit(
+            LeaseRequest(gpus=2, compute_pct=10, memory_mib=1024, cpu_milli=12000, span_nodes=False)
+        )

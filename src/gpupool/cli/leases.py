@@ -25,7 +25,7 @@ from gpupool.cli.output import (
 )
 from gpupool.cli.signals import exit_status_of, terminate_interrupts
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
-from gpupool.core.units import format_mib, parse_compute_pct, parse_memory_mib
+from gpupool.core.units import format_mib, parse_compute_pct, parse_cpu_milli, parse_memory_mib
 from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
 
 app = typer.Typer(no_args_is_help=True)
@@ -49,6 +49,8 @@ def build_request(
     locality: str | None = None,
     max_wait_s: float | None = None,
     access: str = "direct",
+    cpu: str | None = None,
+    host_memory: str | None = None,
 ) -> LeaseCreate:
     """Check the user's request here, so that bad input fails before anything is sent."""
     node, prefer_node = resolve_locality(locality, node)
@@ -81,9 +83,21 @@ def build_request(
             ttl_s=ttl_s,
             wait=wait,
             max_wait_s=max_wait_s,
+            cpu=None if cpu is None else str(parse_cpu_milli(cpu)) + "m",
+            host_memory=None if host_memory is None else f"{parse_memory_mib(host_memory)}MiB",
         )
     except ValidationError as exc:
         raise BadInput(validation_message(exc)) from None
+
+
+CpuOption = Annotated[
+    str | None,
+    typer.Option("--cpu", help="Cores of the GPU's server a direct lease needs: 4, 0.5 or 500m."),
+]
+HostMemoryOption = Annotated[
+    str | None,
+    typer.Option("--host-memory", help="Memory of the GPU's server a direct lease needs: 32GiB."),
+]
 
 
 def resolve_locality(locality: str | None, node: str | None) -> tuple[str | None, str | None]:
@@ -242,6 +256,8 @@ def create(
         float | None,
         typer.Option("--max-wait", help="Give up with the reason after this many seconds."),
     ] = None,
+    cpu: CpuOption = None,
+    host_memory: HostMemoryOption = None,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
     request = build_request(
@@ -258,6 +274,8 @@ def create(
         wait=queue,
         locality=locality,
         max_wait_s=max_wait,
+        cpu=cpu,
+        host_memory=host_memory,
     )
     with cli_context(ctx).client() as client:
         lease = client.create_lease(request)

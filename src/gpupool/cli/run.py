@@ -21,7 +21,13 @@ from rich.markup import escape
 
 from gpupool.cli.context import CliContext, cli_context
 from gpupool.cli.errors import BadInput, CommandFailed
-from gpupool.cli.leases import await_grant, build_request, granted_text
+from gpupool.cli.leases import (
+    CpuOption,
+    HostMemoryOption,
+    await_grant,
+    build_request,
+    granted_text,
+)
 from gpupool.cli.output import note
 from gpupool.cli.signals import signals_to
 from gpupool.client.sdk import URL_ENV, ApiError, ControllerUnreachable, LeaseKeeper, PoolClient
@@ -296,6 +302,8 @@ def run(
         float,
         typer.Option("--grace", help="Seconds between TERM and KILL when the lease is lost."),
     ] = STOP_GRACE_S,
+    cpu: CpuOption = None,
+    host_memory: HostMemoryOption = None,
     remote: Annotated[
         bool,
         typer.Option(
@@ -310,6 +318,8 @@ def run(
         )
     if grace < 0:
         raise BadInput(f"--grace must not be negative, got {grace:g}")
+    if remote and (cpu is not None or host_memory is not None):
+        raise BadInput("--cpu and --host-memory are for direct runs: a remote program runs here")
     if remote and physical:
         raise BadInput("physical GPUs are always direct: drop --remote or --physical")
     if gpus > 1 and not physical and not remote:
@@ -335,6 +345,8 @@ def run(
         ttl_s=ttl,
         wait=wait,
         access="remote" if remote else "direct",
+        cpu=cpu,
+        host_memory=host_memory,
     )
     with context.client() as client:
         lease = client.create_lease(request)

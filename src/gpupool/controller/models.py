@@ -122,6 +122,10 @@ class LeaseRow(Base):
     max_wait_s: Mapped[float | None] = mapped_column(Float)
     preempt_deadline_at: Mapped[datetime | None] = mapped_column()
     worker_token: Mapped[str | None] = mapped_column(String(64))
+    cpu_milli: Mapped[int] = mapped_column(Integer, default=0)
+    host_memory_mib: Mapped[int] = mapped_column(Integer, default=0)
+    host_charge: Mapped[list[Any] | None] = mapped_column()
+    """(node, CPU milli, memory MiB) charged to each server of a granted direct lease."""
     """The data-plane token of a remote lease: its holder and its workers share it."""
 
     slices: Mapped[list[LeaseSliceRow]] = relationship(

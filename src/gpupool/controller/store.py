@@ -35,7 +35,7 @@ from gpupool.core import (
     Ratios,
     Slice,
 )
-from gpupool.core.model import Access, LeaseRequest, QueuedLease
+from gpupool.core.model import Access, Host, LeaseRequest, QueuedLease
 from gpupool.core.placement import policy_named
 
 log = logging.getLogger("gpupool.controller")
@@ -123,6 +123,7 @@ class Store:
                 pool.quotas[tenant.name] = quota_of(tenant)
             for node in session.scalars(select(NodeRow)):
                 pool.set_node_up(node.name, node.state == "up")
+                pool.set_host(node.name, host_of(node))
                 self.live.node_seen.setdefault(node.name, grace_start)
                 self.node_rows[node.name] = node
             for row in session.scalars(select(GpuRow)):
@@ -133,7 +134,13 @@ class Store:
                 self.lease_rows[lease.id] = lease
                 state = LeaseState(lease.state)
                 if state in HOLDING or state is LeaseState.PREEMPTED:
-                    pool.grant(lease.id, lease.tenant, slices_of(lease), lease.priority)
+                    pool.grant(
+                        lease.id,
+                        lease.tenant,
+                        slices_of(lease),
+                        lease.priority,
+                        tuple((str(n), int(c), int(m)) for n, c, m in lease.host_charge or ()),
+                    )
                     if state is LeaseState.PREEMPTED:
                         # Its holder was told; the grace period runs on from the stored end.
                         pool.preempting[lease.id] = ""
@@ -263,6 +270,14 @@ def slices_of(row: LeaseRow) -> tuple[Slice, ...]:
     return tuple(Slice(s.gpu_uuid, s.compute_pct, s.memory_mib, s.whole) for s in row.slices)
 
 
+def host_of(row: NodeRow) -> Host:
+    """What a server offers direct leases besides its GPUs: all its cores and memory."""
+    return Host(
+        cpu_milli=None if row.cpu_count is None else row.cpu_count * 1000,
+        memory_mib=row.memory_mib,
+    )
+
+
 def request_of(row: LeaseRow) -> LeaseRequest:
     return LeaseRequest(
         tenant=row.tenant,
@@ -277,4 +292,6 @@ def request_of(row: LeaseRow) -> LeaseRequest:
         span_nodes=row.span_nodes,
         prefer_node=row.prefer_node,
         max_wait_s=row.max_wait_s,
+        cpu_milli=row.cpu_milli or 0,
+        host_memory_mib=row.host_memory_mib or 0,
     )

@@ -295,6 +295,47 @@ class Pool:
                     f"no server has {request.gpus} suitable GPUs and the request may not span "
                     "servers: it can never be granted"
                 )
+        if request.gpus and (request.cpu_milli or request.host_memory_mib):
+            self._check_host_can_ever_fit(request, fit)
+
+    def _check_host_can_ever_fit(self, request: LeaseRequest, fit: list[Gpu]) -> None:
+        """The servers' own CPU and memory must be able to hold the request at all."""
+        per_node: dict[str, int] = {}
+        for g in fit:
+            per_node[g.node] = per_node.get(g.node, 0) + 1
+
+        unknown = 10**15  # a server that does not report its CPU or memory limits nothing
+
+        def room(node: str) -> tuple[int, int]:
+            host = self.hosts.get(node)
+            cpu = host.cpu_milli if host and host.cpu_milli is not None else unknown
+            mem = host.memory_mib if host and host.memory_mib is not None else unknown
+            return cpu, mem
+
+        whole = [
+            n
+            for n, count in per_node.items()
+            if count >= request.gpus
+            and room(n)[0] >= request.cpu_milli
+            and room(n)[1] >= request.host_memory_mib
+        ]
+        if whole:
+            return
+        if request.span_nodes:
+            cpu_each = -(-request.cpu_milli // request.gpus)
+            mem_each = -(-request.host_memory_mib // request.gpus)
+            usable = 0
+            for node, count in per_node.items():
+                cpu, mem = room(node)
+                by_cpu = cpu // cpu_each if cpu_each else count
+                by_mem = mem // mem_each if mem_each else count
+                usable += min(count, by_cpu, by_mem)
+            if usable >= request.gpus:
+                return
+        raise NoCapacity(
+            f"no server with {request.gpus} suitable GPU(s) has {request.cpu_milli / 1000:g} CPU "
+            f"cores and {request.host_memory_mib}MiB of memory in all: it can never be granted"
+        )
 
     # ---- quotas ----------------------------------------------------------------------
 

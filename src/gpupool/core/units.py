@@ -61,6 +61,20 @@ def parse_compute_pct(text: str | int) -> int:
     return value
 
 
+def parse_cpu_milli(text: str) -> int:
+    """Return CPU in thousandths of a core: `4` and `0.5` are cores, `500m` millicores."""
+    cleaned = text.strip().lower()
+    try:
+        value = int(cleaned[:-1]) if cleaned.endswith("m") else round(float(cleaned) * 1000)
+    except (ValueError, OverflowError):
+        raise InvalidRequest(
+            f"cannot read CPU {text!r}: write cores (4, 0.5) or millicores (500m)"
+        ) from None
+    if value <= 0 or value > 100_000_000:
+        raise InvalidRequest(f"CPU must be more than 0 and at most 100000 cores, got {text!r}")
+    return value
+
+
 def format_mib(mib: int) -> str:
     """Print MiB the way people read them: whole GiB where exact, else MiB."""
     if mib >= 1024 and mib % 1024 == 0:

@@ -30,6 +30,7 @@ from gpupool.core import (
     ReleaseReason,
     transition,
 )
+from gpupool.core.units import parse_cpu_milli, parse_memory_mib
 from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
 
 
@@ -40,6 +41,11 @@ def new_lease_id() -> str:
 def request_from(body: LeaseCreate) -> LeaseRequest:
     if body.physical and (body.compute_pct is not None or body.memory is not None):
         raise InvalidRequest("a physical lease takes whole GPUs: give no compute or memory")
+    if body.access == "remote" and (body.cpu is not None or body.host_memory is not None):
+        raise InvalidRequest(
+            "a remote lease's program runs on its own server: cpu and host_memory are for "
+            "direct leases"
+        )
     return LeaseRequest(
         tenant=body.tenant,
         gpus=body.gpus,
@@ -53,6 +59,8 @@ def request_from(body: LeaseCreate) -> LeaseRequest:
         span_nodes=body.span_nodes,
         prefer_node=body.prefer_node,
         max_wait_s=body.max_wait_s,
+        cpu_milli=0 if body.cpu is None else parse_cpu_milli(body.cpu),
+        host_memory_mib=0 if body.host_memory is None else parse_memory_mib(body.host_memory),
     )
 
 
@@ -108,6 +116,8 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
         created_at=now,
         last_heartbeat_at=now,
         worker_token=secrets.token_urlsafe(32) if request.access is Access.REMOTE else None,
+        cpu_milli=request.cpu_milli,
+        host_memory_mib=request.host_memory_mib,
     )
     session.add(row)
     store.lease_rows[lease_id] = row
@@ -151,6 +161,8 @@ def _apply_grant(store: Store, row: LeaseRow, grant: Grant, now: datetime) -> No
     row.state = transition(LeaseState(row.state), LeaseState.GRANTED).value
     row.granted_at = now
     row.queue_seq = None
+    charge = store.pool.host_held.get(grant.lease_id, ())
+    row.host_charge = [list(c) for c in charge] or None
     row.slices = [
         LeaseSliceRow(
             position=i,

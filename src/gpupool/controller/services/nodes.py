@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from gpupool.controller.models import GpuRow, NodeRow, utcnow
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants
-from gpupool.controller.store import Store, gpu_of
+from gpupool.controller.store import Store, gpu_of, host_of
 from gpupool.controller.views import node_out
 from gpupool.core import HOLDING, Conflict, GpuMode, LeaseState, NotFound, transition
 from gpupool.protocol.v1.api import (
@@ -85,6 +85,7 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
                 session, "controller", "gpu.removed", grow.uuid, "no longer reported by its agent"
             )
     pool.set_node_up(body.name, True)
+    pool.set_host(body.name, host_of(row))
     store.live.node_seen[body.name] = time.time()
     simulated = " (simulated)" if any(g.simulated for g in body.gpus) else ""
     record(

@@ -7,7 +7,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from gpupool.core.units import parse_compute_pct, parse_memory_mib
+from gpupool.core.units import parse_compute_pct, parse_cpu_milli, parse_memory_mib
 
 Mode = Literal["virtual", "physical", "draining", "isolated"]
 LeaseStateName = Literal[
@@ -172,6 +172,10 @@ class LeaseCreate(Strict):
     node: str | None = None
     gpu_models: list[str] = Field(default_factory=list)
     span_nodes: bool = True
+    cpu: str | None = None
+    """CPU of the lease's server a direct lease needs: cores (`4`, `0.5`) or millicores (`500m`)."""
+    host_memory: str | None = None
+    """Memory of the lease's server a direct lease needs, with a unit (`32GiB`)."""
     holder: Annotated[str, Field(max_length=256)] = ""
     ttl_s: Annotated[float, Field(gt=0, le=86400)] | None = None
     wait: bool = True
@@ -199,6 +203,20 @@ class LeaseCreate(Strict):
 
     def memory_mib(self) -> int | None:
         return None if self.memory is None else parse_memory_mib(self.memory)
+
+    @field_validator("cpu")
+    @classmethod
+    def _cpu(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_cpu_milli(value)
+        return value
+
+    @field_validator("host_memory")
+    @classmethod
+    def _host_memory(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_memory_mib(value)
+        return value
 
 
 class SliceOut(BaseModel):
