@@ -142,3 +142,20 @@ def test_dual_pool_leaves_busy_gpus_alone() -> None:
     pool.try_grant("busy", LeaseRequest(tenant="a", compute_pct=10))
     pool.enqueue("whole", LeaseRequest(tenant="a", physical=True))
     assert rebalance(pool, DualPoolPolicy(ready=0)) == []
+
+
+def test_a_gang_that_may_span_servers_preempts_across_them() -> None:
+    pool = Pool(queue_policy=FAIR)
+    pool.quotas.update({"a": Quota(), "b": Quota()})
+    for node in ("n1", "n2"):
+        pool.set_node_up(node, True)
+        pool.upsert_gpu(Gpu(f"{node}-g0", node, "NVIDIA H100", 80 * GIB, 0))
+    pool.grant("low-1", "a", (Slice("n1-g0", 100, 8 * GIB),), 0)
+    pool.grant("low-2", "a", (Slice("n2-g0", 100, 8 * GIB),), 0)
+    gang = LeaseRequest(tenant="b", gpus=2, compute_pct=100, memory_mib=8 * GIB, priority=5)
+    plan = plan_preemption(pool, "gang", gang)
+    assert plan is not None and set(plan.victims) == {"low-1", "low-2"}
+    pinned = LeaseRequest(
+        tenant="b", gpus=2, compute_pct=100, memory_mib=8 * GIB, priority=5, span_nodes=False
+    )
+    assert plan_preemption(pool, "pinned", pinned) is None, "no one server has two GPUs"

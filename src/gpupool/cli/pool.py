@@ -231,6 +231,30 @@ def controller(
         str | None,
         typer.Option("--alert-webhook", help="POST alerts here (Alertmanager webhook format)."),
     ] = None,
+    policy: Annotated[
+        str,
+        typer.Option("--policy", help="Placement policy (gpupool sim policies lists them)."),
+    ] = "default",
+    fair_share: Annotated[
+        bool, typer.Option("--fair-share/--fifo", help="Order equal priorities by fair share.")
+    ] = True,
+    max_queue_wait: Annotated[
+        float | None,
+        typer.Option("--max-queue-wait", help="Fail requests that waited this many seconds."),
+    ] = None,
+    preemption: Annotated[
+        bool, typer.Option("--preemption/--no-preemption", help="Let priority preempt.")
+    ] = True,
+    preempt_grace: Annotated[
+        float, typer.Option("--preempt-grace", help="Seconds a preempted holder has to stop.")
+    ] = 30.0,
+    physical_ready: Annotated[
+        int | None,
+        typer.Option(
+            "--physical-ready",
+            help="Dual pool: keep this many idle GPUs physical while whole-GPU requests come.",
+        ),
+    ] = None,
 ) -> None:
     if lease_ttl <= 0 or node_timeout <= 0:
         raise BadInput("--lease-ttl and --node-timeout must be more than 0")
@@ -240,6 +264,19 @@ def controller(
         raise BadInput(f"--compute-ratio must be 1..100, got {compute_ratio:g}")
     if not 1.0 <= memory_ratio <= 10.0:
         raise BadInput(f"--memory-ratio must be 1..10, got {memory_ratio:g}")
+    from gpupool.core import PoolError
+    from gpupool.core.placement import policy_named
+
+    try:
+        policy_named(policy)
+    except PoolError as exc:
+        raise BadInput(exc.message) from None
+    if max_queue_wait is not None and max_queue_wait <= 0:
+        raise BadInput(f"--max-queue-wait must be more than 0, got {max_queue_wait:g}")
+    if preempt_grace < 0:
+        raise BadInput(f"--preempt-grace must not be negative, got {preempt_grace:g}")
+    if physical_ready is not None and physical_ready < 0:
+        raise BadInput(f"--physical-ready must not be negative, got {physical_ready}")
     from gpupool.controller.server import serve
     from gpupool.controller.settings import ControllerSettings
 
@@ -254,6 +291,12 @@ def controller(
             compute_ratio=compute_ratio,
             memory_ratio=memory_ratio,
             webhook_url=alert_webhook,
+            placement_policy=policy,
+            fair_share=fair_share,
+            max_queue_wait_s=max_queue_wait,
+            preemption=preemption,
+            preempt_grace_s=preempt_grace,
+            physical_ready=physical_ready,
         )
     )
 

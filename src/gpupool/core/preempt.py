@@ -234,42 +234,59 @@ def plan_preemption(pool: Pool, lease_id: str, request: LeaseRequest) -> Preempt
     if not costs:
         return None
     best: tuple[float, set[str], list[tuple[str, Slot]]] | None = None
+    offers_by_node: dict[str, list[tuple[str, Slot]]] = {}
     for node in _candidate_nodes(pool, request):
-        gone: set[str] = set()
-        total = 0.0
-        picked: list[tuple[str, Slot]] = []
         offers = []
         for uuid in pool.index.order.get(node, ()):
             slot = _slot(pool, uuid)
             if slot is None or not statically_fits(slot, demand):
                 continue
             offers.append((uuid, slot))
-        if len(offers) < demand.gpus:
-            continue
-        # Greedy over the node's GPUs: each time the GPU that is cheapest to clear next.
-        left = list(offers)
-        while len(picked) < demand.gpus:
-            options = []
-            for uuid, slot in left:
-                found = _cheapest_on_gpu(pool, uuid, slot, demand, costs, gone)
-                if found is not None:
-                    options.append((found[0], uuid, slot, found[1]))
-            if not options:
-                break
-            cost, uuid, slot, extra = min(options, key=lambda o: (o[0], o[1]))
-            total += cost
-            gone |= extra
-            picked.append((uuid, slot))
-            left = [o for o in left if o[0] != uuid]
-        if len(picked) == demand.gpus and gone and (best is None or total < best[0]):
-            best = (total, gone, picked)
+        offers_by_node[node] = offers
+        found = _clear_greedily(pool, offers, demand, costs)
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    if best is None and request.span_nodes and demand.gpus > 1:
+        # No one server can be cleared for the whole gang: clear GPUs across servers, which
+        # the gang may span (its placement then takes the fewest servers it can).
+        everywhere = [offer for offers in offers_by_node.values() for offer in offers]
+        best = _clear_greedily(pool, everywhere, demand, costs)
     if best is None:
         return None
-    total, gone, picked = best
+    _total, gone, picked = best
     if not _guarantees_hold(pool, gone) or not _fits_after(pool, demand, picked, gone):
         return None
     room = tuple(_room_on(slot, uuid, demand) for uuid, slot in picked)
     return Preemption(lease_id, tuple(sorted(gone)), room)
+
+
+def _clear_greedily(
+    pool: Pool,
+    offers: list[tuple[str, Slot]],
+    demand: Demand,
+    costs: Mapping[str, float],
+) -> tuple[float, set[str], list[tuple[str, Slot]]] | None:
+    """Greedy over the offered GPUs: each time the GPU that is cheapest to clear next."""
+    if len(offers) < demand.gpus:
+        return None
+    gone: set[str] = set()
+    total = 0.0
+    picked: list[tuple[str, Slot]] = []
+    left = list(offers)
+    while len(picked) < demand.gpus:
+        options = []
+        for uuid, slot in left:
+            found = _cheapest_on_gpu(pool, uuid, slot, demand, costs, gone)
+            if found is not None:
+                options.append((found[0], uuid, slot, found[1]))
+        if not options:
+            return None
+        cost, uuid, slot, extra = min(options, key=lambda o: (o[0], o[1]))
+        total += cost
+        gone |= extra
+        picked.append((uuid, slot))
+        left = [o for o in left if o[0] != uuid]
+    return (total, gone, picked) if gone else None
 
 
 def _guarantees_hold(pool: Pool, gone: set[str]) -> bool:
