@@ -260,10 +260,6 @@ class Pool:
             return "no server has the CPU and memory free"
         return f"needs {request.gpus} {kind}, {found} available now"
 
-    def _shortage(self, request: LeaseRequest, found: int) -> str:
-        kind = "free physical GPUs" if request.physical else "virtual GPUs with room"
-        return f"needs {request.gpus} {kind}, {found} available now"
-
     def check_can_ever_fit(self, request: LeaseRequest) -> None:
         """Refuse at once a request that no state of this pool could satisfy."""
         gpus = [
