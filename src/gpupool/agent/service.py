@@ -24,6 +24,7 @@ from gpupool.agent.health import is_fault, isolation_reason
 from gpupool.agent.metrics import HealthCounts
 from gpupool.agent.mps import MpsSupervisor
 from gpupool.agent.workers import WorkerSupervisor
+from gpupool.client.sdk import tls_verify
 from gpupool.protocol.v1.api import (
     GpuDesired,
     GpuInventory,
@@ -70,6 +71,8 @@ class AgentSettings:
     api_host: str = "127.0.0.1"
     api_port: int | None = 0
     """The agent's own HTTP API: 0 picks a free port, None turns it off."""
+    token: str | None = field(default_factory=lambda: os.environ.get("GPUPOOL_TOKEN") or None)
+    """The agent's API token (role agent): the controller refuses agents without one."""
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -186,7 +189,8 @@ class Agent:
                 timeout=HTTP_TIMEOUT_S,
                 transport=self._transport,
                 # The event log names who acted: here, this node's agent (it isolates GPUs).
-                headers={"X-Gpupool-Actor": f"agent/{self.settings.node_name}"},
+                headers=self._headers(),
+                verify=tls_verify(),
             ) as client:
                 reporter = asyncio.create_task(self._report_faults(client), name="agent-faults")
                 try:
@@ -446,6 +450,13 @@ class Agent:
         if self.controller_reachable is False:
             log.warning("controller %s reachable again", self.settings.controller_url)
         self.controller_reachable = True
+
+    def _headers(self) -> dict[str, str]:
+        # The event log names who acted from the token; the header says which node it was.
+        headers = {"X-Gpupool-Actor": f"agent/{self.settings.node_name}"}
+        if self.settings.token:
+            headers["Authorization"] = f"Bearer {self.settings.token}"
+        return headers
 
     def _log_refusal(self, exc: ControllerRefused) -> None:
         text = str(exc)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,7 +16,17 @@ from fastapi.responses import JSONResponse
 from gpupool import __version__
 from gpupool.controller.background import history, reconcile
 from gpupool.controller.db import make_engine, migrate
-from gpupool.controller.routers import dashboard, gpus, leases, metrics, nodes, pool, tenants
+from gpupool.controller.routers import (
+    dashboard,
+    gpus,
+    leases,
+    metrics,
+    nodes,
+    pool,
+    tenants,
+    tokens,
+)
+from gpupool.controller.services import auth
 from gpupool.controller.services.metrics import SchedulingTimer
 from gpupool.controller.services.tenants import ensure_default
 from gpupool.controller.services.watch import open_watch
@@ -24,6 +35,8 @@ from gpupool.controller.store import Store
 from gpupool.core import PoolError
 from gpupool.protocol.v1 import API_PREFIX
 
+log = logging.getLogger(__name__)
+
 
 def open_store(settings: ControllerSettings) -> Store:
     engine = make_engine(settings.database_url())
@@ -31,6 +44,11 @@ def open_store(settings: ControllerSettings) -> Store:
     store = Store(engine, settings)
     store.start()
     store.write_sync(lambda s: ensure_default(store, s))
+    written = store.write_sync(
+        lambda s: auth.bootstrap(s, settings.data_dir, settings.admin_token)
+    )
+    if written:
+        log.warning("first admin token written to %s (readable by its owner only)", written)
     return store
 
 
@@ -39,6 +57,7 @@ def create_app(settings: ControllerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await asyncio.to_thread(open_store, settings)
         app.state.store = store
+        app.state.tokens = auth.TokenCache()
         stop = asyncio.Event()
         loop_task = asyncio.create_task(reconcile.run(store, stop))
         app.state.watch = watch = await asyncio.to_thread(open_watch, store, settings)
@@ -60,7 +79,7 @@ def create_app(settings: ControllerSettings) -> FastAPI:
         openapi_url=f"{API_PREFIX}/openapi.json",
         docs_url=f"{API_PREFIX}/docs",
     )
-    for module in (leases, gpus, nodes, tenants, pool, dashboard):
+    for module in (leases, gpus, nodes, tenants, pool, dashboard, tokens):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(metrics.router)
     app.include_router(dashboard.pages)
@@ -72,7 +91,10 @@ def create_app(settings: ControllerSettings) -> FastAPI:
 
 async def _pool_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PoolError)
-    return JSONResponse({"error": exc.code, "detail": exc.message}, status_code=exc.http_status)
+    headers = {"WWW-Authenticate": 'Bearer realm="gpupool"'} if exc.http_status == 401 else None
+    return JSONResponse(
+        {"error": exc.code, "detail": exc.message}, status_code=exc.http_status, headers=headers
+    )
 
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
