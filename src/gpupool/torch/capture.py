@@ -50,9 +50,16 @@ MAX_SIGNATURES = 8
 MAX_RECAPTURES = 8
 """Guard failures per signature before the step stays eager (it changes all the time)."""
 
+METADATA_CALLS = frozenset({"aten::_fused_sdp_choice"})
+"""Ops the worker answers (a round trip) from shapes, dtypes and the device alone: what they
+return cannot change while the signature holds, so they may run inside a captured step
+(only while it is recorded; the replay runs the kernels they chose)."""
+
 _TENSOR = int(Ext.TENSOR)
 _SLOT = int(Ext.SLOT)
 _PROGRAM_IDS = itertools.count(1)
+OUTPUT = object()
+"""Marks a tensor output's place among a result's leaves."""
 
 
 class CaptureWarning(UserWarning):
@@ -112,6 +119,10 @@ class Recorder:
     def on_wait(self, stream: DeviceStream, what: str) -> None:
         self._fail(what)
 
+    def on_call(self, stream: DeviceStream, op: str) -> None:
+        if op not in METADATA_CALLS:
+            self._fail(f"runs {op.partition('.')[0]}, whose outputs depend on values")
+
     def on_release(self, handle: int) -> None:
         self.released.add(handle)
 
@@ -165,7 +176,7 @@ class Recording:
     """Signatures of the tensor outputs, in order."""
     result_spec: Any
     result_template: list[Any]
-    """The result's leaves, None where a tensor output goes."""
+    """The result's leaves, `OUTPUT` where a tensor output goes."""
     op_names: list[str]
 
 
@@ -250,7 +261,7 @@ def build_recording(
             output_slots.append(slot_of(leaf._gp.id))
             output_handles.add(leaf._gp.id)
             outputs.append(leaf._sig)
-            template.append(None)
+            template.append(OUTPUT)
         elif isinstance(leaf, torch.Tensor):
             return "returns a host tensor (a value read from the GPU)"
         else:
@@ -426,7 +437,7 @@ class _Program:
         made = iter(
             wrap_signature(sig, h) for sig, h in zip(recording.outputs, handles, strict=True)
         )
-        leaves = [next(made) if leaf is None else leaf for leaf in recording.result_template]
+        leaves = [next(made) if leaf is OUTPUT else leaf for leaf in recording.result_template]
         return tree_unflatten(leaves, recording.result_spec)
 
     def drop(self) -> None:

@@ -277,7 +277,7 @@ class DeviceStream:
     ) -> Any:
         """Run an op now and return the worker's description of its outputs."""
         if self.recorder is not None:
-            self.recorder.on_wait(self, f"runs {op.name}, whose outputs depend on values")
+            self.recorder.on_call(self, op.wire_name)
         with self.lock:
             op_id = self.op_id(op)
             return self._receive_result(
