@@ -10,7 +10,6 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import WORKER_DEVICE
 from conformance_programs import (
     cnn_training,
     mlp_training,
@@ -22,6 +21,7 @@ from test_conformance import assert_same
 from torch import nn
 
 import gpupool.torch
+from conftest import WORKER_DEVICE
 from gpupool.torch import CapturedStep, CaptureWarning
 
 pytestmark = pytest.mark.slow
@@ -68,7 +68,7 @@ def test_captured_mlp_step_matches_eager_and_local(capturing: Capturing) -> None
     eager = mlp_training("cuda")
     captured = mlp_training("cuda", capturing)
     replayed(capturing)
-    assert_same(eager, captured, rtol=max(SAME['rtol'], 1e-6), atol=max(SAME['atol'], 1e-7))
+    assert_same(eager, captured, rtol=max(SAME["rtol"], 1e-6), atol=max(SAME["atol"], 1e-7))
     assert_same(local, captured, rtol=1e-4, atol=1e-5)
 
 
@@ -101,7 +101,7 @@ def test_captured_transformer_step_under_bf16_autocast_matches_eager(
     captured = transformer_bf16("cuda", capturing)
     replayed(capturing)
     assert bool(captured["logits_bf16"])
-    assert_same(eager, captured, rtol=max(SAME['rtol'], 1e-6), atol=max(SAME['atol'], 1e-6))
+    assert_same(eager, captured, rtol=max(SAME["rtol"], 1e-6), atol=max(SAME["atol"], 1e-6))
     torch.testing.assert_close(captured["losses"], local["losses"], rtol=2e-2, atol=2e-2)
 
 
@@ -110,7 +110,7 @@ def test_captured_residual_cnn_step_matches_eager_and_local(capturing: Capturing
     eager = resnet_bf16("cuda")
     captured = resnet_bf16("cuda", capturing)
     replayed(capturing)
-    assert_same(eager, captured, rtol=max(SAME['rtol'], 1e-6), atol=max(SAME['atol'], 1e-6))
+    assert_same(eager, captured, rtol=max(SAME["rtol"], 1e-6), atol=max(SAME["atol"], 1e-6))
     assert_same(local, captured, rtol=1e-2, atol=1e-2)
 
 

@@ -59,6 +59,8 @@ _TENSOR = int(Ext.TENSOR)
 _SLOT = int(Ext.SLOT)
 _PROGRAM_IDS = itertools.count(1)
 OUTPUT = object()
+_FLAT = frozenset({RemoteTensor, torch.nn.Parameter, int, float, bool, str, type(None)})
+"""Argument types that need no pytree walk (a Parameter of a remote model is a RemoteTensor)."""
 """Marks a tensor output's place among a result's leaves."""
 
 
@@ -178,6 +180,8 @@ class Recording:
     result_template: list[Any]
     """The result's leaves, `OUTPUT` where a tensor output goes."""
     op_names: list[str]
+    single: bool = False
+    """The result is one leaf (a tensor, None): no pytree to rebuild."""
 
 
 def _convert(value: Any, slot_of: Callable[[int], int]) -> Any:
@@ -290,7 +294,7 @@ def build_recording(
     )  # fmt: skip
     return Recording(
         stream, body, canon, frozenset(h for _, h in externals), escapes, outputs,
-        result_spec, template, op_names,
+        result_spec, template, op_names, result_spec.is_leaf(),
     )  # fmt: skip
 
 
@@ -350,45 +354,54 @@ _EMPTY = object()
 
 @dataclass
 class Guards:
-    """What a replay assumes about the client's Python state, checked on every call."""
+    """What a replay assumes about the client's Python state, checked on every call (tens of
+    microseconds for a ResNet-50: the walk below reads dictionaries, no generators)."""
 
     identities: list[tuple[Callable[[], Any], Any]]
     modules: list[torch.nn.Module]
-    training: tuple[Any, ...]
+    """Every submodule of the modules the step closes over, found once."""
+    state: list[Any]
     optimizers: list[torch.optim.Optimizer]
     hyper: tuple[Any, ...]
 
     @classmethod
     def of(cls, fn: Callable[..., Any], optimizers: list[torch.optim.Optimizer]) -> Guards:
-        identities, modules = [], []
+        identities = []
+        modules: list[torch.nn.Module] = []
         for getter, value in _closure_values(fn):
             # Everything fn names: a rebound tensor, module or constant means other ops.
             identities.append((getter, value))
             if isinstance(value, torch.nn.Module):
-                modules.append(value)
-        return cls(identities, modules, _training(modules), optimizers, _hyper(optimizers))
+                modules.extend(value.modules())
+        return cls(identities, modules, _module_state(modules), optimizers, _hyper(optimizers))
 
     def broken(self) -> str | None:
         for getter, value in self.identities:
             if getter() is not value:
                 return "a tensor, module or value it closes over was replaced"
-        if _training(self.modules) != self.training:
+        if _module_state(self.modules) != self.state:
             return "a module switched between train() and eval(), or its tensors were replaced"
         if _hyper(self.optimizers) != self.hyper:
             return "an optimizer's hyperparameters changed (learning rate, momentum, ...)"
         return None
 
 
-def _training(modules: list[torch.nn.Module]) -> tuple[Any, ...]:
-    """Train/eval modes, and which tensors the modules hold: a parameter or buffer replaced
-    (`model.fc.weight = …`, `.data = …`) means the program reads the wrong tensor."""
-    state: list[Any] = [m.training for module in modules for m in module.modules()]
+def _module_state(modules: list[torch.nn.Module]) -> list[Any]:
+    """Train/eval modes and which tensors and children the modules hold: a parameter or
+    buffer replaced (`model.fc.weight = …`, `.data = …`) means the program reads the wrong
+    tensor. Remote tensors count by handle id (never reused); others by identity."""
+    state: list[Any] = []
+    append = state.append
     for module in modules:
-        state.extend(
-            t._gp.id if isinstance(t, RemoteTensor) else id(t)
-            for t in itertools.chain(module.parameters(), module.buffers())
-        )
-    return tuple(state)
+        append(module.training)
+        for table in (module._parameters, module._buffers, module._modules):
+            append(len(table))
+            for value in table.values():
+                if type(value) is RemoteTensor or isinstance(value, RemoteTensor):
+                    append(value._gp.id)
+                else:
+                    append(id(value))
+    return state
 
 
 def _hyper(optimizers: list[torch.optim.Optimizer]) -> tuple[Any, ...]:
@@ -438,6 +451,8 @@ class _Program:
             wrap_signature(sig, h) for sig, h in zip(recording.outputs, handles, strict=True)
         )
         leaves = [next(made) if leaf is OUTPUT else leaf for leaf in recording.result_template]
+        if recording.single:
+            return leaves[0]  # one tensor or None, as most steps return
         return tree_unflatten(leaves, recording.result_spec)
 
     def drop(self) -> None:
@@ -489,7 +504,11 @@ class CapturedStep:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if not runtime.attached():
             return self.fn(*args, **kwargs)
-        leaves, spec = tree_flatten((args, kwargs))
+        spec: Any
+        if kwargs or not all(type(a) in _FLAT for a in args):
+            leaves, spec = tree_flatten((args, kwargs))
+        else:  # tensors and scalars only, the common step: no pytree walk
+            leaves, spec = list(args), len(args)
         key, inputs, problem = self._signature(leaves, spec)
         if problem is not None:
             self._warn(f"{self._name} runs eagerly: {problem}")

@@ -10,6 +10,7 @@ is defined, so a bad program closes the connection before anything of it runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -336,7 +337,10 @@ class Program:
             static.append(buffer)
         graph = torch.cuda.CUDAGraph()
         slots = self._slots(static, executor)
-        with torch.cuda.graph(graph, pool=torch.cuda.graph_pool_handle()):
+        # thread_local: the worker's other threads (status file, allocator stats) may touch
+        # CUDA while this one captures.
+        pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             for step in self.steps:
                 step.run(slots)
         self._graph = _Graph(graph, static, slots)
@@ -366,7 +370,8 @@ class Program:
         self.graph_allowed = False
         self._graph = None
         self.mode = "ops"
-        torch.cuda.synchronize(self.device)
+        with contextlib.suppress(Exception):  # a broken capture may leave an error behind
+            torch.cuda.synchronize(self.device)
 
 
 class Programs:
