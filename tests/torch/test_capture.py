@@ -192,8 +192,10 @@ def test_other_shapes_or_dtypes_are_captured_separately(attach: Callable[..., An
             out.append(f(x).float().sum())
         return out
 
-    eager, captured, step = _run_both(calls, make)
+    with pytest.warns(CaptureWarning, match="captured again for other arguments"):
+        eager, captured, step = _run_both(calls, make)
     assert step.replaying and len(step._entries) == 4
+    assert len(step.worker_modes()) == 4
     torch.testing.assert_close(torch.stack(captured), torch.stack(eager), **SAME)
 
 

@@ -521,6 +521,11 @@ class CapturedStep:
                     f"captured for {MAX_SIGNATURES} signatures"
                 )
                 return self.fn(*args, **kwargs)
+            if self._entries:
+                self._warn(
+                    f"{self._name} is captured again for other arguments (shapes, dtypes, "
+                    "values, grad mode or autocast): each signature records its own program"
+                )
             entry = self._entries[key] = _Entry()
         if entry.eager:
             return self.fn(*args, **kwargs)
