@@ -199,6 +199,31 @@ def test_other_shapes_or_dtypes_are_captured_separately(attach: Callable[..., An
     torch.testing.assert_close(torch.stack(captured), torch.stack(eager), **SAME)
 
 
+def test_gradients_after_each_call_are_that_calls_across_signatures(
+    attach: Callable[..., Any],
+) -> None:
+    attach()
+    a, b = torch.randn(8, 4).cuda(), torch.randn(3, 4).cuda()
+    holder: dict[str, nn.Module] = {}
+
+    def make() -> Any:
+        model, opt, step = _linear_step()
+        holder["model"] = model
+        return model, opt, step
+
+    def calls(f: Callable[..., Any]) -> list[torch.Tensor]:
+        out = []
+        for x in (a, a, a, a, b, b, b, b, a, b, a, b):
+            f(x)
+            out.append(holder["model"].weight.grad.clone())
+        return out
+
+    with pytest.warns(CaptureWarning, match="captured again for other arguments"):
+        eager, captured, step = _run_both(calls, make)
+    assert step.replaying
+    torch.testing.assert_close(torch.stack(captured), torch.stack(eager), **SAME)
+
+
 @pytest.mark.parametrize(
     ("read", "reason"),
     [

@@ -429,6 +429,7 @@ class _Program:
         self.id = next(_PROGRAM_IDS)
         self.recording = recording
         self.guards = guards
+        self.grads = _grad_bindings(recording, guards)
         stream = self.stream = recording.stream
         stream.watched |= recording.externals
         stream.emit([Rec.PROGRAM, self.id, pack(recording.body)])
@@ -447,6 +448,9 @@ class _Program:
         handles = [stream.new_handle() for _ in recording.outputs]
         stream.emit([Rec.RUN, self.id, [t._gp.ext for t in inputs], [h.id for h in handles]])
         stream.flush()
+        for param, grad in self.grads:
+            if param.grad is not grad:  # another program or an eager call ran in between
+                param.grad = grad
         made = iter(
             wrap_signature(sig, h) for sig, h in zip(recording.outputs, handles, strict=True)
         )
@@ -458,6 +462,22 @@ class _Program:
     def drop(self) -> None:
         if self.stream.open:
             self.stream.emit([Rec.DROP_PROGRAM, self.id])
+
+
+def _grad_bindings(recording: Recording, guards: Guards) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Gradients the step made (set_to_none) are escapes: each replay writes them under the
+    recorded handles. When another signature's program or an eager call ran in between, the
+    parameters hold other gradient tensors; a replay puts its own back, so `.grad` after a
+    call is that call's, as in eager."""
+    escapes = {handle.id for handle in recording.escapes}
+    params = [p for m in guards.modules for p in m._parameters.values() if p is not None]
+    params += [p for o in guards.optimizers for g in o.param_groups for p in g["params"]]
+    bindings: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if isinstance(grad, RemoteTensor) and grad._gp.id in escapes:
+            bindings[id(param)] = (param, grad)
+    return list(bindings.values())
 
 
 @dataclass
