@@ -365,6 +365,12 @@ class Program:
         for index in self.mutated_inputs:
             inputs[index].copy_(graph.static_inputs[index])
 
+    def release(self) -> None:
+        """Let the CUDA graph and its memory pool go once no replay of it is in flight."""
+        if self._graph is not None:
+            torch.cuda.synchronize(self.device)
+            self._graph = None
+
     def _give_up_graph(self, why: str) -> None:
         log.warning("program %d replays op by op: %s", self.id, why)
         self.graph_allowed = False
@@ -399,9 +405,13 @@ class Programs:
         return program
 
     def drop(self, program_id: Any) -> None:
-        self.programs.pop(program_id, None)
+        program = self.programs.pop(program_id, None)
+        if program is not None:
+            program.release()
 
     def clear(self) -> None:
+        for program in self.programs.values():
+            program.release()
         self.programs.clear()
 
     def describe(self) -> list[list[Any]]:
