@@ -21,8 +21,8 @@ from test_conformance import assert_same
 from torch import nn
 
 import gpupool.torch
-from conftest import WORKER_DEVICE
 from gpupool.torch import CapturedStep, CaptureWarning
+from tests.torch.conftest import WORKER_DEVICE
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,9 @@ SAME: dict[str, float] = (
 """Captured against eager on the same worker: bitwise on a CPU worker; on a GPU, CUDA graph
 replays may pick other kernels (and atomics make some kernels order-dependent)."""
 REPLAY_MODE = "ops" if WORKER_DEVICE == "cpu" else "graph"
+AGAINST_LOCAL = WORKER_DEVICE == "cpu"
+"""Local runs are CPU runs here: against a CUDA worker that compares CPU and GPU kernels, which
+test_conformance_gpu does with a local GPU; captured and eager on one worker is what counts."""
 
 
 class Capturing:
@@ -69,7 +72,8 @@ def test_captured_mlp_step_matches_eager_and_local(capturing: Capturing) -> None
     captured = mlp_training("cuda", capturing)
     replayed(capturing)
     assert_same(eager, captured, rtol=max(SAME["rtol"], 1e-6), atol=max(SAME["atol"], 1e-7))
-    assert_same(local, captured, rtol=1e-4, atol=1e-5)
+    if AGAINST_LOCAL:
+        assert_same(local, captured, rtol=1e-4, atol=1e-5)
 
 
 def test_captured_cnn_step_with_adam_and_clipping_matches_eager_and_local(
@@ -89,8 +93,9 @@ def test_captured_cnn_step_with_adam_and_clipping_matches_eager_and_local(
     monkeypatch.setattr(torch.optim.Adam, "__init__", capturable_adam)
     eager = cnn_training("cuda")
     assert_same(eager, captured, **SAME)
-    assert_same(local, captured, rtol=1e-3, atol=1e-2)
-    torch.testing.assert_close(captured["losses"], local["losses"], rtol=1e-3, atol=1e-4)
+    if AGAINST_LOCAL:
+        assert_same(local, captured, rtol=1e-3, atol=1e-2)
+        torch.testing.assert_close(captured["losses"], local["losses"], rtol=1e-3, atol=1e-4)
 
 
 def test_captured_transformer_step_under_bf16_autocast_matches_eager(
@@ -102,7 +107,8 @@ def test_captured_transformer_step_under_bf16_autocast_matches_eager(
     replayed(capturing)
     assert bool(captured["logits_bf16"])
     assert_same(eager, captured, rtol=max(SAME["rtol"], 1e-6), atol=max(SAME["atol"], 1e-6))
-    torch.testing.assert_close(captured["losses"], local["losses"], rtol=2e-2, atol=2e-2)
+    if AGAINST_LOCAL:
+        torch.testing.assert_close(captured["losses"], local["losses"], rtol=2e-2, atol=2e-2)
 
 
 def test_captured_residual_cnn_step_matches_eager_and_local(capturing: Capturing) -> None:
@@ -111,7 +117,8 @@ def test_captured_residual_cnn_step_matches_eager_and_local(capturing: Capturing
     captured = resnet_bf16("cuda", capturing)
     replayed(capturing)
     assert_same(eager, captured, rtol=max(SAME["rtol"], 1e-6), atol=max(SAME["atol"], 1e-6))
-    assert_same(local, captured, rtol=1e-2, atol=1e-2)
+    if AGAINST_LOCAL:
+        assert_same(local, captured, rtol=1e-2, atol=1e-2)
 
 
 def test_a_step_over_two_gpus_runs_eagerly_with_a_warning(attach: Callable[..., Any]) -> None:
@@ -130,7 +137,8 @@ def test_a_step_over_two_gpus_runs_eagerly_with_a_warning(attach: Callable[..., 
         remote = two_device_pipeline(("cuda:0", "cuda:1"), wrap)
     assert not steps[0].replaying
     del local["placed"], remote["placed"]
-    assert_same(local, remote, rtol=1e-5, atol=1e-6)
+    if AGAINST_LOCAL:
+        assert_same(local, remote, rtol=1e-5, atol=1e-6)
 
 
 # ---- what would change the program ------------------------------------------------------------
