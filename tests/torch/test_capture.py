@@ -461,3 +461,29 @@ def test_a_forward_only_step_replays_the_same_values(attach: Callable[..., Any])
         step(x)
     assert step.replaying
     torch.testing.assert_close(step(x).cpu(), F.relu(model(x)).cpu())
+
+
+def test_attention_asks_the_worker_for_its_kernel_and_is_still_captured(
+    attach: Callable[..., Any],
+) -> None:
+    from gpupool.torch import kernels
+
+    attach()
+    q = torch.randn(2, 4, 8, 16).cuda()
+
+    def make() -> Any:
+        kernels._SDP_CHOICES.clear()  # the recording itself asks the worker (a round trip)
+        torch.manual_seed(0)
+        proj = nn.Linear(16, 16).cuda()
+
+        def step(q: torch.Tensor) -> torch.Tensor:
+            x = proj(q)
+            return F.scaled_dot_product_attention(x, x, x, is_causal=True).sum()
+
+        return proj, None, step
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        eager, captured, step = _run_both(lambda f: [f(q) for _ in range(5)], make)
+    assert step.replaying
+    torch.testing.assert_close(torch.stack(captured), torch.stack(eager), **SAME)
