@@ -12,7 +12,16 @@ Writes bench/results/remote_overhead.json: a list of
 {workload, batch, mode, local_ms, remote_ms, ratio, machine} (mode "eager"), plus the extra
 fields each micro-benchmark has.
 
+`--mode captured`: the remote side runs its training step through `gpupool.torch.capture`
+(one message per step, replayed by the worker as a CUDA graph), still against the local
+EAGER step of the same run; rows have mode "captured" and say how the worker replayed
+(`remote_worker_modes`: graph or ops) and any capture warnings. `--worker-device cpu` runs
+the whole comparison on the CPU (a CPU worker against plain CPU PyTorch), for the small
+workloads (mlp, cnn, gpt_tiny) on a machine without a GPU.
+
     python bench/remote_overhead.py [--steps 20] [--only resnet50,gpt2,ops,roundtrip,copy]
+    python bench/remote_overhead.py --mode captured --only resnet50,gpt2
+    python bench/remote_overhead.py --mode captured --worker-device cpu --only mlp,cnn,gpt_tiny
 
 torchvision and transformers are imported only inside the workloads that need them.
 """
@@ -40,19 +49,19 @@ LEASE = "bench-lease"
 # ---- workloads: each builds its state once and returns a step function ------------------
 
 
-def resnet50_step(batch: int) -> Any:
+def resnet50_step(batch: int, device: str = "cuda") -> Any:
     import torch
     import torch.nn.functional as F
     import torchvision
 
     torch.manual_seed(0)
-    model = torchvision.models.resnet50(weights=None).cuda()
+    model = torchvision.models.resnet50(weights=None).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
-    images = torch.randn(batch, 3, 224, 224, device="cuda")
-    labels = torch.randint(0, 1000, (batch,), device="cuda")
+    images = torch.randn(batch, 3, 224, 224, device=device)
+    labels = torch.randint(0, 1000, (batch,), device=device)
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             loss = F.cross_entropy(model(images), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -61,20 +70,20 @@ def resnet50_step(batch: int) -> Any:
     return step
 
 
-def gpt2_step(batch: int, sequence: int = 512) -> Any:
+def gpt2_step(batch: int, sequence: int = 512, device: str = "cuda") -> Any:
     import torch
     import transformers
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12)
     config._attn_implementation = "sdpa"
-    model = transformers.GPT2LMHeadModel(config).cuda()
+    model = transformers.GPT2LMHeadModel(config).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, config.vocab_size, (batch, sequence), device="cuda")
+    tokens = torch.randint(0, config.vocab_size, (batch, sequence), device=device)
 
     def step() -> None:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             loss = model(input_ids=tokens, labels=tokens).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -83,18 +92,93 @@ def gpt2_step(batch: int, sequence: int = 512) -> Any:
     return step
 
 
-def time_steps(step: Any, steps: int, warmup: int) -> float:
-    """Mean milliseconds per step, GPU work included."""
+def small_step(workload: str, batch: int, device: str) -> Any:
+    """Small models for a machine without a GPU (CPU worker against CPU PyTorch): an MLP with
+    SGD, a conv net with batch norm and Adam, a 2-layer causal transformer with AdamW."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    torch.manual_seed(0)
+    if workload == "mlp":
+        model: nn.Module = nn.Sequential(
+            nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)
+        )
+        opt: torch.optim.Optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+        x = torch.randn(batch, 64)
+    elif workload == "cnn":
+        model = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, stride=2, padding=1, bias=False), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10),
+        )  # fmt: skip
+        opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+        x = torch.randn(batch, 3, 16, 16)
+    else:
+        layer = nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True)
+        model = nn.Sequential(nn.Embedding(128, 64), nn.TransformerEncoder(layer, 2),
+                              nn.Linear(64, 10))  # fmt: skip
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        x = torch.randint(0, 128, (batch, 32))
+    model.to(device)
+    x, y = x.to(device), torch.randint(0, 10, (batch,), device=device)
+
+    def step() -> None:
+        out = model(x)
+        loss = F.cross_entropy(out if out.dim() == 2 else out.mean(1), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def synchronize(device: str) -> None:
     import torch
 
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Any, steps: int, warmup: int, device: str = "cuda") -> dict[str, float]:
+    """Mean milliseconds per step, GPU work included (ms), and of it the time the program
+    spent in its step calls (issue_ms: what the client's Python costs while the device
+    works; on a busy host the least noisy measure of what capture saves)."""
     for _ in range(warmup):
         step()
-    torch.cuda.synchronize()
+    synchronize(device)
     start = time.perf_counter()
     for _ in range(steps):
         step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3
+    issued = time.perf_counter()
+    synchronize(device)
+    done = time.perf_counter()
+    return {"ms": (done - start) / steps * 1e3, "issue_ms": (issued - start) / steps * 1e3}
+
+
+CAPTURE_WARMUP = 6
+"""Calls before a captured step is timed: recordings until two agree (three), the worker's
+side-stream warm-up run, the CUDA graph capture, and one replay to spare."""
+
+
+def time_step(spec: dict[str, Any], step: Any, warmup: int, device: str) -> dict[str, Any]:
+    """Time a workload's step, captured when the spec says so."""
+    if not spec.get("capture"):
+        return time_steps(step, spec["steps"], warmup, device)
+    import warnings
+
+    import gpupool.torch
+
+    captured = gpupool.torch.capture(step, graph=spec.get("graph", True))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", gpupool.torch.CaptureWarning)
+        timed = time_steps(captured, spec["steps"], max(warmup, CAPTURE_WARMUP), device)
+    return {
+        **timed,
+        "replaying": captured.replaying,
+        "worker_modes": captured.worker_modes(),
+        "capture_warnings": sorted({str(w.message)[:300] for w in caught}),
+    }
 
 
 def op_throughput(ops: int = 20000) -> dict[str, float]:
@@ -196,11 +280,18 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
         gpupool.torch.attach(workers=[spec["address"]], token=TOKEN, lease=LEASE)
         assert torch.cuda.is_available() and torch.cuda.device_count() == 1
-    workload, batch, steps = spec["workload"], spec["batch"], spec["steps"]
+    workload, batch = spec["workload"], spec["batch"]
+    # Remote runs see the worker as cuda whatever it runs on; a CPU comparison's local side
+    # runs plain CPU PyTorch.
+    device = "cpu" if spec["mode"] == "local" and spec.get("worker_device") == "cpu" else "cuda"
+    if spec.get("worker_device") == "cpu":
+        torch.set_num_threads(1)  # as the worker: one core each, on a host that has few
     if workload == "resnet50":
-        return {"ms": time_steps(resnet50_step(batch), steps, warmup=5)}
+        return time_step(spec, resnet50_step(batch, device=device), 5, device)
     if workload == "gpt2":
-        return {"ms": time_steps(gpt2_step(batch), steps, warmup=3)}
+        return time_step(spec, gpt2_step(batch, device=device), 3, device)
+    if workload in SMALL:
+        return time_step(spec, small_step(workload, batch, device), 5, device)
     if workload == "op_throughput":
         return op_throughput()
     if workload == "round_trip":
@@ -235,7 +326,12 @@ def run_child(
     return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
-def machine() -> str:
+def machine(on_cpu: bool = False) -> str:
+    import torch
+
+    if on_cpu:
+        cpu = platform.processor() or platform.machine()
+        return f"no GPU (CPU worker); {cpu} x{os.cpu_count()}; torch {torch.__version__}"
     try:
         gpu = subprocess.run(
             ["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
@@ -243,8 +339,6 @@ def machine() -> str:
         ).stdout.strip().splitlines()[0]  # fmt: skip
     except (OSError, IndexError, subprocess.SubprocessError):
         gpu = "unknown GPU"
-    import torch
-
     cpu = platform.processor() or platform.machine()
     return f"{gpu}; {cpu} x{os.cpu_count()}; torch {torch.__version__}"
 
@@ -283,6 +377,11 @@ PLAN = [
     ("round_trip", 1),
     ("copy_256MiB", 1),
 ]
+SMALL = ("mlp", "cnn", "gpt_tiny")
+CAPTURED_PLAN = [("resnet50", 32), ("resnet50", 128), ("gpt2", 8)]
+"""What `--mode captured` measures on a GPU: training steps (the micro-benchmarks have none)."""
+CPU_PLAN = [("mlp", 32), ("cnn", 32), ("gpt_tiny", 16)]
+"""What `--worker-device cpu` measures: small models a CPU runs in milliseconds."""
 
 
 def main() -> int:
@@ -299,6 +398,17 @@ def main() -> int:
         default=None,
         help="worker and client poll the socket this long before sleeping (default: off)",
     )
+    parser.add_argument("--mode", choices=["eager", "captured"], default="eager")
+    parser.add_argument(
+        "--no-graph",
+        action="store_true",
+        help="captured steps replay op by op on the worker instead of as a CUDA graph",
+    )
+    parser.add_argument(
+        "--worker-device",
+        default="cuda:0",
+        help="cuda:0, or cpu: a CPU worker against CPU PyTorch (small workloads)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -313,20 +423,28 @@ def main() -> int:
     from gpupool.protocol.v1.dataplane import start_worker_process
 
     wanted = {w for w in args.only.split(",") if w}
-    plan = [(w, b) for w, b in PLAN if not wanted or w in wanted or w.split("_")[0] in wanted]
+    on_cpu = args.worker_device == "cpu"
+    base = CPU_PLAN if on_cpu else CAPTURED_PLAN if args.mode == "captured" else PLAN
+    plan = [(w, b) for w, b in base if not wanted or w in wanted or w.split("_")[0] in wanted]
+    extra = {"capture": args.mode == "captured", "graph": not args.no_graph,
+             "worker_device": "cpu" if on_cpu else "cuda"}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
         listen = f"unix:{tmp}/worker.sock" if args.transport == "unix" else "tcp://127.0.0.1:0"
         worker, ready = start_worker_process(
-            LEASE, TOKEN, device="cuda:0", listen=listen, spin_us=args.spin_us
-        )
+            LEASE, TOKEN, device=args.worker_device, listen=listen, spin_us=args.spin_us,
+            threads=1 if on_cpu else None,
+        )  # fmt: skip
         spin_env = {"GPUPOOL_SPIN_US": str(args.spin_us)} if args.spin_us else None
         try:
-            host = machine()
+            host = machine(on_cpu)
             results: list[dict[str, Any]] = []
             for workload, batch in plan:
-                spec = {"workload": workload, "batch": batch, "steps": args.steps}
+                spec = {"workload": workload, "batch": batch, "steps": args.steps, **extra}
+                # The local side is always the eager step: what a captured step must beat.
                 local = run_child(
-                    {**spec, "mode": "local"}, gpu_visible=True, timeout_s=args.timeout
+                    {**spec, "mode": "local", "capture": False},
+                    gpu_visible=not on_cpu,
+                    timeout_s=args.timeout,
                 )
                 remote = run_child(
                     {**spec, "mode": "remote", "address": str(ready.address)},
@@ -337,7 +455,7 @@ def main() -> int:
                 row: dict[str, Any] = {
                     "workload": workload,
                     "batch": batch,
-                    "mode": "eager",
+                    "mode": args.mode,
                     "local_ms": local.get("ms"),
                     "remote_ms": remote.get("ms"),
                     "ratio": (remote["ms"] / local["ms"])
@@ -353,7 +471,7 @@ def main() -> int:
                             row[f"{side}_{key}"] = value
                 results.append(row)
                 print(json.dumps(row), flush=True)
-            if not wanted or "isolation" in wanted:
+            if (not wanted or "isolation" in wanted) and args.mode == "eager" and not on_cpu:
                 results.append(isolation_row(tmp, host, args.timeout))
                 print(json.dumps(results[-1]), flush=True)
         finally:

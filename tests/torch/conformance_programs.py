@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -25,10 +26,18 @@ def _host(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu() for k, v in model.state_dict().items()}
 
 
+Wrap = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+
+def eager(step: Callable[..., Any]) -> Callable[..., Any]:
+    """The training step as written; `gpupool.torch.capture` is the other `wrap`."""
+    return step
+
+
 # ---- MLP, SGD with momentum (foreach), on a DataLoader -----------------------------------
 
 
-def mlp_training(device: str) -> dict[str, Any]:
+def mlp_training(device: str, wrap: Wrap = eager) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1)
@@ -40,15 +49,20 @@ def mlp_training(device: str) -> dict[str, Any]:
         torch.utils.data.TensorDataset(x, y), batch_size=16, shuffle=True,
         generator=torch.Generator().manual_seed(3),
     )  # fmt: skip
+
+    def train_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        loss = F.mse_loss(model(xb), yb)
+        loss.backward()
+        opt.step()
+        return loss
+
+    step = wrap(train_step)
     losses = []
     for _epoch in range(3):
         for xb, yb in loader:
             xb, yb = xb.to(device, non_blocking=True), yb.to(device, non_blocking=True)
-            opt.zero_grad()
-            loss = F.mse_loss(model(xb), yb)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+            losses.append(step(xb, yb).item())
     return {"losses": torch.tensor(losses), **_host(model)}
 
 
@@ -58,9 +72,11 @@ def mlp_training(device: str) -> dict[str, Any]:
 class SmallCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        # No biases before batch norm (as ResNets do): their exact gradient is zero, and Adam
+        # would turn the rounding noise in it into full-size steps that no two runs share.
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(8)
-        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(16)
         self.head = nn.Linear(16, 5)
 
@@ -72,20 +88,25 @@ class SmallCNN(nn.Module):
         return self.head(x)
 
 
-def cnn_training(device: str) -> dict[str, Any]:
+def cnn_training(device: str, wrap: Wrap = eager) -> dict[str, Any]:
     torch.manual_seed(0)
     model = SmallCNN().to(device)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     x, y = _data(32, 3, 16, 16, classes=5)
-    losses = []
-    for step in range(6):
-        xb, yb = x[step % 2 * 16 :][:16].to(device), y[step % 2 * 16 :][:16].to(device)
+
+    def train_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         opt.zero_grad(set_to_none=True)
         loss = F.cross_entropy(model(xb), yb)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        losses.append(loss.item())
+        return loss
+
+    step = wrap(train_step)
+    losses = []
+    for i in range(6):
+        xb, yb = x[i % 2 * 16 :][:16].to(device), y[i % 2 * 16 :][:16].to(device)
+        losses.append(step(xb, yb).item())
     model.eval()
     with torch.no_grad():
         accuracy = (model(x.to(device)).argmax(1) == y.to(device)).float().mean()
@@ -136,7 +157,7 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def transformer_bf16(device: str) -> dict[str, Any]:
+def transformer_bf16(device: str, wrap: Wrap = eager) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     # SGD: its steps follow the gradients' size, so bf16-level gradient differences stay small
@@ -146,15 +167,21 @@ def transformer_bf16(device: str) -> dict[str, Any]:
     tokens = torch.randint(0, 64, (8, 17), generator=g)
     losses, dtypes = [], set()
     device_type = torch.device(device).type
-    for _step in range(4):
-        idx, target = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+
+    def train_step(idx: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         with torch.autocast(device_type, dtype=torch.bfloat16):
             logits = model(idx)
-            dtypes.add(logits.dtype)
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), target.reshape(-1))
         opt.zero_grad()
         loss.backward()
         opt.step()
+        return loss, logits
+
+    step = wrap(train_step)
+    for _step in range(4):
+        idx, target = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
+        loss, logits = step(idx, target)
+        dtypes.add(logits.dtype)
         losses.append(loss.item())
     return {
         "losses": torch.tensor(losses),
@@ -202,21 +229,26 @@ def checkpoint_resume(device: str) -> dict[str, Any]:
 # ---- a lease of two GPUs: a model split across them ----------------------------------------
 
 
-def two_device_pipeline(devices: tuple[str, str]) -> dict[str, Any]:
+def two_device_pipeline(devices: tuple[str, str], wrap: Wrap = eager) -> dict[str, Any]:
     torch.manual_seed(0)
     first = nn.Sequential(nn.Linear(8, 16), nn.ReLU()).to(devices[0])
     second = nn.Sequential(nn.Linear(16, 4)).to(devices[1])
     opt = torch.optim.SGD([*first.parameters(), *second.parameters()], lr=0.1)
     x, y = _data(16, 8, classes=4)
-    losses = []
-    for _ in range(4):
+
+    def train_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         opt.zero_grad()
-        hidden = first(x.to(devices[0]))
+        hidden = first(xb)
         logits = second(hidden.to(devices[1]))
-        loss = F.cross_entropy(logits, y.to(devices[1]))
+        loss = F.cross_entropy(logits, yb)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        return loss
+
+    step = wrap(train_step)
+    losses = []
+    for _ in range(4):
+        losses.append(step(x.to(devices[0]), y.to(devices[1])).item())
     placed = (str(next(first.parameters()).device), str(next(second.parameters()).device))
     return {
         "losses": torch.tensor(losses),
@@ -258,7 +290,7 @@ class Bottleneck(nn.Module):
         return self.relu(out)
 
 
-def resnet_bf16(device: str) -> dict[str, Any]:
+def resnet_bf16(device: str, wrap: Wrap = eager) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
@@ -268,12 +300,17 @@ def resnet_bf16(device: str) -> dict[str, Any]:
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4)
     x, y = _data(8, 3, 16, 16, classes=10)
     device_type = torch.device(device).type
-    losses = []
-    for _ in range(4):
+
+    def train_step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device_type, dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(x.to(device)), y.to(device))
+            loss = F.cross_entropy(model(xb), yb)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(loss.item())
+        return loss
+
+    step = wrap(train_step)
+    losses = []
+    for _ in range(4):
+        losses.append(step(x.to(device), y.to(device)).item())
     return {"losses": torch.tensor(losses), **_host(model)}

@@ -5,6 +5,7 @@
     model = Net().cuda()          # the parameters live on the lease's GPU
     loss = model(x.to("cuda")).sum(); loss.backward(); opt.step()
     print(loss.item())            # only reads wait for the worker
+    step = gpupool.torch.capture(train_step)   # later calls: one message each, replayed
 
 Without arguments, attach() reads GPUPOOL_LEASE, GPUPOOL_WORKERS (comma-separated addresses,
 one per GPU of the lease: cuda:0, cuda:1, …) and GPUPOOL_TOKEN, as `gpupool run --remote` sets.
@@ -30,10 +31,21 @@ from gpupool.torch import (
     runtime,
     serialization,
 )
+from gpupool.torch.capture import CapturedStep, CaptureWarning, capture
 from gpupool.torch.stream import AttachError, DeviceStream, WorkerLost, open_stream
 from gpupool.torch.tensor import RemoteTensor
 
-__all__ = ["AttachError", "RemoteTensor", "WorkerLost", "attach", "attached", "detach"]
+__all__ = [
+    "AttachError",
+    "CaptureWarning",
+    "CapturedStep",
+    "RemoteTensor",
+    "WorkerLost",
+    "attach",
+    "attached",
+    "capture",
+    "detach",
+]
 
 
 def attach(

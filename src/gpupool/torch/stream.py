@@ -44,6 +44,7 @@ from gpupool.protocol.v1.tensors import (
 from gpupool.torch.tensor import Handle
 
 if TYPE_CHECKING:
+    from gpupool.torch.capture import Recorder
     from gpupool.torch.shapes import OpInfo
 
 HANDLE_IDS = itertools.count(1)
@@ -104,6 +105,11 @@ class DeviceStream:
         self._client_arena = client_arena
         self._worker_arena = worker_arena
         self._arena_cursor = 0
+        self.recorder: Recorder | None = None
+        """Set while gpupool.torch.capture records a step: it sees every op, put and read."""
+        self.watched: set[int] = set()
+        """Handles captured programs read; `released` collects those the client dropped."""
+        self.released: set[int] = set()
 
     # ---- facts ---------------------------------------------------------------------------
 
@@ -122,7 +128,10 @@ class DeviceStream:
     # ---- appending -----------------------------------------------------------------------
 
     def new_handle(self) -> Handle:
-        return Handle(next(HANDLE_IDS), self)
+        handle = Handle(next(HANDLE_IDS), self)
+        if self.recorder is not None:
+            self.recorder.on_new_handle(self, handle)
+        return handle
 
     def op_id(self, op: OpInfo) -> int:
         op_id = self._op_ids.get(op)
@@ -136,6 +145,8 @@ class DeviceStream:
     def emit(self, record: list[Any]) -> None:
         records = self.records
         records.append(record)
+        if self.recorder is not None:
+            self.recorder.on_emit(self, record)
         if LAUNCH_BLOCKING:
             self.sync()
             return
@@ -153,6 +164,10 @@ class DeviceStream:
         """A handle's last client reference died (called from __del__: append only)."""
         if self.open:
             self.records.append([Rec.FREE, handle])
+            if handle in self.watched:
+                self.released.add(handle)
+            if self.recorder is not None:
+                self.recorder.on_release(handle)
 
     # ---- sending -------------------------------------------------------------------------
 
@@ -213,6 +228,8 @@ class DeviceStream:
         if host.device.type != "cpu":
             raise TypeError(f"put expects a host tensor, got {host.device}")
         host = host.contiguous()
+        if self.recorder is not None:
+            self.recorder.on_put(self, handle, host)
         nbytes = host.numel() * host.element_size()
         dtype, shape = dtype_name(host.dtype), list(host.shape)
         if nbytes <= INLINE_PAYLOAD_BYTES:
@@ -248,6 +265,8 @@ class DeviceStream:
     # ---- requests (the only places the client waits) -------------------------------------
 
     def read(self, handle_ext: Any) -> torch.Tensor:
+        if self.recorder is not None:
+            self.recorder.on_wait(self, "reads a tensor's values (.item(), .cpu(), print, a bool)")
         with self.lock:
             value = self._receive_tensor(self._request_locked(Rec.READ, handle_ext))
             self._arena_cursor = 0  # a read waits for the worker's stream: puts are done
@@ -257,6 +276,8 @@ class DeviceStream:
         self, op: OpInfo, args: list[Any], kwargs: dict[str, Any] | None, handle_base: int
     ) -> Any:
         """Run an op now and return the worker's description of its outputs."""
+        if self.recorder is not None:
+            self.recorder.on_call(self, op.wire_name)
         with self.lock:
             op_id = self.op_id(op)
             return self._receive_result(
@@ -264,6 +285,8 @@ class DeviceStream:
             )
 
     def sync(self) -> dict[str, Any]:
+        if self.recorder is not None:
+            self.recorder.on_wait(self, "synchronizes with the GPU")
         with self.lock:
             stats = self._receive_result(self._request_locked(Rec.SYNC))
             self._arena_cursor = 0
@@ -277,6 +300,8 @@ class DeviceStream:
         self.emit([Rec.SEED, int(seed)])
 
     def rng_state(self) -> torch.Tensor:
+        if self.recorder is not None:
+            self.recorder.on_wait(self, "reads the random generator's state")
         with self.lock:
             state = self._receive_result(self._request_locked(Rec.RNG_STATE))
         return torch.frombuffer(bytearray(state), dtype=torch.uint8)

@@ -31,6 +31,7 @@ from gpupool.protocol.v1.tensors import (
 )
 from gpupool.worker.activity import Activity
 from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
+from gpupool.worker.program import Programs
 
 ALLOWED_NAMESPACES = frozenset({"aten"})
 DENIED_OPS = frozenset({"aten::from_file"})
@@ -85,6 +86,7 @@ class Executor:
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     ops: dict[int, _Op] = field(default_factory=dict)
     error: ErrorBody | None = None
+    programs: Programs = field(default_factory=Programs)
 
     def __post_init__(self) -> None:
         self._host = torch.device("cpu")
@@ -101,6 +103,9 @@ class Executor:
             Rec.STATS: self._stats,
             Rec.RNG_STATE: self._rng_state,
             Rec.SET_RNG_STATE: self._set_rng_state,
+            Rec.PROGRAM: self._program,
+            Rec.RUN: self._run,
+            Rec.DROP_PROGRAM: self._drop_program,
         }
 
     # ---- decoding ------------------------------------------------------------------------
@@ -146,6 +151,7 @@ class Executor:
         """Forget everything the previous client left (it disconnected)."""
         self.tensors.clear()
         self.ops.clear()
+        self.programs.clear()
         self.error = None
         self.memory.reset()
         self.activity.memory_held_bytes = self.memory.held_bytes()
@@ -309,6 +315,46 @@ class Executor:
             [Kind.RESULT, req, _describe(result, iter(range(handle_base, handle_base + len(flat))))]
         )
 
+    # ---- captured steps (gpupool.worker.program) -------------------------------------------
+
+    def _program(self, rec: list[Any], link: Link) -> None:
+        _, program_id, body = rec
+        self.programs.define(program_id, body, self)
+
+    def _run(self, rec: list[Any], link: Link) -> None:
+        _, program_id, inputs, outs = rec
+        program = self.programs.get(program_id)
+        if not isinstance(inputs, list) or not isinstance(outs, list):
+            raise ProtocolError("RUN needs a list of inputs and a list of output handles")
+        if len(outs) != len(program.outputs) or not all(isinstance(h, int) for h in outs):
+            raise ProtocolError(
+                f"RUN of program {program_id} names {len(outs)} outputs, it has "
+                f"{len(program.outputs)}"
+            )
+        if self.error is not None:
+            return
+        name = f"captured step (program {program_id})"
+        try:
+            if any(isinstance(t, Missing) for t in inputs):
+                raise RuntimeError("an input is missing")
+            program.check_inputs(inputs)
+            slots = program.run(inputs, self)
+            if outs:
+                self._store(program.output_tensors(slots, inputs), outs)
+            if program.escapes:
+                self._store(
+                    [slots[slot] for slot, _ in program.escapes],
+                    [handle for _, handle in program.escapes],
+                )
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            self._fail(exc, name, inputs, None)
+        self.activity.ran(len(program.steps))
+
+    def _drop_program(self, rec: list[Any], link: Link) -> None:
+        self.programs.drop(rec[1])
+
     def _free(self, rec: list[Any], link: Link) -> None:
         self._drop(rec[1])
 
@@ -333,6 +379,7 @@ class Executor:
             "memory_limit_bytes": self.memory.limit_bytes,
             "tensors": len(self.tensors),
             "ops_total": self.activity.ops_total,
+            "programs": self.programs.describe(),
         }
 
     def _seed(self, rec: list[Any], link: Link) -> None:

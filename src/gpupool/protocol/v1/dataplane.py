@@ -36,6 +36,8 @@ CHUNK_BYTES = 8 * MiB
 INLINE_PAYLOAD_BYTES = 64 * 1024
 """Host tensors up to this size ride inside the op stream; bigger ones get their own frames."""
 BATCH_MAX_RECORDS = 512
+PROGRAM_VERSION = 1
+"""Version of a PROGRAM record's body; a worker refuses bodies of another version."""
 HELLO_TIMEOUT_S = 10.0
 
 _HEADER = struct.Struct(">II")
@@ -89,6 +91,16 @@ class Rec(IntEnum):
     """[RNG_STATE, req]: reply with the device generator's state (bytes)."""
     SET_RNG_STATE = 11
     """[SET_RNG_STATE, state]: restore the device generator (as checkpointing does)."""
+    PROGRAM = 12
+    """[PROGRAM, program_id, body]: define a captured step once; body is msgpack bytes of
+    `{v: PROGRAM_VERSION, inputs, slots, externals, steps, outputs, escapes, graph}` whose
+    tensors are `Ext.SLOT`s (see `gpupool.worker.program`). A malformed body is a protocol
+    error: the connection closes."""
+    RUN = 13
+    """[RUN, program_id, inputs, outs]: replay a program on these input tensors; its outputs
+    are stored under the client-chosen handles `outs`. One record per call of the step."""
+    DROP_PROGRAM = 14
+    """[DROP_PROGRAM, program_id]: the client will not run this program again."""
 
 
 class Ext(IntEnum):
@@ -106,6 +118,8 @@ class Ext(IntEnum):
     MEMORY_FORMAT = 6
     COMPLEX = 7
     """msgpack [real, imag]."""
+    SLOT = 8
+    """4-byte big-endian slot of a captured program (only inside a PROGRAM body)."""
 
 
 class ErrorKind(IntEnum):

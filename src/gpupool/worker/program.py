@@ -1,0 +1,494 @@
+"""Captured steps on the worker: a program validated once, replayed per RUN op by op or as a
+CUDA graph.
+
+A program names its tensors by slot: the call's inputs, the client's persistent tensors
+(externals: parameters, optimizer state, looked up by handle at each run), and temporaries
+made by its own ops. Everything a malformed body could do wrong (a slot read before it is
+written, a slot out of range, an op the connection never defined) is found when the program
+is defined, so a bad program closes the connection before anything of it runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import msgpack
+import torch
+
+from gpupool.protocol.v1.dataplane import PROGRAM_VERSION, Ext, ProtocolError
+from gpupool.protocol.v1.tensors import dtype_from_name, tensor_from_bytes
+
+if TYPE_CHECKING:
+    from gpupool.worker.executor import Executor
+
+log = logging.getLogger("gpupool.worker")
+
+MAX_PROGRAMS = 64
+"""Programs one connection may hold at once (each may pin a CUDA graph's memory pool)."""
+MAX_PROGRAM_STEPS = 200_000
+MAX_PROGRAM_SLOTS = 1_000_000
+GRAPH_AFTER_RUNS = 1
+"""Runs op by op (on a side stream: the warm-up CUDA graph capture wants) before capturing."""
+
+
+class ProgramError(RuntimeError):
+    """A RUN that cannot run (input of another shape than recorded): a sticky op error."""
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    index: int
+
+
+Binder = Callable[[list[Any]], Any]
+
+
+def _binder(value: Any) -> Binder | None:
+    """A function that rebuilds `value` with its slots filled in, or None if it has none:
+    most arguments (dims, scalars, dtypes) are constants bound once at definition."""
+    if type(value) is Slot:
+        index = value.index
+        return lambda slots: slots[index]
+    if isinstance(value, list | tuple):
+        parts = [_binder(item) for item in value]
+        bound = [(i, part) for i, part in enumerate(parts) if part is not None]
+        if not bound:
+            return None
+        constant = list(value)
+
+        def bind_list(slots: list[Any]) -> list[Any]:
+            out = constant.copy()
+            for i, part in bound:
+                out[i] = part(slots)
+            return out
+
+        return bind_list
+    return None
+
+
+def _slots_in(value: Any) -> Iterator[int]:
+    if type(value) is Slot:
+        yield value.index
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _slots_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _slots_in(item)
+
+
+def _flatten(value: Any) -> Iterator[Any]:
+    if isinstance(value, list | tuple):
+        for item in value:
+            yield from _flatten(item)
+    else:
+        yield value
+
+
+class _OpStep:
+    __slots__ = ("args", "bind_args", "bind_kwargs", "fn", "kwargs", "name", "outs", "problem")
+
+    def __init__(
+        self,
+        name: str,
+        fn: Any,
+        problem: str | None,
+        args: list[Any],
+        kwargs: dict[str, Any] | None,
+        outs: list[int | None] | None,
+    ) -> None:
+        self.name, self.fn, self.problem = name, fn, problem
+        self.args, self.kwargs, self.outs = args, kwargs or {}, outs
+        self.bind_args = _binder(args)
+        self.bind_kwargs = {k: b for k, v in self.kwargs.items() if (b := _binder(v)) is not None}
+
+    def run(self, slots: list[Any]) -> None:
+        if self.fn is None:
+            raise ProgramError(self.problem or f"{self.name} cannot run on this worker")
+        args = self.bind_args(slots) if self.bind_args is not None else self.args
+        kwargs = self.kwargs
+        if self.bind_kwargs:
+            kwargs = dict(kwargs)
+            for name, bind in self.bind_kwargs.items():
+                kwargs[name] = bind(slots)
+        result = self.fn(*args, **kwargs)
+        outs = self.outs
+        if outs:
+            if len(outs) == 1 and isinstance(result, torch.Tensor):
+                if outs[0] is not None:
+                    slots[outs[0]] = result
+                return
+            flat = list(_flatten(result))
+            if len(flat) != len(outs):
+                raise ProgramError(f"{self.name} returned {len(flat)} values, recorded {len(outs)}")
+            for value, slot in zip(flat, outs, strict=True):
+                if slot is not None:
+                    slots[slot] = value
+
+
+class _PutStep:
+    """Constant bytes the step copied into a tensor (a `torch.tensor([...], device="cuda")`)."""
+
+    __slots__ = ("slot", "source")
+
+    def __init__(self, slot: int, source: torch.Tensor) -> None:
+        self.slot, self.source = slot, source
+
+    def run(self, slots: list[Any]) -> None:
+        slots[self.slot].copy_(self.source)
+
+
+@dataclass
+class _Graph:
+    graph: Any  # torch.cuda.CUDAGraph
+    static_inputs: list[torch.Tensor]
+    slots: list[Any]
+
+
+class Program:
+    """One captured step, as the worker runs it."""
+
+    def __init__(self, program_id: int, body: dict[str, Any], executor: Executor) -> None:
+        self.id = program_id
+        self.device = executor.device
+        if body.get("v") != PROGRAM_VERSION:
+            raise ProtocolError(
+                f"program version {body.get('v')!r}, this worker speaks {PROGRAM_VERSION}"
+            )
+        self.input_specs = _input_specs(body.get("inputs"))
+        n_inputs = len(self.input_specs)
+        self.n_slots = _int(body.get("slots"), "slots", n_inputs, MAX_PROGRAM_SLOTS)
+        self.externals = _pairs(body.get("externals"), "externals", self.n_slots)
+        defined = [False] * self.n_slots
+        for i in range(n_inputs):
+            defined[i] = True
+        for slot, _ in self.externals:
+            if slot < n_inputs or defined[slot]:
+                raise ProtocolError(f"program external slot {slot} is also another slot")
+            defined[slot] = True
+        steps = body.get("steps")
+        if not isinstance(steps, list) or len(steps) > MAX_PROGRAM_STEPS:
+            raise ProtocolError("program steps must be a list of bounded length")
+        self.steps: list[_OpStep | _PutStep] = []
+        self.mutated_inputs: set[int] = set()
+        for step in steps:
+            self.steps.append(self._compile(step, defined, n_inputs, executor))
+        self.outputs = [_slot(s, self.n_slots, defined, "output") for s in _list(body, "outputs")]
+        self.escapes = _pairs(body.get("escapes"), "escapes", self.n_slots)
+        for slot, _ in self.escapes:
+            if not defined[slot]:
+                raise ProtocolError(f"program escape slot {slot} is never written")
+        self.graph_allowed = bool(body.get("graph", True)) and self.device.type == "cuda"
+        self.mode = "ops"
+        """ops: op by op; graph: a CUDA graph replay; the client can ask for it in STATS."""
+        self.runs = 0
+        self._graph: _Graph | None = None
+
+    # ---- definition ----------------------------------------------------------------------
+
+    def _compile(
+        self, step: Any, defined: list[bool], n_inputs: int, executor: Executor
+    ) -> _OpStep | _PutStep:
+        if not isinstance(step, list) or not step:
+            raise ProtocolError("a program step must be a non-empty list")
+        if step[0] == "put":
+            _, target, dtype, shape, payload = step
+            slot = _slot(target, self.n_slots, defined, "put target")
+            if not isinstance(payload, bytes):
+                raise ProtocolError("a program put carries bytes")
+            source = tensor_from_bytes(payload, dtype_from_name(dtype), shape)
+            if self.device.type == "cuda":
+                source = source.to(self.device)  # a device copy: capturable in a CUDA graph
+            if slot < n_inputs:
+                self.mutated_inputs.add(slot)
+            return _PutStep(slot, source)
+        if step[0] != "op" or len(step) != 5:
+            raise ProtocolError(f"unknown program step {step[0]!r}")
+        _, op_id, args, kwargs, outs = step
+        if not isinstance(args, list) or not (kwargs is None or isinstance(kwargs, dict)):
+            raise ProtocolError("program op arguments must be a list and a map")
+        op = executor.ops.get(op_id) if isinstance(op_id, int) else None
+        if op is None:
+            raise ProtocolError(f"program uses op id {op_id!r}, which was never defined")
+        for index in _slots_in([args, kwargs]):
+            if not 0 <= index < self.n_slots or not defined[index]:
+                raise ProtocolError(f"program op {op.name} reads slot {index} before it is set")
+        self._note_mutations(op.fn, args, kwargs or {}, n_inputs)
+        if outs is not None:
+            if not isinstance(outs, list):
+                raise ProtocolError("program op outputs must be a list")
+            for slot in outs:
+                if slot is None:
+                    continue
+                if not isinstance(slot, int) or not n_inputs <= slot < self.n_slots:
+                    raise ProtocolError(f"program op {op.name} writes a bad slot {slot!r}")
+                if defined[slot]:
+                    raise ProtocolError(f"program op {op.name} writes slot {slot} twice")
+                defined[slot] = True
+        return _OpStep(op.name, op.fn, op.problem, args, kwargs, outs)
+
+    def _note_mutations(
+        self, fn: Any, args: list[Any], kwargs: dict[str, Any], n_inputs: int
+    ) -> None:
+        """Inputs an op writes: a CUDA graph writes its static copy, so they are copied back."""
+        if fn is None:
+            return
+        for i, arg in enumerate(fn._schema.arguments):
+            info = arg.alias_info
+            if info is None or not info.is_write:
+                continue
+            value = kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else None)
+            for index in _slots_in(value):
+                if index < n_inputs:
+                    self.mutated_inputs.add(index)
+
+    # ---- running -------------------------------------------------------------------------
+
+    def check_inputs(self, inputs: list[Any]) -> None:
+        if len(inputs) != len(self.input_specs):
+            raise ProtocolError(
+                f"RUN of program {self.id} with {len(inputs)} inputs, it takes "
+                f"{len(self.input_specs)}"
+            )
+        for i, (tensor, spec) in enumerate(zip(inputs, self.input_specs, strict=True)):
+            if not isinstance(tensor, torch.Tensor):
+                continue  # a Missing handle: the executor reports it
+            got = (tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            if got != spec:
+                raise ProgramError(
+                    f"captured step input {i} is {list(got[0])} {got[2]}, the program was "
+                    f"recorded for {list(spec[0])} {spec[2]}"
+                )
+
+    def run(self, inputs: list[torch.Tensor], executor: Executor) -> list[Any]:
+        """Run once; returns the slots (outputs and escapes are read from them)."""
+        self.runs += 1
+        if self._graph is not None:
+            return self._replay(inputs)
+        if self.graph_allowed and self.runs > GRAPH_AFTER_RUNS:
+            try:
+                return self._capture(inputs, executor)
+            except torch.OutOfMemoryError as exc:
+                self._give_up_graph(f"its memory does not fit the lease's limit ({exc})")
+            except Exception as exc:  # an op that cannot be captured: replay op by op
+                self._give_up_graph(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        if self.graph_allowed:
+            return self._warm_up(inputs, executor)
+        slots = self._slots(inputs, executor)
+        for step in self.steps:
+            step.run(slots)
+        return slots
+
+    def output_tensors(self, slots: list[Any], inputs: list[torch.Tensor]) -> list[Any]:
+        """What RUN stores under the client's new handles: inputs and externals as themselves,
+        temporaries of a CUDA graph cloned (the next replay overwrites them)."""
+        n_inputs = len(self.input_specs)
+        external = {slot for slot, _ in self.externals}
+        out = []
+        for slot in self.outputs:
+            if slot < n_inputs:
+                out.append(inputs[slot])
+            elif self._graph is not None and slot not in external:
+                out.append(slots[slot].clone())
+            else:
+                out.append(slots[slot])
+        return out
+
+    def _slots(self, inputs: list[torch.Tensor], executor: Executor) -> list[Any]:
+        slots: list[Any] = [None] * self.n_slots
+        slots[: len(inputs)] = inputs
+        tensors = executor.tensors
+        for slot, handle in self.externals:
+            tensor = tensors.get(handle)
+            if tensor is None:
+                raise ProgramError(
+                    f"captured step reads tensor {handle}, which the worker does not hold"
+                )
+            slots[slot] = tensor
+        return slots
+
+    def _warm_up(self, inputs: list[torch.Tensor], executor: Executor) -> list[Any]:
+        """Op by op on a side stream, as CUDA graph capture wants its first run (cuBLAS and
+        cuDNN set up their workspaces outside the graph)."""
+        current = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(current)
+        slots = self._slots(inputs, executor)
+        with torch.cuda.stream(side):
+            for step in self.steps:
+                step.run(slots)
+        current.wait_stream(side)
+        for value in slots:
+            if isinstance(value, torch.Tensor) and value.device.type == "cuda":
+                value.record_stream(current)
+        return slots
+
+    def _capture(self, inputs: list[torch.Tensor], executor: Executor) -> list[Any]:
+        static = []
+        for tensor in inputs:
+            buffer = torch.empty_strided(
+                tensor.shape, tensor.stride(), dtype=tensor.dtype, device=tensor.device
+            )
+            buffer.copy_(tensor)
+            static.append(buffer)
+        graph = torch.cuda.CUDAGraph()
+        slots = self._slots(static, executor)
+        # thread_local: the worker's other threads (status file, allocator stats) may touch
+        # CUDA while this one captures.
+        pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            for step in self.steps:
+                step.run(slots)
+        self._graph = _Graph(graph, static, slots)
+        self.mode = "graph"
+        log.info("program %d captured as a CUDA graph (%d steps)", self.id, len(self.steps))
+        graph.replay()
+        self._copy_back(inputs)
+        return slots
+
+    def _replay(self, inputs: list[torch.Tensor]) -> list[Any]:
+        graph = self._graph
+        assert graph is not None
+        for buffer, tensor in zip(graph.static_inputs, inputs, strict=True):
+            buffer.copy_(tensor)
+        graph.graph.replay()
+        self._copy_back(inputs)
+        return graph.slots
+
+    def _copy_back(self, inputs: list[torch.Tensor]) -> None:
+        graph = self._graph
+        assert graph is not None
+        for index in self.mutated_inputs:
+            inputs[index].copy_(graph.static_inputs[index])
+
+    def release(self) -> None:
+        """Let the CUDA graph and its memory pool go once no replay of it is in flight."""
+        if self._graph is not None:
+            torch.cuda.synchronize(self.device)
+            self._graph = None
+
+    def _give_up_graph(self, why: str) -> None:
+        log.warning("program %d replays op by op: %s", self.id, why)
+        self.graph_allowed = False
+        self._graph = None
+        self.mode = "ops"
+        with contextlib.suppress(Exception):  # a broken capture may leave an error behind
+            torch.cuda.synchronize(self.device)
+
+
+class Programs:
+    """The programs one connection defined."""
+
+    def __init__(self) -> None:
+        self.programs: dict[int, Program] = {}
+
+    def define(self, program_id: Any, body: Any, executor: Executor) -> None:
+        if not isinstance(program_id, int) or not isinstance(body, bytes):
+            raise ProtocolError("PROGRAM needs an id and a body")
+        if program_id in self.programs:
+            raise ProtocolError(f"program {program_id} is already defined")
+        if len(self.programs) >= MAX_PROGRAMS:
+            raise ProtocolError(f"more than {MAX_PROGRAMS} captured programs on one connection")
+        decoded = decode_body(body, executor)
+        if not isinstance(decoded, dict):
+            raise ProtocolError("a program body must be a map")
+        self.programs[program_id] = Program(program_id, decoded, executor)
+
+    def get(self, program_id: Any) -> Program:
+        program = self.programs.get(program_id) if isinstance(program_id, int) else None
+        if program is None:
+            raise ProtocolError(f"RUN of program {program_id!r}, which is not defined")
+        return program
+
+    def drop(self, program_id: Any) -> None:
+        program = self.programs.pop(program_id, None)
+        if program is not None:
+            program.release()
+
+    def clear(self) -> None:
+        for program in self.programs.values():
+            program.release()
+        self.programs.clear()
+
+    def describe(self) -> list[list[Any]]:
+        return [[p.id, p.mode, p.runs] for p in self.programs.values()]
+
+
+def decode_body(body: bytes, executor: Executor) -> Any:
+    """Tensors in a program are slots; a handle there would bind the program to whatever the
+    handle holds at definition, so it is refused."""
+
+    def hook(code: int, data: bytes) -> object:
+        if code == Ext.SLOT:
+            if len(data) != 4:
+                raise ProtocolError("a slot is 4 bytes")
+            return Slot(int.from_bytes(data, "big"))
+        if code == Ext.TENSOR:
+            raise ProtocolError("a program names tensors by slot, not by handle")
+        return executor.ext_hook(code, data)
+
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, ext_hook=hook)
+    except ProtocolError:
+        raise
+    except (msgpack.UnpackException, ValueError, TypeError) as exc:
+        raise ProtocolError(f"malformed program body: {exc}") from exc
+
+
+# ---- validation helpers ---------------------------------------------------------------------
+
+
+def _int(value: Any, what: str, low: int, high: int) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise ProtocolError(f"program {what} must be an integer in [{low}, {high}]")
+    return value
+
+
+def _list(body: dict[str, Any], key: str) -> list[Any]:
+    value = body.get(key)
+    if not isinstance(value, list):
+        raise ProtocolError(f"program {key} must be a list")
+    return value
+
+
+def _slot(value: Any, n_slots: int, defined: list[bool], what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < n_slots:
+        raise ProtocolError(f"program {what} is not a slot: {value!r}")
+    if not defined[value]:
+        raise ProtocolError(f"program {what} slot {value} is never set")
+    return value
+
+
+def _pairs(value: Any, what: str, n_slots: int) -> list[tuple[int, int]]:
+    if not isinstance(value, list):
+        raise ProtocolError(f"program {what} must be a list of [slot, handle]")
+    pairs = []
+    for item in value:
+        if (
+            not isinstance(item, list)
+            or len(item) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in item)
+            or not 0 <= item[0] < n_slots
+            or item[1] < 0
+        ):
+            raise ProtocolError(f"program {what} entry {item!r:.80} is not [slot, handle]")
+        pairs.append((item[0], item[1]))
+    return pairs
+
+
+def _input_specs(value: Any) -> list[tuple[tuple[int, ...], tuple[int, ...], torch.dtype]]:
+    if not isinstance(value, list):
+        raise ProtocolError("program inputs must be a list of [dtype, shape, stride]")
+    specs = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 3:
+            raise ProtocolError("a program input is [dtype, shape, stride]")
+        dtype, shape, stride = item
+        if not all(isinstance(x, list) and all(type(v) is int for v in x) for x in (shape, stride)):
+            raise ProtocolError("a program input's shape and stride are lists of integers")
+        specs.append((tuple(shape), tuple(stride), dtype_from_name(dtype)))
+    return specs
