@@ -1,10 +1,11 @@
 """On the GPU machine: the conformance programs on real CUDA workers give what the same
 programs give on the local GPU.
 
-The local run happens in a child process, because this process's `torch.cuda` becomes the
-remote GPUs once attached. Both sides run the same CUDA kernels (the worker receives
-convolution, batch norm and attention whole), so the tolerances are tighter than the CPU
-suite's CPU-against-remote comparison.
+Run with `GPUPOOL_TEST_WORKER_DEVICE=cuda:0 CUDA_VISIBLE_DEVICES= pytest -m gpu ...`: the test
+process is a client without a GPU, its workers get the GPU (GPUPOOL_TEST_WORKER_GPUS, default
+0), and the local baseline runs in a child process that sees the same GPU. Both sides run the
+same CUDA kernels (the worker receives convolution, batch norm and attention whole), so the
+tolerances are tighter than the CPU suite's CPU-against-remote comparison.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from conformance_programs import (
 )
 from test_conformance import assert_same
 
-from tests.torch.conftest import TOKEN, WorkerHandle, start_worker
+from tests.torch.conftest import TOKEN, WORKER_DEVICE, WorkerHandle, start_worker
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -37,8 +38,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def _cuda_or_skip() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU here (the CPU suite covers CPU workers)")
+    if not WORKER_DEVICE.startswith("cuda"):
+        pytest.skip("GPUPOOL_TEST_WORKER_DEVICE is not cuda: the CPU suite covers CPU workers")
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +47,8 @@ def cuda_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[Work
     _cuda_or_skip()
     sock = tmp_path_factory.mktemp("gpu-sock") / "w.sock"
     started = [
-        start_worker("lease-gpu", device="cuda"),
-        start_worker("lease-gpu", device="cuda", listen=f"unix:{sock}"),
+        start_worker("lease-gpu"),
+        start_worker("lease-gpu", listen=f"unix:{sock}"),
     ]
     yield started
     for worker in started:
@@ -79,6 +80,7 @@ def local_cuda(program: str, arg: str, tmp_path: Path) -> Any:
         f"torch.save(getattr(p, {program!r})(arg), {str(out)!r})\n"
     )
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUPOOL_")}
+    env["CUDA_VISIBLE_DEVICES"] = os.environ.get("GPUPOOL_TEST_WORKER_GPUS", "0")
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=600)
     return torch.load(out, weights_only=False)
 
