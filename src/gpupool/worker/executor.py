@@ -77,6 +77,25 @@ class _Op:
     problem: str | None = None
 
 
+class _BatchNormNoUpdate:
+    """`aten::_batch_norm_no_update` (what the client sends for batch norm in eval mode) has
+    only a CPU kernel behind its composite on some torch versions: on a CUDA worker it fails
+    with "Expected tensor to have CPU Backend". The same arithmetic, device-generic, is
+    `_native_batch_norm_legit_no_training`; the fourth output (cuDNN's reserve) is empty in
+    eval mode anyway."""
+
+    def __init__(self) -> None:
+        self._schema = torch.ops.aten._batch_norm_no_update.default._schema
+        self._legit = torch.ops.aten._native_batch_norm_legit_no_training.default
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
+        out, mean, rstd = self._legit(*args, **kwargs)
+        return out, mean, rstd, out.new_empty((0,), dtype=torch.uint8)
+
+
+SHIMS: dict[str, Callable[..., Any]] = {"aten::_batch_norm_no_update": _BatchNormNoUpdate()}
+
+
 @dataclass
 class Executor:
     lease_id: str
@@ -165,6 +184,9 @@ class Executor:
         self.ops[op_id] = self._resolve_op(name)
 
     def _resolve_op(self, name: str) -> _Op:
+        shim = SHIMS.get(name)
+        if shim is not None:
+            return _Op(name, shim)
         namespace = name.partition("::")[0]
         if namespace not in ALLOWED_NAMESPACES or name in DENIED_OPS:
             return _Op(name, None, f"{name} is not allowed on a gpupool worker")
