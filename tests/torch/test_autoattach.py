@@ -20,7 +20,7 @@ import os, subprocess, sys
 import torch
 x = torch.arange(4.0, device="cuda")
 print(torch.cuda.is_available(), torch.cuda.get_device_name(), (x * 2).sum().item())
-print("token left in the environment:", "GPUPOOL_TOKEN" in os.environ)
+print("token left in the environment:", "GPUPOOL_LEASE_TOKEN" in os.environ)
 """
 
 
@@ -33,7 +33,7 @@ def test_an_unchanged_program_runs_on_the_lease(
         "PYTHONPATH": os.pathsep.join([str(SITE), str(tmp_path)]),
         "GPUPOOL_LEASE": "lease-t",
         "GPUPOOL_WORKERS": workers[0].address,
-        "GPUPOOL_TOKEN": TOKEN,
+        "GPUPOOL_LEASE_TOKEN": TOKEN,
         "OMP_NUM_THREADS": "1",
     }
     program = (

@@ -73,6 +73,9 @@ class AgentSettings:
     """The agent's own HTTP API: 0 picks a free port, None turns it off."""
     token: str | None = field(default_factory=lambda: os.environ.get("GPUPOOL_TOKEN") or None)
     """The agent's API token (role agent): the controller refuses agents without one."""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    """With both, the workers serve their remote clients over TLS (tls://host:port)."""
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -179,6 +182,9 @@ class Agent:
             self.mps,
             simulated=backend.simulated,
             listen_host=self.settings.address or "127.0.0.1",
+            tls=(self.settings.tls_cert, self.settings.tls_key)
+            if self.settings.tls_cert and self.settings.tls_key
+            else None,
         )
         done = asyncio.Event()
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")

@@ -64,9 +64,16 @@ class WorkerSupervisor:
     """Keeps exactly one worker per remote slice the controller placed on this node."""
 
     def __init__(
-        self, root: Path, mps: MpsSupervisor, simulated: bool, listen_host: str = "127.0.0.1"
+        self,
+        root: Path,
+        mps: MpsSupervisor,
+        simulated: bool,
+        listen_host: str = "127.0.0.1",
+        tls: tuple[Path, Path] | None = None,
     ) -> None:
         self.root = root
+        self.tls = tls
+        """(certificate, key): remote clients then reach the workers over TLS only."""
         self.mps = mps
         self.simulated = simulated
         self.listen_host = listen_host
@@ -130,6 +137,8 @@ class WorkerSupervisor:
             listen=f"tcp://{self.listen_host}:0",
             memory_limit_mib=piece.memory_mib,
             status_file=status_file,
+            tls_cert=self.tls[0] if self.tls else None,
+            tls_key=self.tls[1] if self.tls else None,
         )
         endpoint = str(ready.address)
         log.info("worker for lease %s on %s listens on %s", lease_id, piece.gpu_uuid, endpoint)

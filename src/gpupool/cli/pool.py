@@ -438,6 +438,11 @@ def agent(
         int, typer.Option("--api-port", help="Port of the agent's API (0: any free port).")
     ] = 0,
     banner: Annotated[bool, typer.Option("--banner/--no-banner", hidden=True)] = True,
+    tls_cert: Annotated[
+        Path | None,
+        typer.Option("--tls-cert", help="Workers serve remote clients over TLS with this cert."),
+    ] = None,
+    tls_key: TlsKeyOption = None,
 ) -> None:
     if interval <= 0:
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
@@ -452,10 +457,13 @@ def agent(
             "the agent needs an API token: make one with "
             "`gpupool token create NODE --role agent` and give it with --token or GPUPOOL_TOKEN"
         )
+    worker_cert, worker_key = tls_files(tls_cert, tls_key)
     try:
         settings = AgentSettings(
             controller_url=controller_url,
             token=token,
+            tls_cert=worker_cert,
+            tls_key=worker_key,
             node_name=node or socket.gethostname(),
             fake_spec=fake,
             heartbeat_interval_s=interval,

@@ -61,7 +61,7 @@ _OWN_VARIABLES = (
     "GPUPOOL_SIMULATED",
     "GPUPOOL_LEASE",
     "GPUPOOL_WORKERS",
-    "GPUPOOL_TOKEN",
+    "GPUPOOL_LEASE_TOKEN",
 )
 
 
@@ -403,7 +403,7 @@ def remote_env(lease: LeaseOut, token: str, url: str) -> dict[str, str]:
         "GPUPOOL_LEASE": lease.id,
         "GPUPOOL_LEASE_ID": lease.id,
         "GPUPOOL_WORKERS": ",".join(piece.endpoint or "" for piece in lease.slices),
-        "GPUPOOL_TOKEN": token,
+        "GPUPOOL_LEASE_TOKEN": token,
         URL_ENV: url,
         # The program's cuda devices are the lease's workers; a GPU of this host, if it has
         # one, is not part of the lease.

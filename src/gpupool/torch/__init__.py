@@ -8,7 +8,8 @@
     step = gpupool.torch.capture(train_step)   # later calls: one message each, replayed
 
 Without arguments, attach() reads GPUPOOL_LEASE, GPUPOOL_WORKERS (comma-separated addresses,
-one per GPU of the lease: cuda:0, cuda:1, …) and GPUPOOL_TOKEN, as `gpupool run --remote` sets.
+one per GPU of the lease: cuda:0, cuda:1, …) and GPUPOOL_LEASE_TOKEN, as `gpupool run
+--remote` sets.
 """
 
 from __future__ import annotations
@@ -119,9 +120,9 @@ def _resolve(
     if not workers:
         env = os.environ.get("GPUPOOL_WORKERS", "")
         workers = [w.strip() for w in env.split(",") if w.strip()]
-    token = token or os.environ.get("GPUPOOL_TOKEN")
+    token = token or os.environ.get("GPUPOOL_LEASE_TOKEN")
     if not workers:
         raise AttachError("no workers to attach to: pass workers=[…] or set GPUPOOL_WORKERS")
     if not token:
-        raise AttachError("no lease token: pass token=… or set GPUPOOL_TOKEN")
+        raise AttachError("no lease token: pass token=… or set GPUPOOL_LEASE_TOKEN")
     return str(lease_id), list(workers), token

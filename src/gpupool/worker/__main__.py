@@ -35,7 +35,11 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         default=SPIN_US,
         help="after each batch, poll this long for the next frame before sleeping (0: never)",
     )
+    parser.add_argument("--tls-cert", type=Path, default=None, help="serve TCP clients over TLS")
+    parser.add_argument("--tls-key", type=Path, default=None, help="the certificate's key")
     args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
     token = args.token or os.environ.get(TOKEN_ENV)
     if not token:
         parser.error(f"--token or ${TOKEN_ENV} is required")
@@ -50,6 +54,8 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         status_file=args.status_file,
         threads=args.threads,
         spin_us=max(0, args.spin_us),
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
 
 

@@ -8,6 +8,7 @@ import logging
 import os
 import platform
 import socket
+import ssl
 import sys
 import threading
 from collections.abc import Iterator
@@ -35,6 +36,7 @@ from gpupool.protocol.v1.dataplane import (
     parse_address,
     recv_handshake,
     send_handshake,
+    server_tls_context,
     token_matches,
     tune,
 )
@@ -66,6 +68,9 @@ class WorkerConfig:
     read_arena_mib: int = 256
     """Shared memory the worker offers for reads to a client on the same host (Unix sockets)."""
     spin_us: int = SPIN_US
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    """With both, TCP clients must speak TLS: the worker listens on tls://host:port."""
 
 
 class Worker:
@@ -88,6 +93,7 @@ class Worker:
         self._session_lock = threading.Lock()
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
+        self._tls: ssl.SSLContext | None = None
         self._active: Connection | None = None
         self._threads: list[threading.Thread] = []
         self._status = StatusFile(config.status_file, self.activity) if config.status_file else None
@@ -97,6 +103,12 @@ class Worker:
 
     def start(self) -> Address:
         requested = parse_address(self.config.listen)
+        if self.config.tls_cert is not None and self.config.tls_key is not None:
+            self._tls = server_tls_context(self.config.tls_cert, self.config.tls_key)
+            if not requested.is_unix:
+                requested = Address("tls", host=requested.host, port=requested.port)
+        elif requested.is_tls:
+            raise DataPlaneError(f"{requested} needs a certificate and key (--tls-cert, --tls-key)")
         self._listener = listen(requested)
         self.address = bound_address(self._listener, requested)
         if self._status:
@@ -142,6 +154,15 @@ class Worker:
 
     def _handle(self, sock: socket.socket, peer: Any) -> None:
         tune(sock)
+        if self._tls is not None and sock.family != socket.AF_UNIX:
+            try:
+                sock.settimeout(HELLO_TIMEOUT_S)
+                sock = self._tls.wrap_socket(sock, server_side=True)
+            except (ssl.SSLError, OSError) as exc:
+                log.info("refused a connection from %s: TLS handshake failed: %s", peer, exc)
+                with contextlib.suppress(OSError):
+                    sock.close()
+                return
         try:
             fds = self._authenticate(sock)
         except (DataPlaneError, OSError) as exc:

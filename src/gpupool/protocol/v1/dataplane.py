@@ -15,7 +15,9 @@ from __future__ import annotations
 import contextlib
 import hmac
 import os
+import select
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -190,7 +192,7 @@ class RemoteError(DataPlaneError):
 
 @dataclass(frozen=True)
 class Address:
-    """`tcp://host:port` or `unix:/path/to/socket`."""
+    """`tcp://host:port`, `tls://host:port` (TCP under TLS) or `unix:/path/to/socket`."""
 
     scheme: str
     host: str = ""
@@ -201,11 +203,15 @@ class Address:
         if self.scheme == "unix":
             return f"unix:{self.path}"
         host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"tcp://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     @property
     def is_unix(self) -> bool:
         return self.scheme == "unix"
+
+    @property
+    def is_tls(self) -> bool:
+        return self.scheme == "tls"
 
 
 def parse_address(text: str) -> Address:
@@ -216,16 +222,39 @@ def parse_address(text: str) -> Address:
         if not path:
             raise ValueError(f"unix address without a path: {text!r}")
         return Address("unix", path=path)
-    if text.startswith("tcp://"):
-        rest = text[len("tcp://") :]
+    for scheme in ("tcp", "tls"):
+        if not text.startswith(f"{scheme}://"):
+            continue
+        rest = text[len(scheme) + 3 :]
         if rest.startswith("["):
             host, _, port = rest[1:].partition("]:")
         else:
             host, _, port = rest.rpartition(":")
         if not host or not port.isdigit() or int(port) > 65535:
-            raise ValueError(f"tcp address needs host:port: {text!r}")
-        return Address("tcp", host=host, port=int(port))
-    raise ValueError(f"address must start with tcp:// or unix: — got {text!r}")
+            raise ValueError(f"{scheme} address needs host:port: {text!r}")
+        return Address(scheme, host=host, port=int(port))
+    raise ValueError(f"address must start with tcp://, tls:// or unix: — got {text!r}")
+
+
+CA_ENV = "GPUPOOL_CA"
+"""A CA bundle (PEM) the client trusts for tls:// workers (default: the system's store)."""
+
+
+def client_tls_context() -> ssl.SSLContext:
+    """What a client checks a tls:// worker's certificate against."""
+    ca = os.environ.get(CA_ENV)
+    try:
+        return ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+    except (OSError, ssl.SSLError) as exc:
+        raise DataPlaneError(f"{CA_ENV}={ca}: cannot load a CA bundle from it ({exc})") from None
+
+
+def server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:
+    """A worker's TLS side: TLS 1.2 or newer, its certificate and key."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    context.load_cert_chain(certfile=str(cert), keyfile=str(key))
+    return context
 
 
 def listen(address: Address, backlog: int = 8) -> socket.socket:
@@ -249,7 +278,7 @@ def bound_address(sock: socket.socket, requested: Address) -> Address:
     if requested.is_unix:
         return requested
     host, port = sock.getsockname()[:2]
-    return Address("tcp", host=str(host), port=int(port))
+    return Address(requested.scheme, host=str(host), port=int(port))
 
 
 def connect(address: Address, timeout_s: float = 10.0) -> socket.socket:
@@ -259,6 +288,13 @@ def connect(address: Address, timeout_s: float = 10.0) -> socket.socket:
         sock.connect(address.path)
     else:
         sock = socket.create_connection((address.host, address.port), timeout=timeout_s)
+        if address.is_tls:
+            try:
+                # The handshake checks the worker's certificate against its host name or IP.
+                sock = client_tls_context().wrap_socket(sock, server_hostname=address.host)
+            except (ssl.SSLError, ssl.CertificateError) as exc:
+                sock.close()
+                raise DataPlaneError(f"TLS with the worker at {address} failed: {exc}") from exc
     sock.settimeout(None)
     tune(sock)
     return sock
@@ -367,6 +403,13 @@ class _Reader:
         if self._end > self._start:
             return True
         self._start = self._end = 0
+        if isinstance(self._sock, ssl.SSLSocket):
+            # TLS takes no recv flags: decrypted bytes may wait in the TLS layer, else ask
+            # the socket; a record that has only begun to arrive finishes in the blocking read.
+            if self._sock.pending():
+                return True
+            ready, _, _ = select.select([self._sock], [], [], 0)
+            return bool(ready)
         try:
             n = self._sock.recv_into(self._view, self._size, socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):
@@ -456,6 +499,15 @@ class Connection:
 
     def _sendmsg_all(self, parts: list[bytes | memoryview]) -> None:
         views = [memoryview(p).cast("B") for p in parts]
+        if isinstance(self.sock, ssl.SSLSocket):
+            # TLS has no scatter-gather send: each part goes through the record layer in turn.
+            try:
+                for view in views:
+                    self.sock.sendall(view)
+            except OSError as exc:
+                self.closed = True
+                raise ConnectionClosed(f"connection lost while sending: {exc}") from exc
+            return
         try:
             while views:
                 sent = self.sock.sendmsg(views)
@@ -661,6 +713,8 @@ def worker_argv(
     threads: int | None = None,
     spin_us: int | None = None,
     python: str | None = None,
+    tls_cert: Path | None = None,
+    tls_key: Path | None = None,
 ) -> list[str]:
     """The command that starts a worker; pass the token in the environment as TOKEN_ENV."""
     import sys
@@ -675,6 +729,8 @@ def worker_argv(
         argv += ["--threads", str(threads)]
     if spin_us is not None:
         argv += ["--spin-us", str(spin_us)]
+    if tls_cert is not None and tls_key is not None:
+        argv += ["--tls-cert", str(tls_cert), "--tls-key", str(tls_key)]
     return argv
 
 

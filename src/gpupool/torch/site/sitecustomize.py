@@ -1,6 +1,6 @@
 """Put on PYTHONPATH by `gpupool run --remote`: unchanged programs attach to the lease's GPUs.
 
-With GPUPOOL_LEASE, GPUPOOL_WORKERS and GPUPOOL_TOKEN set, the program attaches the moment it
+With GPUPOOL_LEASE, GPUPOOL_WORKERS and GPUPOOL_LEASE_TOKEN set, the program attaches the moment it
 first imports torch (programs that never do pay nothing: this file imports only the standard
 library). The variables then leave the environment, so that subprocesses (spawned DataLoader
 workers, tools the program runs) do not try to be a second client of the same workers.
@@ -15,7 +15,7 @@ import sys
 from types import ModuleType
 from typing import Any
 
-_ENV = ("GPUPOOL_LEASE", "GPUPOOL_WORKERS", "GPUPOOL_TOKEN")
+_ENV = ("GPUPOOL_LEASE", "GPUPOOL_WORKERS", "GPUPOOL_LEASE_TOKEN")
 
 
 def _attach_from_environment() -> None:
@@ -27,7 +27,7 @@ def _attach_from_environment() -> None:
     gpupool.torch.attach(
         settings["GPUPOOL_LEASE"] or "",
         workers=[w for w in (settings["GPUPOOL_WORKERS"] or "").split(",") if w],
-        token=settings["GPUPOOL_TOKEN"],
+        token=settings["GPUPOOL_LEASE_TOKEN"],
     )
 
 
