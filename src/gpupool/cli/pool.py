@@ -255,6 +255,20 @@ def controller(
             help="Dual pool: keep this many idle GPUs physical while whole-GPU requests come.",
         ),
     ] = None,
+    node_lost_policy: Annotated[
+        str,
+        typer.Option(
+            "--node-lost-policy",
+            help="Leases of a node that stays down: keep (while holders heartbeat) or release.",
+        ),
+    ] = "keep",
+    node_lost_grace: Annotated[
+        float,
+        typer.Option(
+            "--node-lost-grace",
+            help="Seconds a node may stay down before `release` ends its leases.",
+        ),
+    ] = 60.0,
 ) -> None:
     if lease_ttl <= 0 or node_timeout <= 0:
         raise BadInput("--lease-ttl and --node-timeout must be more than 0")
@@ -278,7 +292,15 @@ def controller(
     if physical_ready is not None and physical_ready < 0:
         raise BadInput(f"--physical-ready must not be negative, got {physical_ready}")
     from gpupool.controller.server import serve
-    from gpupool.controller.settings import ControllerSettings
+    from gpupool.controller.settings import NODE_LOST_POLICIES, ControllerSettings
+
+    if node_lost_policy not in NODE_LOST_POLICIES:
+        raise BadInput(
+            f"--node-lost-policy must be one of {', '.join(NODE_LOST_POLICIES)}, "
+            f"got {node_lost_policy!r}"
+        )
+    if node_lost_grace < 0:
+        raise BadInput(f"--node-lost-grace must not be negative, got {node_lost_grace:g}")
 
     serve(
         ControllerSettings(
@@ -297,6 +319,8 @@ def controller(
             preemption=preemption,
             preempt_grace_s=preempt_grace,
             physical_ready=physical_ready,
+            node_lost_policy=node_lost_policy,
+            node_lost_grace_s=node_lost_grace,
         )
     )
 

@@ -250,6 +250,7 @@ def _supervise(
         actor=context.actor,
         on_end=supervisor.lease_lost,
         on_error=_Warner(lease.id),
+        expire_after_s=lease.ttl_s,
     )
     with signals_to(supervisor.forward, _FORWARDED):
         try:
@@ -372,7 +373,8 @@ def await_workers(client: PoolClient, lease: LeaseOut) -> LeaseOut:
     while True:
         lease = client.heartbeat_lease(lease.id)
         if lease.state not in ("granted", "active", "idle"):
-            raise CommandFailed(f"lease {lease.id} ended before its workers ran ({lease.state})", 1)
+            why = lease.release_reason or lease.state
+            raise CommandFailed(f"lease {lease.id} ended before its workers ran ({why})", 1)
         if all(piece.endpoint for piece in lease.slices):
             return lease
         errors = lease.activity.get("errors") or []

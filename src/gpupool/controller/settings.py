@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+NODE_LOST_POLICIES = ("keep", "release")
+
 
 @dataclass(slots=True)
 class ControllerSettings:
@@ -37,6 +39,23 @@ class ControllerSettings:
     physical_ready: int | None = None
     """Dual pool: move idle GPUs between the pools to follow demand, keeping this many idle
     physical GPUs while physical requests queue (None: only operators switch modes)."""
+
+    node_lost_policy: str = "keep"
+    """What happens to the leases of a node that stays down: `keep` them while their holders
+    heartbeat (a partition between agent and controller need not stop a job), or `release`
+    them `node_lost_grace_s` after the node went down, so that the pool gets the GPUs back."""
+    node_lost_grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.node_lost_policy not in NODE_LOST_POLICIES:
+            raise ValueError(
+                f"node_lost_policy must be one of {', '.join(NODE_LOST_POLICIES)}, "
+                f"got {self.node_lost_policy!r}"
+            )
+        if self.node_lost_grace_s < 0:
+            raise ValueError(
+                f"node_lost_grace_s must not be negative, got {self.node_lost_grace_s}"
+            )
 
     def database_url(self) -> str:
         if self.db_url:
