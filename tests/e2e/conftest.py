@@ -1,4 +1,5 @@
-"""The `pool` fixture: a real controller and a fake-GPU agent per test, started by the CLI."""
+"""Fixtures: `pool` (a controller and a fake-GPU agent on loopback, started by the CLI) and
+`netpool` (controller, agents and client each in a network namespace of its own)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from e2e_pool import (
     healthy,
     stop,
 )
+from netns import unavailable_reason
+from netpool import NetPool, build
 
 
 @pytest.fixture
@@ -54,3 +57,13 @@ def pool(tmp_path: Path) -> Iterator[Pool]:
         if agent is not None:
             stop(agent)
         stop(controller)
+
+
+@pytest.fixture
+def netpool(tmp_path: Path) -> Iterator[NetPool]:
+    """Hosts `ctl`, `gpu-a`, `gpu-b` and `client` in network namespaces (nothing started);
+    skipped with the reason where namespaces cannot be built, always torn down."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    yield from build(tmp_path)
