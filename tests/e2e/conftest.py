@@ -21,6 +21,7 @@ from e2e_pool import (
 )
 from netns import unavailable_reason
 from netpool import NetPool, build
+from pool_checks import FaultRecord
 
 
 @pytest.fixture
@@ -67,3 +68,13 @@ def netpool(tmp_path: Path) -> Iterator[NetPool]:
     if reason is not None:
         pytest.skip(reason)
     yield from build(tmp_path)
+
+
+@pytest.fixture
+def record(request: pytest.FixtureRequest) -> Iterator[FaultRecord]:
+    """What a fault-injection test did and saw, for bench/results/reliability.md."""
+    started = time.monotonic()
+    rec = FaultRecord(fault=request.node.name)
+    yield rec
+    rec.seconds = round(time.monotonic() - started, 1)
+    rec.save(request.node.name)

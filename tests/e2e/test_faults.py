@@ -11,7 +11,6 @@ import signal
 import sys
 import textwrap
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,13 +47,22 @@ TRAIN = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def record(request: pytest.FixtureRequest) -> Iterator[FaultRecord]:
-    started = time.monotonic()
-    rec = FaultRecord(fault=request.node.name)
-    yield rec
-    rec.seconds = round(time.monotonic() - started, 1)
-    rec.save(request.node.name)
+PG_SOCKET_DIR = Path("/var/run/postgresql")
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def ctl_db(request: pytest.FixtureRequest) -> list[str]:
+    """The controller's `--db` arguments: SQLite in its data dir, or a fresh PostgreSQL
+    database reached through PostgreSQL's Unix socket (its TCP port on the machine's
+    loopback is not on the controller host's network; the socket's path is)."""
+    if request.param == "sqlite":
+        return []
+    url = str(request.getfixturevalue("pg_url"))
+    if not (PG_SOCKET_DIR / ".s.PGSQL.5432").exists():
+        pytest.skip(f"no PostgreSQL socket in {PG_SOCKET_DIR} for the controller's host")
+    user = url.split("//", 1)[1].split("@", 1)[0]
+    name = url.rsplit("/", 1)[1]
+    return ["--db", f"postgresql://{user}@/{name}?host={PG_SOCKET_DIR}"]
 
 
 def _train_script(tmp_path: Path) -> Path:
@@ -97,10 +105,12 @@ def _check_grants(netpool: NetPool, rec: FaultRecord) -> None:
 
 
 def test_controller_kill9_under_load_loses_and_duplicates_nothing(
-    netpool: NetPool, tmp_path: Path, record: FaultRecord
+    ctl_db: list[str], netpool: NetPool, tmp_path: Path, record: FaultRecord
 ) -> None:
-    record.fault = "kill -9 of the controller under load, started again 2 s later"
-    netpool.start_controller("--node-timeout", "3")
+    # ctl_db first: its database is dropped after the controller is stopped, not before.
+    store = "PostgreSQL" if ctl_db else "SQLite"
+    record.fault = f"kill -9 of the controller ({store}) under load, started again 2 s later"
+    netpool.start_controller("--node-timeout", "3", *ctl_db)
     netpool.start_agent("gpu-a")
     netpool.start_agent("gpu-b")
     netpool.wait_nodes_up("gpu-a", "gpu-b")

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from netpool import NetPool
+from pool_checks import FaultRecord
 
 pytest.importorskip("torch")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -37,8 +38,12 @@ PROGRAM = textwrap.dedent(
 
 
 def test_client_trains_on_gpus_of_two_other_hosts_through_their_workers(
-    netpool: NetPool, tmp_path: Path
+    netpool: NetPool, tmp_path: Path, record: FaultRecord
 ) -> None:
+    record.fault = "none (multi-host baseline): a remote lease spanning two GPU hosts"
+    record.setup = (
+        "`gpupool run --remote --gpus 2` on the client host; one GPU on each agent's host"
+    )
     netpool.start_controller()
     netpool.start_agent("gpu-a")
     netpool.start_agent("gpu-b")
@@ -66,9 +71,17 @@ def test_client_trains_on_gpus_of_two_other_hosts_through_their_workers(
         "the workers to stop with their lease",
         lambda: not netpool.worker_pids("gpu-a") and not netpool.worker_pids("gpu-b"),
     )
+    record.survived.append(
+        "trained on cuda:0 and cuda:1, one worker on each GPU host over TCP; the lease was "
+        "released and both workers stopped"
+    )
 
 
-def test_agent_on_a_host_cut_off_at_start_joins_once_the_link_is_up(netpool: NetPool) -> None:
+def test_agent_on_a_host_cut_off_at_start_joins_once_the_link_is_up(
+    netpool: NetPool, record: FaultRecord
+) -> None:
+    record.fault = "a GPU host without a link when its agent starts"
+    record.setup = "agents on two hosts, one of them cut off until the other registered"
     netpool.start_controller()
     netpool.agents["gpu-b"].cut()
     netpool.start_agent("gpu-a")
@@ -78,3 +91,4 @@ def test_agent_on_a_host_cut_off_at_start_joins_once_the_link_is_up(netpool: Net
     assert names == {"gpu-a"}, "a host without a link cannot register"
     netpool.agents["gpu-b"].heal()
     netpool.wait_nodes_up("gpu-a", "gpu-b")
+    record.survived.append("the cut-off agent kept retrying and registered once its link was up")

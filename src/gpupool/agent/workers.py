@@ -59,6 +59,7 @@ class AdoptedProcess:
 
     def __init__(self, proc: psutil.Process) -> None:
         self.pid = proc.pid
+        self.created_at: float = proc.create_time()
         self._proc = proc
         self._gone = False
 
@@ -100,6 +101,9 @@ class Worker:
     proc: WorkerProcess
     endpoint: str
     status_file: Path
+    created_at: float | None = None
+    """The process's creation time: with the pid, what tells this worker from a process that
+    got its pid later."""
 
     def report(self) -> WorkerReport:
         alive = self.proc.poll() is None
@@ -128,15 +132,11 @@ class Worker:
 
     def record(self) -> dict[str, object]:
         """This worker's line in the registry: enough to find the same process again."""
-        try:
-            created = psutil.Process(self.proc.pid).create_time()
-        except psutil.NoSuchProcess:
-            created = None
         return {
             "lease_id": self.lease_id,
             "gpu_uuid": self.gpu_uuid,
             "pid": self.proc.pid,
-            "create_time": created,
+            "create_time": self.created_at,
             "endpoint": self.endpoint,
             "status_file": str(self.status_file),
         }
@@ -196,7 +196,7 @@ class WorkerSupervisor:
                 self.failures[key] = GONE_WHILE_AWAY
                 continue
             log.info("adopted the worker of lease %s on %s (pid %d, %s)", *key, pid, endpoint)
-            self.workers[key] = Worker(key[0], key[1], proc, endpoint, status_file)
+            self.workers[key] = Worker(key[0], key[1], proc, endpoint, status_file, proc.created_at)
 
     def _save(self) -> None:
         """Write the registry atomically (a crash mid-write must not lose it); failures stay
@@ -282,7 +282,11 @@ class WorkerSupervisor:
         )
         endpoint = str(ready.address)
         log.info("worker for lease %s on %s listens on %s", lease_id, piece.gpu_uuid, endpoint)
-        return Worker(lease_id, piece.gpu_uuid, proc, endpoint, status_file)
+        try:
+            created_at: float | None = psutil.Process(proc.pid).create_time()
+        except psutil.NoSuchProcess:  # died already: reported dead at the next heartbeat
+            created_at = None
+        return Worker(lease_id, piece.gpu_uuid, proc, endpoint, status_file, created_at)
 
     def reports(self) -> list[WorkerReport]:
         with self._lock:
@@ -310,13 +314,13 @@ def _running_worker(pid: int, created: object, lease_id: str) -> AdoptedProcess 
         return None
     try:
         proc = psutil.Process(pid)
-        if isinstance(created, int | float) and abs(proc.create_time() - created) > 1.0:
+        if isinstance(created, int | float) and abs(proc.create_time() - created) > 0.05:
             return None  # the pid was recycled
         cmdline = proc.cmdline()
         if proc.status() == psutil.STATUS_ZOMBIE:
             return None
+        if "gpupool.worker" not in cmdline or lease_id not in cmdline:
+            return None
+        return AdoptedProcess(proc)
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None
-    if "gpupool.worker" not in cmdline or lease_id not in cmdline:
-        return None
-    return AdoptedProcess(proc)

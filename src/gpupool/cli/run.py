@@ -371,7 +371,15 @@ def await_workers(client: PoolClient, lease: LeaseOut) -> LeaseOut:
     """Wait until the agents run a worker for every slice of a granted remote lease."""
     deadline = time.monotonic() + WORKER_START_TIMEOUT_S
     while True:
-        lease = client.heartbeat_lease(lease.id)
+        try:
+            lease = client.heartbeat_lease(lease.id)
+        except ControllerUnreachable:
+            # A controller restarting: the lease is in its database, ask again (until the
+            # deadline, past which the lease has expired anyway).
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
         if lease.state not in ("granted", "active", "idle"):
             why = lease.release_reason or lease.state
             raise CommandFailed(f"lease {lease.id} ended before its workers ran ({why})", 1)
