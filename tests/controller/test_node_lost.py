@@ -95,6 +95,29 @@ def test_dead_worker_reported_by_the_agent_ends_its_remote_lease(start_controlle
         assert len(client.get("/events", params={"subject": lease["id"]}).json()) == 3
 
 
+def test_returning_node_takes_no_lease_while_a_worker_of_an_ended_lease_runs(
+    start_controller,
+) -> None:
+    ctl = start_controller(None, node_timeout_s=0.5, reconcile_interval_s=0.1)
+    with ctl.client() as client:
+        (uuid,) = register_fake_node(client, gpus=1)
+        old = client.post(
+            "/leases", json={"compute_pct": 100, "memory": "1GiB", "access": "remote"}
+        ).json()
+        _wait(lambda: client.get("/nodes").json()[0]["state"] == "down")
+        client.delete(f"/leases/{old['id']}")
+        waiting = client.post("/leases", json={"compute_pct": 100, "memory": "1GiB"}).json()
+        stale = {"lease_id": old["id"], "gpu_uuid": uuid, "alive": True, "endpoint": "tcp://h:1"}
+        reply = client.post("/nodes/node-a/heartbeat", json={"workers": [stale]}).json()
+        assert reply["resumed"] is False and reply["leases"] == {}
+        assert client.get("/nodes").json()[0]["state"] == "down"
+        assert client.get(f"/leases/{waiting['id']}").json()["state"] == "queued"
+        # The agent stopped the worker: the next heartbeat brings the node back.
+        reply = client.post("/nodes/node-a/heartbeat", json={"workers": []}).json()
+        assert reply["resumed"] is True
+        assert client.get(f"/leases/{waiting['id']}").json()["state"] == "granted"
+
+
 @pytest.mark.parametrize(
     ("field", "value"), [("node_lost_policy", "forget"), ("node_lost_grace_s", -1.0)]
 )

@@ -226,13 +226,18 @@ class WorkerSupervisor:
             for piece in lease.slices
         }
         with self._lock:
-            ended = [self.workers.pop(key) for key in set(self.workers) - set(wanted)]
+            ended = {key: self.workers[key] for key in set(self.workers) - set(wanted)}
             forgotten = set(self.failures) - set(wanted)
             for key in forgotten:
                 del self.failures[key]
-        for worker in ended:
+        for worker in ended.values():
             log.info("lease %s ended: stopping its worker on %s", worker.lease_id, worker.gpu_uuid)
             worker.stop()
+        # Reported until gone: the controller keeps a returning node out of placement while
+        # a worker of an ended lease still holds part of its GPU.
+        with self._lock:
+            for key in ended:
+                self.workers.pop(key, None)
         changed = bool(ended or forgotten)
         for key, (lease, piece) in wanted.items():
             # A dead worker stays reported as dead: its client's tensors are gone, and

@@ -117,15 +117,18 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
         store.live.telemetry[t.uuid] = t.model_dump(exclude_none=True, exclude={"uuid"})
     store.live.host[name] = body.host
     store.live.dirty_nodes.add(name)
-    resumed = row.state != "up"
+    note_workers(store, body.workers)
+    end_leases_of_dead_workers(store, session, body.workers)
+    # A node back from an outage may still run workers of leases that ended meanwhile (the
+    # node-lost policy released them): it stays out of placement until its agent, told by
+    # this reply, has stopped them, so no new lease shares a GPU with a stale worker.
+    resumed = row.state != "up" and not stale_workers(store, body.workers)
     if resumed:
         row.state = "up"
         row.last_seen_at = utcnow()
         store.pool.set_node_up(name, True)
         record(session, "controller", "node.up", name, "heartbeats resumed")
         persist_grants(store, session, store.pool.serve_queue(), utcnow())
-    note_workers(store, body.workers)
-    end_leases_of_dead_workers(store, session, body.workers)
     return NodeHeartbeatReply(
         resumed=resumed, gpus=desired(store, name), leases=remote_leases(store, name)
     )
@@ -161,6 +164,19 @@ def note_workers(store: Store, reports: list[WorkerReport]) -> None:
         if state in (LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE) and last_ops:
             busy = now - max(last_ops) < IDLE_AFTER_S
             row.state = transition(state, LeaseState.ACTIVE if busy else LeaseState.IDLE).value
+
+
+def stale_workers(store: Store, reports: list[WorkerReport]) -> list[WorkerReport]:
+    """Workers still running for leases that are no longer held."""
+    return [
+        r
+        for r in reports
+        if r.alive
+        and (
+            (row := store.lease_rows.get(r.lease_id)) is None
+            or LeaseState(row.state) not in HOLDING
+        )
+    ]
 
 
 def end_leases_of_dead_workers(
