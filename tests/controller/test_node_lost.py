@@ -118,6 +118,21 @@ def test_returning_node_takes_no_lease_while_a_worker_of_an_ended_lease_runs(
         assert client.get(f"/leases/{waiting['id']}").json()["state"] == "granted"
 
 
+def test_agent_registering_again_after_an_outage_comes_up_with_its_first_heartbeat(
+    start_controller,
+) -> None:
+    ctl = start_controller(None, node_timeout_s=0.5, reconcile_interval_s=0.1)
+    with ctl.client() as client:
+        register_fake_node(client, gpus=1)
+        _wait(lambda: client.get("/nodes").json()[0]["state"] == "down")
+        waiting = client.post("/leases", json={"compute_pct": 100, "memory": "1GiB"}).json()
+        register_fake_node(client, gpus=1)
+        assert client.get("/nodes").json()[0]["state"] == "down", "its workers are not known yet"
+        assert client.get(f"/leases/{waiting['id']}").json()["state"] == "queued"
+        assert client.post("/nodes/node-a/heartbeat", json={"workers": []}).json()["resumed"]
+        assert client.get(f"/leases/{waiting['id']}").json()["state"] == "granted"
+
+
 @pytest.mark.parametrize(
     ("field", "value"), [("node_lost_policy", "forget"), ("node_lost_grace_s", -1.0)]
 )

@@ -44,6 +44,10 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
             raise Conflict(f"GPU {gpu.uuid} is already registered by node {other.node}")
     row = store.node_row(session, body.name)
     fresh = row is None
+    # An agent started again on a node that was down may have adopted workers of leases
+    # that ended meanwhile: the node comes up with its first heartbeat, which reports them
+    # (see heartbeat), not here.
+    returning = row is not None and row.state != "up"
     if row is None:
         row = NodeRow(name=body.name, registered_at=now)
         session.add(row)
@@ -55,7 +59,7 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
     row.driver_version = body.driver_version
     row.cuda_version = body.cuda_version
     row.backend = body.backend
-    row.state = "up"
+    row.state = "down" if returning else "up"
     row.last_seen_at = now
     reported = {g.uuid for g in body.gpus}
     for gpu in body.gpus:
@@ -92,7 +96,7 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
             record(
                 session, "controller", "gpu.removed", grow.uuid, "no longer reported by its agent"
             )
-    pool.set_node_up(body.name, True)
+    pool.set_node_up(body.name, not returning)
     pool.set_host(body.name, host_of(row))
     store.live.node_seen[body.name] = time.time()
     simulated = " (simulated)" if any(g.simulated for g in body.gpus) else ""
