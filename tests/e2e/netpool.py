@@ -90,7 +90,9 @@ class NetPool:
             "--interval", str(AGENT_INTERVAL_S), "--data-dir", str(self.workdir / f"agent-{name}"),
             "--address", host.address, "--api-host", host.address,
         )  # fmt: skip
-        self.agent_procs[name] = host.popen(argv, self.workdir / f"agent-{name}.log")
+        self.agent_procs[name] = host.popen(
+            argv, self.workdir / f"agent-{name}.log", env=self.env()
+        )
 
     def kill9_agent(self, name: str) -> None:
         proc = self.agent_procs[name]
@@ -121,18 +123,27 @@ class NetPool:
     def cli(self, *args: str, host: Host | None = None, timeout: float = 120) -> Any:
         """Run `gpupool ARGS` in the client host (or `host`), as a user would."""
         return (host or self.client).run(
-            gpupool_argv("--url", self.url, "--as", ACTOR, *args), timeout=timeout
+            gpupool_argv("--url", self.url, "--as", ACTOR, *args), timeout=timeout, env=self.env()
         )
 
     def spawn(self, *args: str, log: str, host: Host | None = None) -> subprocess.Popen[bytes]:
         return (host or self.client).popen(
-            gpupool_argv("--url", self.url, "--as", ACTOR, *args), self.workdir / log
+            gpupool_argv("--url", self.url, "--as", ACTOR, *args), self.workdir / log, self.env()
         )
 
     def python(self, script: Path, *args: str, log: str, host: Host | None = None) -> Any:
         return (host or self.client).popen(
-            [sys.executable, str(script), self.url, *args], self.workdir / log
+            [sys.executable, str(script), self.url, *args], self.workdir / log, self.env()
         )
+
+    def env(self) -> dict[str, str]:
+        """The environment of agents and users: the controller's admin token, once it writes
+        one (`<data-dir>/admin.token`), as GPUPOOL_TOKEN."""
+        env = dict(os.environ)
+        token = self.workdir / "ctl" / "admin.token"
+        if token.exists():
+            env["GPUPOOL_TOKEN"] = token.read_text().strip()
+        return env
 
     # ---- watching --------------------------------------------------------------------------
 
