@@ -30,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+NAME_PREFIX = "gpupool-"
 SUBNET = "10.200.0"
 PREFIX_LEN = 24
 
@@ -62,6 +63,32 @@ def unavailable_reason() -> str | None:
         return None
     finally:
         _ip("netns", "del", probe, check=False)
+
+
+def sweep_orphans() -> list[str]:
+    """Remove the namespaces of runs whose process is gone (killed before cleaning up),
+    and stop what still runs in them; those of live runs are left alone."""
+    listed = _ip("netns", "list", check=False).stdout.split("\n")
+    removed = []
+    for name in (line.split()[0] for line in listed if line.startswith(NAME_PREFIX)):
+        try:
+            creator = int(name[len(NAME_PREFIX) :].split("-", 1)[0])
+        except ValueError:
+            continue
+        try:
+            os.kill(creator, 0)
+            continue  # its run is alive
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        pids = _ip("netns", "pids", name, check=False).stdout.split()
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, ValueError):
+                os.kill(int(pid), signal.SIGKILL)
+        _ip("netns", "del", name, check=False)
+        removed.append(name)
+    return removed
 
 
 @dataclass
@@ -128,7 +155,9 @@ class Fabric:
         if reason is not None:
             raise NetnsUnavailable(reason)
         self.workdir = workdir
-        self.prefix = f"gp{uuid.uuid4().hex[:8]}"
+        sweep_orphans()
+        # The creator's pid in the name: a run killed before its cleanup can be swept later.
+        self.prefix = f"{NAME_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.switch = f"{self.prefix}-sw"
         self.hosts: dict[str, Host] = {}
         self._forwarders: list[subprocess.Popen[bytes]] = []
