@@ -1,4 +1,5 @@
-"""The `pool` fixture: a real controller and a fake-GPU agent per test, started by the CLI."""
+"""Fixtures: `pool` (a controller and a fake-GPU agent on loopback, started by the CLI) and
+`netpool` (controller, agents and client each in a network namespace of its own)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ from e2e_pool import (
     healthy,
     stop,
 )
+from netns import unavailable_reason
+from netpool import NetPool, build
+from pool_checks import FaultRecord
 
 
 @pytest.fixture
@@ -54,3 +58,23 @@ def pool(tmp_path: Path) -> Iterator[Pool]:
         if agent is not None:
             stop(agent)
         stop(controller)
+
+
+@pytest.fixture
+def netpool(tmp_path: Path) -> Iterator[NetPool]:
+    """Hosts `ctl`, `gpu-a`, `gpu-b` and `client` in network namespaces (nothing started);
+    skipped with the reason where namespaces cannot be built, always torn down."""
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    yield from build(tmp_path)
+
+
+@pytest.fixture
+def record(request: pytest.FixtureRequest) -> Iterator[FaultRecord]:
+    """What a fault-injection test did and saw, for bench/results/reliability.md."""
+    started = time.monotonic()
+    rec = FaultRecord(fault=request.node.name)
+    yield rec
+    rec.seconds = round(time.monotonic() - started, 1)
+    rec.save(request.node.name)

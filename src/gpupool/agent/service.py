@@ -158,7 +158,9 @@ class Agent:
         self._refusal_logged: str | None = None
         self.mps = MpsSupervisor(settings.data_dir / "mps")
         self.workers: WorkerSupervisor | None = None
-        self._remote_leases: dict[str, RemoteLease] = {}
+        # None until the first heartbeat reply: that one always reaches the workers, so
+        # those adopted from an earlier agent whose leases ended meanwhile are stopped.
+        self._remote_leases: dict[str, RemoteLease] | None = None
         self._workers_wake = asyncio.Event()
         self.agent_url: str | None = None
         self.faults_reported = 0
@@ -410,7 +412,7 @@ class Agent:
             if done.is_set():
                 return
             try:
-                await asyncio.to_thread(self.workers.reconcile, dict(self._remote_leases))
+                await asyncio.to_thread(self.workers.reconcile, dict(self._remote_leases or {}))
             except Exception:
                 log.exception("managing workers failed; retrying with the next heartbeat")
 

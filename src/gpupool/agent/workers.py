@@ -3,6 +3,11 @@
 The agent starts workers itself, with the lease's limits in their environment (the GPU, its
 MPS daemon, the compute share and memory limit), so the tenant's program, which runs
 elsewhere and only talks to the worker, cannot change them.
+
+Workers outlive an agent that dies: they hold their clients' tensors, and the data plane
+does not pass through the agent. The agent notes each worker in `workers.json` and, started
+again, adopts those still running; those gone meanwhile are reported dead, which ends their
+leases with that reason instead of starting an empty worker the client would not expect.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+import psutil
 
 from gpupool.agent.mps import MpsSupervisor, client_env
 from gpupool.protocol.v1.api import RemoteLease, RemoteSlice, WorkerReport
@@ -23,15 +31,79 @@ from gpupool.protocol.v1.api import RemoteLease, RemoteSlice, WorkerReport
 log = logging.getLogger("gpupool.agent.workers")
 
 STOP_GRACE_S = 10.0
+REGISTRY = "workers.json"
+GONE_WHILE_AWAY = "worker exited while the agent was not running"
+
+
+class WorkerProcess(Protocol):
+    """What the supervisor needs of a worker process: a child it started (subprocess.Popen),
+    or one a previous agent started and this one adopted (AdoptedProcess)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def terminate(self) -> None: ...
+
+    def kill(self) -> None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+
+class AdoptedProcess:
+    """A worker started by an earlier agent: not our child, so watched through psutil (its
+    creation time guards against a recycled pid). Its exit status is not ours to read."""
+
+    def __init__(self, proc: psutil.Process) -> None:
+        self.pid = proc.pid
+        self.created_at: float = proc.create_time()
+        self._proc = proc
+        self._gone = False
+
+    @property
+    def returncode(self) -> int | None:
+        return None
+
+    def poll(self) -> int | None:
+        if not self._gone:
+            try:
+                self._gone = self._proc.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                self._gone = True
+        return -1 if self._gone else None
+
+    def terminate(self) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self._proc.terminate()
+
+    def kill(self) -> None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            self._proc.kill()
+
+    def wait(self, timeout: float | None = None) -> int:
+        try:
+            self._proc.wait(timeout)
+        except psutil.TimeoutExpired:
+            raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0) from None
+        except psutil.NoSuchProcess:
+            pass
+        self._gone = True
+        return -1
 
 
 @dataclass
 class Worker:
     lease_id: str
     gpu_uuid: str
-    proc: subprocess.Popen[str]
+    proc: WorkerProcess
     endpoint: str
     status_file: Path
+    created_at: float | None = None
+    """The process's creation time: with the pid, what tells this worker from a process that
+    got its pid later."""
 
     def report(self) -> WorkerReport:
         alive = self.proc.poll() is None
@@ -47,8 +119,27 @@ class Worker:
             alive=alive,
             last_op_at=float(last_op) if isinstance(last_op, int | float) else None,
             memory_mib=int(held) // (1024 * 1024) if isinstance(held, int) else None,
-            error=None if alive else f"worker exited with {self.proc.returncode}",
+            error=None if alive else self._exit_text(),
         )
+
+    def _exit_text(self) -> str:
+        code = self.proc.returncode
+        if code is None:
+            return "worker exited (it was started by an earlier agent: its status is unknown)"
+        if code < 0:
+            return f"worker killed by signal {-code}"
+        return f"worker exited with {code}"
+
+    def record(self) -> dict[str, object]:
+        """This worker's line in the registry: enough to find the same process again."""
+        return {
+            "lease_id": self.lease_id,
+            "gpu_uuid": self.gpu_uuid,
+            "pid": self.proc.pid,
+            "create_time": self.created_at,
+            "endpoint": self.endpoint,
+            "status_file": str(self.status_file),
+        }
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -81,6 +172,59 @@ class WorkerSupervisor:
         self.failures: dict[tuple[str, str], str] = {}
         # reconcile() runs in a thread of its own while heartbeats read reports().
         self._lock = threading.Lock()
+        self._adopt()
+
+    # ---- the registry: what survives the agent ------------------------------------------
+
+    @property
+    def registry(self) -> Path:
+        return self.root / REGISTRY
+
+    def _adopt(self) -> None:
+        """Take back the workers an earlier agent left running; note those that are gone."""
+        try:
+            entries = json.loads(self.registry.read_text())
+        except FileNotFoundError:
+            return
+        except (OSError, ValueError) as exc:
+            log.error("cannot read %s (%s): earlier workers are not adopted", self.registry, exc)
+            return
+        for entry in entries if isinstance(entries, list) else []:
+            try:
+                key = (str(entry["lease_id"]), str(entry["gpu_uuid"]))
+                pid, created = int(entry["pid"]), entry.get("create_time")
+                endpoint, status_file = str(entry["endpoint"]), Path(entry["status_file"])
+            except (KeyError, TypeError, ValueError):
+                log.error("ignoring a malformed entry of %s: %r", self.registry, entry)
+                continue
+            proc = _running_worker(pid, created, key[0])
+            if proc is None:
+                log.warning("the worker of lease %s on %s is gone: %s", *key, GONE_WHILE_AWAY)
+                self.failures[key] = GONE_WHILE_AWAY
+                continue
+            log.info("adopted the worker of lease %s on %s (pid %d, %s)", *key, pid, endpoint)
+            self.workers[key] = Worker(key[0], key[1], proc, endpoint, status_file, proc.created_at)
+
+    def _save(self) -> None:
+        """Write the registry atomically (a crash mid-write must not lose it); failures stay
+        in it until their lease ends, so an agent started again still reports them."""
+        with self._lock:
+            entries = [w.record() for w in self.workers.values()]
+            entries += [
+                dict(
+                    lease_id=lid,
+                    gpu_uuid=uuid,
+                    pid=0,
+                    create_time=None,
+                    endpoint="",
+                    status_file="",
+                )
+                for (lid, uuid) in self.failures
+            ]
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.registry.with_suffix(".tmp")
+        tmp.write_text(json.dumps(entries))
+        os.replace(tmp, self.registry)
 
     def reconcile(self, leases: Mapping[str, RemoteLease]) -> None:
         wanted = {
@@ -89,12 +233,19 @@ class WorkerSupervisor:
             for piece in lease.slices
         }
         with self._lock:
-            ended = [self.workers.pop(key) for key in set(self.workers) - set(wanted)]
-            for key in set(self.failures) - set(wanted):
+            ended = {key: self.workers[key] for key in set(self.workers) - set(wanted)}
+            forgotten = set(self.failures) - set(wanted)
+            for key in forgotten:
                 del self.failures[key]
-        for worker in ended:
+        for worker in ended.values():
             log.info("lease %s ended: stopping its worker on %s", worker.lease_id, worker.gpu_uuid)
             worker.stop()
+        # Reported until gone: the controller keeps a returning node out of placement while
+        # a worker of an ended lease still holds part of its GPU.
+        with self._lock:
+            for key in ended:
+                self.workers.pop(key, None)
+        changed = bool(ended or forgotten)
         for key, (lease, piece) in wanted.items():
             # A dead worker stays reported as dead: its client's tensors are gone, and
             # restarting it silently would hand the client an empty handle table.
@@ -109,6 +260,9 @@ class WorkerSupervisor:
             else:
                 with self._lock:
                     self.workers[key] = started
+            changed = True
+        if changed or not self.registry.exists():
+            self._save()
 
     def _start(self, lease_id: str, token: str, piece: RemoteSlice) -> Worker:
         from gpupool.protocol.v1.dataplane import start_worker_process
@@ -142,7 +296,11 @@ class WorkerSupervisor:
         )
         endpoint = str(ready.address)
         log.info("worker for lease %s on %s listens on %s", lease_id, piece.gpu_uuid, endpoint)
-        return Worker(lease_id, piece.gpu_uuid, proc, endpoint, status_file)
+        try:
+            created_at: float | None = psutil.Process(proc.pid).create_time()
+        except psutil.NoSuchProcess:  # died already: reported dead at the next heartbeat
+            created_at = None
+        return Worker(lease_id, piece.gpu_uuid, proc, endpoint, status_file, created_at)
 
     def reports(self) -> list[WorkerReport]:
         with self._lock:
@@ -156,8 +314,27 @@ class WorkerSupervisor:
         return out
 
     def stop_all(self) -> None:
+        """Stop every worker (the agent is shutting down). The registry keeps them, so the
+        next agent reports them gone and their leases end with that reason."""
         with self._lock:
             workers = list(self.workers.values())
-            self.workers.clear()
         for worker in workers:
             worker.stop()
+
+
+def _running_worker(pid: int, created: object, lease_id: str) -> AdoptedProcess | None:
+    """The process `pid` if it is still the worker of `lease_id` an earlier agent started."""
+    if pid <= 0:
+        return None
+    try:
+        proc = psutil.Process(pid)
+        if isinstance(created, int | float) and abs(proc.create_time() - created) > 0.05:
+            return None  # the pid was recycled
+        cmdline = proc.cmdline()
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        if "gpupool.worker" not in cmdline or lease_id not in cmdline:
+            return None
+        return AdoptedProcess(proc)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None

@@ -358,6 +358,20 @@ def controller(
             help="Dual pool: keep this many idle GPUs physical while whole-GPU requests come.",
         ),
     ] = None,
+    node_lost_policy: Annotated[
+        str,
+        typer.Option(
+            "--node-lost-policy",
+            help="Leases of a node that stays down: keep (while holders heartbeat) or release.",
+        ),
+    ] = "keep",
+    node_lost_grace: Annotated[
+        float,
+        typer.Option(
+            "--node-lost-grace",
+            help="Seconds a node may stay down before `release` ends its leases.",
+        ),
+    ] = 60.0,
     admin_token_file: AdminTokenFileOption = None,
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
@@ -386,7 +400,15 @@ def controller(
     admin = admin_token(admin_token_file)
     cert, key = tls_files(tls_cert, tls_key)
     from gpupool.controller.server import serve
-    from gpupool.controller.settings import ControllerSettings
+    from gpupool.controller.settings import NODE_LOST_POLICIES, ControllerSettings
+
+    if node_lost_policy not in NODE_LOST_POLICIES:
+        raise BadInput(
+            f"--node-lost-policy must be one of {', '.join(NODE_LOST_POLICIES)}, "
+            f"got {node_lost_policy!r}"
+        )
+    if node_lost_grace < 0:
+        raise BadInput(f"--node-lost-grace must not be negative, got {node_lost_grace:g}")
 
     serve(
         ControllerSettings(
@@ -408,6 +430,8 @@ def controller(
             preemption=preemption,
             preempt_grace_s=preempt_grace,
             physical_ready=physical_ready,
+            node_lost_policy=node_lost_policy,
+            node_lost_grace_s=node_lost_grace,
         )
     )
 

@@ -251,6 +251,7 @@ def _supervise(
         token=context.token,
         on_end=supervisor.lease_lost,
         on_error=_Warner(lease.id),
+        expire_after_s=lease.ttl_s,
     )
     with signals_to(supervisor.forward, _FORWARDED):
         try:
@@ -376,9 +377,18 @@ def await_workers(client: PoolClient, lease: LeaseOut) -> LeaseOut:
     """Wait until the agents run a worker for every slice of a granted remote lease."""
     deadline = time.monotonic() + WORKER_START_TIMEOUT_S
     while True:
-        lease = client.heartbeat_lease(lease.id)
+        try:
+            lease = client.heartbeat_lease(lease.id)
+        except ControllerUnreachable:
+            # A controller restarting: the lease is in its database, ask again (until the
+            # deadline, past which the lease has expired anyway).
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
+            continue
         if lease.state not in ("granted", "active", "idle"):
-            raise CommandFailed(f"lease {lease.id} ended before its workers ran ({lease.state})", 1)
+            why = lease.release_reason or lease.state
+            raise CommandFailed(f"lease {lease.id} ended before its workers ran ({why})", 1)
         if all(piece.endpoint for piece in lease.slices):
             return lease
         errors = lease.activity.get("errors") or []

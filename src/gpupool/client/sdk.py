@@ -441,6 +441,10 @@ class LeaseKeeper:
     `on_end(lease)` runs (on the keeper's thread) when the controller says the lease is no
     longer held (released, preempted, or unknown); `on_error(exc)` when a heartbeat got no
     answer — the keeper keeps trying, since the lease survives until its ttl runs out.
+
+    With `expire_after_s` (the lease's ttl), a controller that has not answered for that long
+    ends the lease here too: cut off from this holder, the controller released it by now and
+    may grant its GPUs again, so the holder must stop using them (a fence, as with any lease).
     """
 
     def __init__(
@@ -452,9 +456,11 @@ class LeaseKeeper:
         on_end: Callable[[LeaseOut | None, str], None] | None = None,
         on_error: Callable[[Exception], None] | None = None,
         token: str | None = None,
+        expire_after_s: float | None = None,
     ) -> None:
         self.lease_id = lease_id
         self.interval_s = interval_s
+        self.expire_after_s = expire_after_s
         self._client = PoolClient(
             url, actor=actor, timeout=max(1.0, min(10.0, interval_s)), token=token
         )
@@ -476,6 +482,7 @@ class LeaseKeeper:
         self._client.close()
 
     def _run(self) -> None:
+        answered_at = time.monotonic()
         while not self._stop.wait(self.interval_s):
             try:
                 lease = self._client.heartbeat_lease(self.lease_id)
@@ -487,7 +494,17 @@ class LeaseKeeper:
                 continue
             except ControllerUnreachable as exc:
                 self._report(exc)
+                silent_s = time.monotonic() - answered_at
+                if self.expire_after_s is not None and silent_s > self.expire_after_s:
+                    self._end(
+                        None,
+                        f"no answer from the controller for {silent_s:.0f} s, longer than the "
+                        f"lease's ttl ({self.expire_after_s:g} s): the controller has released "
+                        "it",
+                    )
+                    return
                 continue
+            answered_at = time.monotonic()
             if lease.state in ("released", "preempted"):
                 reason = lease.release_reason or lease.state
                 self._end(lease, reason)

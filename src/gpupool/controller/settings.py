@@ -6,6 +6,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+NODE_LOST_POLICIES = ("keep", "release")
+
 
 @dataclass(slots=True)
 class ControllerSettings:
@@ -47,6 +49,22 @@ class ControllerSettings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     """With both, the API and the dashboard are served over HTTPS only."""
+    node_lost_policy: str = "keep"
+    """What happens to the leases of a node that stays down: `keep` them while their holders
+    heartbeat (a partition between agent and controller need not stop a job), or `release`
+    them `node_lost_grace_s` after the node went down, so that the pool gets the GPUs back."""
+    node_lost_grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.node_lost_policy not in NODE_LOST_POLICIES:
+            raise ValueError(
+                f"node_lost_policy must be one of {', '.join(NODE_LOST_POLICIES)}, "
+                f"got {self.node_lost_policy!r}"
+            )
+        if self.node_lost_grace_s < 0:
+            raise ValueError(
+                f"node_lost_grace_s must not be negative, got {self.node_lost_grace_s}"
+            )
 
     def database_url(self) -> str:
         if self.db_url:

@@ -49,6 +49,8 @@ class ReleaseReason(StrEnum):
     NODE_REMOVED = "its node was removed"
     PREEMPTED = "preempted by a higher-priority request"
     WAITED_TOO_LONG = "waited longer than the queue's maximum wait"
+    WORKER_LOST = "its worker died"
+    NODE_LOST = "its node was lost"
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,11 @@ class AttachError(RuntimeError):
 
 
 class WorkerLost(RuntimeError):
-    """The connection to a worker broke; its tensors are gone."""
+    """The connection to a worker broke; its tensors are gone.
+
+    The message names the lease and the worker, and says what was seen, so that a program
+    stopped by it can be told apart from a bug of its own.
+    """
 
 
 class DeviceStream:
@@ -204,7 +208,10 @@ class DeviceStream:
                     f"{self.device} is a gpupool remote GPU of the parent process; a forked "
                     "subprocess cannot use it (as with CUDA: use the 'spawn' start method)"
                 )
-            raise WorkerLost(f"{self.device} (worker {self.address}) is no longer connected")
+            raise WorkerLost(
+                f"lease {self.lease}: {self.device} (worker {self.address}) is no longer "
+                "connected; the tensors it held are gone"
+            )
 
     def forked(self) -> None:
         """In a forked child: never touch the parent's connection."""
@@ -217,7 +224,9 @@ class DeviceStream:
         self.open = False
         self.records.clear()
         raise WorkerLost(
-            f"lost the connection to {self.device} (worker {self.address}): {exc}"
+            f"lease {self.lease}: lost the connection to {self.device} (worker "
+            f"{self.address}): {exc}. The worker died, was stopped (the lease ended) or cannot "
+            "be reached; the tensors it held are gone"
         ) from exc
 
     # ---- bytes in ------------------------------------------------------------------------
@@ -336,7 +345,10 @@ class DeviceStream:
             body = ErrorBody.from_wire(head[2] if len(head) > 2 else None)
             if head[1] is None:
                 self.open = False
-                raise WorkerLost(f"{self.device}: worker closed the connection: {body.message}")
+                raise WorkerLost(
+                    f"lease {self.lease}: the worker of {self.device} closed the connection: "
+                    f"{body.message}"
+                )
             raise remote_exception(body)
         if len(head) < 2 or head[1] != req:
             self._lost(

@@ -1,6 +1,6 @@
-"""The reconcile loop: expire silent leases, mark silent nodes down, end preemptions whose
-grace is over, fail requests past the maximum wait, rebalance the dual pool, serve the
-queue, and preempt for blocked higher-priority requests."""
+"""The reconcile loop: expire silent leases, mark silent nodes down (and, by policy, release
+their leases), end preemptions whose grace is over, fail requests past the maximum wait,
+rebalance the dual pool, serve the queue, and preempt for blocked higher-priority requests."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ CHECKPOINT_EVERY_S = 2.0
 def reconcile_once(store: Store, session: Session) -> None:
     leases.expire(store, session)
     nodes.mark_silent_down(store, session)
+    nodes.release_lost(store, session)
     leases.end_preempted(store, session)
     leases.fail_overdue(store, session)
     gpus.rebalance(store, session)

@@ -10,10 +10,18 @@ from sqlalchemy.orm import Session
 
 from gpupool.controller.models import GpuRow, NodeRow, utcnow
 from gpupool.controller.services.events import record
-from gpupool.controller.services.leases import persist_grants
+from gpupool.controller.services.leases import persist_grants, release
 from gpupool.controller.store import Store, gpu_of, host_of
 from gpupool.controller.views import node_out
-from gpupool.core import HOLDING, Conflict, GpuMode, LeaseState, NotFound, transition
+from gpupool.core import (
+    HOLDING,
+    Conflict,
+    GpuMode,
+    LeaseState,
+    NotFound,
+    ReleaseReason,
+    transition,
+)
 from gpupool.protocol.v1.api import (
     GpuDesired,
     NodeHeartbeat,
@@ -36,6 +44,10 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
             raise Conflict(f"GPU {gpu.uuid} is already registered by node {other.node}")
     row = store.node_row(session, body.name)
     fresh = row is None
+    # An agent started again on a node that was down may have adopted workers of leases
+    # that ended meanwhile: the node comes up with its first heartbeat, which reports them
+    # (see heartbeat), not here.
+    returning = row is not None and row.state != "up"
     if row is None:
         row = NodeRow(name=body.name, registered_at=now)
         session.add(row)
@@ -47,7 +59,7 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
     row.driver_version = body.driver_version
     row.cuda_version = body.cuda_version
     row.backend = body.backend
-    row.state = "up"
+    row.state = "down" if returning else "up"
     row.last_seen_at = now
     reported = {g.uuid for g in body.gpus}
     for gpu in body.gpus:
@@ -84,7 +96,7 @@ def register(store: Store, session: Session, body: NodeRegister, actor: str) -> 
             record(
                 session, "controller", "gpu.removed", grow.uuid, "no longer reported by its agent"
             )
-    pool.set_node_up(body.name, True)
+    pool.set_node_up(body.name, not returning)
     pool.set_host(body.name, host_of(row))
     store.live.node_seen[body.name] = time.time()
     simulated = " (simulated)" if any(g.simulated for g in body.gpus) else ""
@@ -109,14 +121,18 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
         store.live.telemetry[t.uuid] = t.model_dump(exclude_none=True, exclude={"uuid"})
     store.live.host[name] = body.host
     store.live.dirty_nodes.add(name)
-    resumed = row.state != "up"
+    note_workers(store, body.workers)
+    end_leases_of_dead_workers(store, session, body.workers)
+    # A node back from an outage may still run workers of leases that ended meanwhile (the
+    # node-lost policy released them): it stays out of placement until its agent, told by
+    # this reply, has stopped them, so no new lease shares a GPU with a stale worker.
+    resumed = row.state != "up" and not stale_workers(store, body.workers)
     if resumed:
         row.state = "up"
         row.last_seen_at = utcnow()
         store.pool.set_node_up(name, True)
         record(session, "controller", "node.up", name, "heartbeats resumed")
         persist_grants(store, session, store.pool.serve_queue(), utcnow())
-    note_workers(store, body.workers)
     return NodeHeartbeatReply(
         resumed=resumed, gpus=desired(store, name), leases=remote_leases(store, name)
     )
@@ -152,6 +168,39 @@ def note_workers(store: Store, reports: list[WorkerReport]) -> None:
         if state in (LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE) and last_ops:
             busy = now - max(last_ops) < IDLE_AFTER_S
             row.state = transition(state, LeaseState.ACTIVE if busy else LeaseState.IDLE).value
+
+
+def stale_workers(store: Store, reports: list[WorkerReport]) -> list[WorkerReport]:
+    """Workers still running for leases that are no longer held."""
+    return [
+        r
+        for r in reports
+        if r.alive
+        and (
+            (row := store.lease_rows.get(r.lease_id)) is None
+            or LeaseState(row.state) not in HOLDING
+        )
+    ]
+
+
+def end_leases_of_dead_workers(
+    store: Store, session: Session, reports: list[WorkerReport]
+) -> list[str]:
+    """Release the remote leases whose worker died, saying how, so the slice goes back to the
+    pool and the holder learns why at its next heartbeat.
+
+    A worker holds its client's tensors: one started afresh would serve an empty handle
+    table, so the agent never restarts it and the lease cannot go on.
+    """
+    ended = []
+    for report in reports:
+        row = store.lease_rows.get(report.lease_id)
+        if report.alive or row is None or row.state == LeaseState.RELEASED.value:
+            continue
+        detail = f"worker on {report.gpu_uuid}: {report.error or 'exited'}"
+        release(store, session, report.lease_id, "controller", ReleaseReason.WORKER_LOST, detail)
+        ended.append(report.lease_id)
+    return ended
 
 
 def remote_leases(store: Store, node: str) -> dict[str, RemoteLease]:
@@ -205,6 +254,34 @@ def mark_silent_down(store: Store, session: Session) -> list[str]:
             )
             down.append(row.name)
     return down
+
+
+def release_lost(store: Store, session: Session) -> list[str]:
+    """With `--node-lost-policy release`: end every lease on a node that has been down for
+    longer than the grace time, so its GPUs' share of the pool is not held by a dead host.
+
+    The node itself gets nothing new while down, and when it comes back its agent is told
+    only the leases still held, so it stops the workers of those released here.
+    """
+    settings = store.settings
+    if settings.node_lost_policy != "release":
+        return []
+    now = time.time()
+    limit_s = settings.node_timeout_s + settings.node_lost_grace_s
+    ended: list[str] = []
+    for row in [r for r in store.node_rows.values() if r.state == "down"]:
+        silent_s = now - store.live.node_seen.get(row.name, store.started_at)
+        if silent_s <= limit_s:
+            continue
+        uuids = [g.uuid for g in store.pool.gpus.values() if g.node == row.name]
+        for lease_id in sorted(store.pool.leases_on(uuids)):
+            detail = (
+                f"node {row.name} silent for {silent_s:.0f}s "
+                f"(node-lost-policy release, grace {settings.node_lost_grace_s:g}s)"
+            )
+            release(store, session, lease_id, "controller", ReleaseReason.NODE_LOST, detail)
+            ended.append(lease_id)
+    return ended
 
 
 def flush_liveness(store: Store, session: Session) -> None:

@@ -300,10 +300,28 @@ def connect(address: Address, timeout_s: float = 10.0) -> socket.socket:
     return sock
 
 
+KEEPALIVE_IDLE_S = 15
+KEEPALIVE_INTERVAL_S = 5
+KEEPALIVE_PROBES = 3
+"""A peer whose host vanished (power, cable, a partition) is noticed after about 30 s of
+silence: a client waiting for a reply gets an error instead of waiting forever."""
+
+
 def tune(sock: socket.socket) -> None:
-    """Small batches must leave at once; reads are latency-bound."""
+    """Small batches must leave at once; reads are latency-bound; a vanished peer must end
+    the connection (TCP keepalive), since a blocked read would otherwise never return."""
     if sock.family in (socket.AF_INET, socket.AF_INET6):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (
+            ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+            ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+            ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+        ):
+            option = getattr(socket, name, None)  # Linux names; macOS lacks some
+            if option is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.IPPROTO_TCP, option, value)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, opt, 4 * MiB)
