@@ -157,7 +157,7 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def transformer_bf16(device: str, wrap: Wrap = eager) -> dict[str, Any]:
+def transformer_bf16(device: str, wrap: Wrap = eager, steps: int = 4) -> dict[str, Any]:
     torch.manual_seed(0)
     model = TinyGPT().to(device)
     # SGD: its steps follow the gradients' size, so bf16-level gradient differences stay small
@@ -178,7 +178,7 @@ def transformer_bf16(device: str, wrap: Wrap = eager) -> dict[str, Any]:
         return loss, logits
 
     step = wrap(train_step)
-    for _step in range(4):
+    for _step in range(steps):
         idx, target = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
         loss, logits = step(idx, target)
         dtypes.add(logits.dtype)
@@ -290,7 +290,7 @@ class Bottleneck(nn.Module):
         return self.relu(out)
 
 
-def resnet_bf16(device: str, wrap: Wrap = eager) -> dict[str, Any]:
+def resnet_bf16(device: str, wrap: Wrap = eager, steps: int = 4) -> dict[str, Any]:
     torch.manual_seed(0)
     model = nn.Sequential(
         nn.Conv2d(3, 16, 3, padding=1, bias=False), nn.BatchNorm2d(16), nn.ReLU(inplace=True),
@@ -311,6 +311,6 @@ def resnet_bf16(device: str, wrap: Wrap = eager) -> dict[str, Any]:
 
     step = wrap(train_step)
     losses = []
-    for _ in range(4):
+    for _ in range(steps):
         losses.append(step(x.to(device), y.to(device)).item())
     return {"losses": torch.tensor(losses), **_host(model)}

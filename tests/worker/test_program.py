@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import socket
 import subprocess
@@ -32,6 +34,8 @@ from gpupool.protocol.v1.dataplane import (
     start_worker_process,
 )
 from gpupool.protocol.v1.tensors import handle_ext
+from gpupool.worker.executor import SHIMS
+from gpupool.worker.program import GRAPH_AFTER_RUNS
 
 
 def slot(index: int) -> msgpack.ExtType:
@@ -98,6 +102,101 @@ def test_a_program_reading_a_freed_tensor_fails_that_run_only() -> None:
     error = read(executor, 30)
     assert "tensor 10" in error["message"] and "captured step" in error["message"]
     assert read(executor, 20) == [3.0, 3.0, 3.0]
+
+
+def test_a_failing_run_names_the_op_it_stopped_at() -> None:
+    executor = prepared()
+    run(executor, [[Rec.DEF, 6, "aten::mm"]])
+    define(executor, body(steps=[["op", 3, [slot(0), slot(1)], None, [2]],
+                                 ["op", 6, [slot(2), slot(0)], None, [3]]]))  # fmt: skip
+    run(executor, [[Rec.RUN, 5, [handle_ext(20)], [30]]])
+    error = read(executor, 30)
+    assert error["kind"] == ErrorKind.OP
+    assert "captured step (program 5) at op 2 of 2 (aten::mm)" in error["message"]
+    assert "must be a matrix" in error["message"]
+
+
+def test_a_program_runs_eval_batch_norm_through_the_workers_shim() -> None:
+    """A CUDA worker's own `_batch_norm_no_update` is CPU-only; a program resolves its ops as
+    single ops do, so captured eval-mode batch norm goes through the same device-generic shim."""
+    executor = prepared()
+    run(executor, [[Rec.DEF, 6, "aten::_batch_norm_no_update"]])
+    bn = ["op", 6, [slot(0), slot(1), None, slot(1), slot(1), 0.1, 0.0], None, [2] + [None] * 3]
+    define(executor, body(inputs=[["float32", [1, 3], [3, 1]]], externals=[[1, 10]],
+                          steps=[bn], outputs=[2], escapes=[], slots=3))  # fmt: skip
+    step = executor.programs.get(5).steps[0]
+    assert step.fn is SHIMS["aten::_batch_norm_no_update"] is executor.ops[6].fn
+    run(executor, [[Rec.DEF, 7, "aten::ones"], [Rec.OP, 7, [[1, 3]], None, [21]],
+                   [Rec.RUN, 5, [handle_ext(21)], [30]]])  # fmt: skip
+    # weight, mean and variance are all 2: (1 - 2) / sqrt(2) * 2
+    assert read(executor, 30) == [pytest.approx([-(2.0**0.5)] * 3)]
+
+
+class _CaptureOnCpu:
+    """What CUDA graph capture does to a step, on a CPU worker: ops that wait for the device
+    (nonzero must read how many elements it found) fail while capturing, and ending a capture
+    that saw an error raises again with a message that does not name the op."""
+
+    SYNCING = frozenset({torch.ops.aten.nonzero.default})
+
+    class Mode(torch.utils._python_dispatch.TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.failed = False
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func in _CaptureOnCpu.SYNCING:
+                self.failed = True
+                raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+            return func(*args, **(kwargs or {}))
+
+    class Graph:
+        def replay(self) -> None:
+            raise AssertionError("a failed capture is never replayed")
+
+    @staticmethod
+    @contextlib.contextmanager
+    def graph(graph: Any, **options: Any) -> Iterator[None]:
+        mode = _CaptureOnCpu.Mode()
+        try:
+            with mode:
+                yield
+        finally:
+            if mode.failed:
+                raise RuntimeError("CUDA error: operation failed due to a previous error")
+
+
+def test_a_capture_that_fails_logs_the_op_and_replays_op_by_op(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(torch.cuda, "graph", _CaptureOnCpu.graph)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _CaptureOnCpu.Graph)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    executor = prepared()
+    run(executor, [[Rec.DEF, 6, "aten::nonzero"]])
+    define(executor, body(steps=[["op", 3, [slot(0), slot(1)], None, [2]],
+                                 ["op", 6, [slot(2)], None, [3]]]))  # fmt: skip
+    program = executor.programs.get(5)
+    program.graph_allowed = True  # as on a CUDA worker, past its warm-up runs
+    program.runs = GRAPH_AFTER_RUNS
+    with caplog.at_level(logging.WARNING, logger="gpupool.worker"):
+        run(executor, [[Rec.RUN, 5, [handle_ext(20)], [30]]])
+    assert executor.error is None
+    assert executor.stats()["programs"] == [[5, "ops", GRAPH_AFTER_RUNS + 1]]
+    (record,) = [r for r in caplog.records if "replays op by op" in r.getMessage()]
+    assert "capture failed at op 2 of 2 (aten::nonzero)" in record.getMessage()
+    assert "not permitted when stream is capturing" in record.getMessage()
+    run(executor, [[Rec.RUN, 5, [handle_ext(20)], [31]]])  # op by op from now on, no retry
+    assert executor.stats()["programs"] == [[5, "ops", GRAPH_AFTER_RUNS + 2]]
+
+
+def test_the_worker_logs_how_a_program_will_run(caplog: pytest.LogCaptureFixture) -> None:
+    executor = prepared()
+    with caplog.at_level(logging.INFO, logger="gpupool.worker"):
+        define(executor, body())
+    assert "program 5 defined (2 steps): op by op (a cpu worker" in caplog.text
 
 
 HOSTILE: dict[str, Any] = {

@@ -511,13 +511,19 @@ class CapturedStep:
 
     def worker_modes(self) -> list[str]:
         """How the worker runs this step's programs: "ops" or "graph" (a round trip)."""
+        return [mode for mode, _runs in self.worker_programs()]
+
+    def worker_programs(self) -> list[tuple[str, int]]:
+        """(mode, RUNs so far) of each of this step's programs on its worker (a round trip).
+        A CUDA worker runs a program's first RUNs op by op before it captures the graph, so a
+        mode means little without the count."""
         ids = {e.program.id for e in self._entries.values() if e.program is not None}
-        modes = []
+        programs = []
         for stream in runtime.streams():
-            for program_id, mode, _runs in stream.stats().get("programs", []):
+            for program_id, mode, runs in stream.stats().get("programs", []):
                 if program_id in ids:
-                    modes.append(str(mode))
-        return modes
+                    programs.append((str(mode), int(runs)))
+        return programs
 
     # ---- calls ---------------------------------------------------------------------------
 

@@ -371,6 +371,8 @@ class Executor:
         except ProtocolError:
             raise
         except Exception as exc:
+            if program.failed_step is not None:
+                name = f"{name} at {program.failed_step}"
             self._fail(exc, name, inputs, None)
         self.activity.ran(len(program.steps))
 

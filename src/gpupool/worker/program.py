@@ -187,6 +187,18 @@ class Program:
         """ops: op by op; graph: a CUDA graph replay; the client can ask for it in STATS."""
         self.runs = 0
         self._graph: _Graph | None = None
+        self.failed_step: str | None = None
+        """The step the last failed run stopped at ("op 12 of 40 (aten::nonzero)")."""
+        self._step_error: str | None = None
+        log.info("program %d defined (%d steps): %s", self.id, len(self.steps), self._plan())
+
+    def _plan(self) -> str:
+        """How this program will run, so a worker log says why one never became a graph."""
+        if self.device.type != "cuda":
+            return f"op by op (a {self.device.type} worker has no CUDA graphs)"
+        if not self.graph_allowed:
+            return "op by op (the client asked for graph=False)"
+        return f"op by op for {GRAPH_AFTER_RUNS} run(s), then captured as a CUDA graph"
 
     # ---- definition ----------------------------------------------------------------------
 
@@ -267,6 +279,7 @@ class Program:
     def run(self, inputs: list[torch.Tensor], executor: Executor) -> list[Any]:
         """Run once; returns the slots (outputs and escapes are read from them)."""
         self.runs += 1
+        self.failed_step = None
         if self._graph is not None:
             return self._replay(inputs)
         if self.graph_allowed and self.runs > GRAPH_AFTER_RUNS:
@@ -275,13 +288,25 @@ class Program:
             except torch.OutOfMemoryError as exc:
                 self._give_up_graph(f"its memory does not fit the lease's limit ({exc})")
             except Exception as exc:  # an op that cannot be captured: replay op by op
-                self._give_up_graph(f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+                self._give_up_graph(self._capture_failure(exc))
         if self.graph_allowed:
             return self._warm_up(inputs, executor)
         slots = self._slots(inputs, executor)
-        for step in self.steps:
-            step.run(slots)
+        self._run_steps(slots)
         return slots
+
+    def _run_steps(self, slots: list[Any]) -> None:
+        """Every step in order; a failing one is named in `failed_step`, for the client's error
+        and the worker's log (a capture that fails says which op could not be captured)."""
+        self.failed_step = self._step_error = None
+        for index, step in enumerate(self.steps):
+            try:
+                step.run(slots)
+            except Exception as exc:
+                name = step.name if isinstance(step, _OpStep) else "a constant copied in"
+                self.failed_step = f"op {index + 1} of {len(self.steps)} ({name})"
+                self._step_error = _one_line(exc)  # text only: a traceback would pin the slots
+                raise
 
     def output_tensors(self, slots: list[Any], inputs: list[torch.Tensor]) -> list[Any]:
         """What RUN stores under the client's new handles: inputs and externals as themselves,
@@ -319,8 +344,7 @@ class Program:
         side.wait_stream(current)
         slots = self._slots(inputs, executor)
         with torch.cuda.stream(side):
-            for step in self.steps:
-                step.run(slots)
+            self._run_steps(slots)
         current.wait_stream(side)
         for value in slots:
             if isinstance(value, torch.Tensor) and value.device.type == "cuda":
@@ -341,8 +365,7 @@ class Program:
         # CUDA while this one captures.
         pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            for step in self.steps:
-                step.run(slots)
+            self._run_steps(slots)
         self._graph = _Graph(graph, static, slots)
         self.mode = "graph"
         log.info("program %d captured as a CUDA graph (%d steps)", self.id, len(self.steps))
@@ -370,6 +393,14 @@ class Program:
         if self._graph is not None:
             torch.cuda.synchronize(self.device)
             self._graph = None
+
+    def _capture_failure(self, exc: BaseException) -> str:
+        """Why a capture failed: the op that failed and its own error. When an op fails inside
+        the capture, leaving the capture raises again ("operation failed due to a previous
+        error during capture"); the op's error is the one that says what to fix."""
+        if self.failed_step is None or self._step_error is None:
+            return f"capture failed: {_one_line(exc)}"
+        return f"capture failed at {self.failed_step}: {self._step_error}"
 
     def _give_up_graph(self, why: str) -> None:
         log.warning("program %d replays op by op: %s", self.id, why)
@@ -437,6 +468,11 @@ def decode_body(body: bytes, executor: Executor) -> Any:
         raise
     except (msgpack.UnpackException, ValueError, TypeError) as exc:
         raise ProtocolError(f"malformed program body: {exc}") from exc
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0][:300] if text else '(no message)'}"
 
 
 # ---- validation helpers ---------------------------------------------------------------------
