@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,26 @@ class ControllerSettings:
     physical_ready: int | None = None
     """Dual pool: move idle GPUs between the pools to follow demand, keeping this many idle
     physical GPUs while physical requests queue (None: only operators switch modes)."""
+
+    ha: bool = False
+    """High availability: controllers sharing one PostgreSQL elect one leader (controller/ha)."""
+    advertise_url: str | None = None
+    """The URL other controllers forward writes to (default: http://host:port)."""
+    ha_tick_s: float = 0.5
+    """How often an HA controller tries for the lead, checks it still leads, and reports."""
+    ha_refresh_s: float = 1.0
+    """How often a standby reloads the pool from the database for the reads it serves."""
+
+    def own_url(self) -> str:
+        """Where this controller is reached, as other controllers and the HA status show it."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
 
     def database_url(self) -> str:
         if self.db_url:

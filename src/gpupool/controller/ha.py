@@ -1,0 +1,460 @@
+"""High availability: controllers sharing one PostgreSQL elect one leader; the others serve
+reads from the database and forward writes to it, and take over when it dies.
+
+Election: a PostgreSQL session advisory lock, held on a connection of its own. PostgreSQL
+frees it the moment that connection ends: at once when the leader's process dies (the
+kernel closes its socket), within seconds when it is cut off (server-side TCP
+keepalives on that connection), so a standby that polls for it takes over within a tick.
+
+Fencing: the lock alone cannot stop a leader that lost it without noticing yet. So each
+takeover raises the `epoch` in the one `ha_leader` row, and every write transaction of a
+leader first reads that row `FOR SHARE` and refuses to go on if the epoch is not its own.
+A takeover's UPDATE waits for a write transaction still holding that share lock, and any
+later transaction of the old leader sees the new epoch: the two leaders' writes never
+interleave, and the new leader loads the pool only after the old one's last commit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
+from dataclasses import dataclass
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+import httpx
+import psycopg
+from sqlalchemy import func, select, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from gpupool import __version__
+from gpupool.controller.models import HaLeaderRow, HaMemberRow
+from gpupool.controller.services.tenants import ensure_default
+from gpupool.controller.settings import ControllerSettings
+from gpupool.controller.store import Store
+from gpupool.core import PoolError
+from gpupool.protocol.v1 import API_PREFIX
+from gpupool.protocol.v1.api import HaMemberOut, HaOut
+
+log = logging.getLogger("gpupool.controller.ha")
+
+LOCK_KEY = 7210010
+"""The advisory lock whose holder leads (the migration lock is 7210001)."""
+MEMBER_TIMEOUT_S = 5.0
+"""A controller that has not reported for this long is shown as down."""
+FORWARDED_BY = "x-gpupool-forwarded-by"
+"""Set on a write forwarded to the leader: a controller that gets one and does not lead
+answers 503 instead of forwarding it again, so a request never loops."""
+
+# The server drops a silent connection after about idle + interval * count seconds, which
+# frees the lock of a leader cut off from the database; the client side does the same for
+# connections this controller holds.
+KEEPALIVE_OPTIONS = (
+    "-c tcp_keepalives_idle=2 -c tcp_keepalives_interval=1 -c tcp_keepalives_count=3 "
+    "-c tcp_user_timeout=5000"
+)
+CLIENT_KEEPALIVES: dict[str, Any] = {
+    "keepalives": 1,
+    "keepalives_idle": 2,
+    "keepalives_interval": 1,
+    "keepalives_count": 3,
+    "connect_timeout": 3,
+}
+
+
+Lead = Callable[[asyncio.Event], Coroutine[Any, Any, None]]
+"""What the leader runs (the reconcile loop) until the event is set."""
+
+
+class Role(StrEnum):
+    LEADER = "leader"
+    STANDBY = "standby"
+
+
+class NotLeader(PoolError):
+    """This controller does not lead (now): the client should try again, another one will."""
+
+    code = "not_leader"
+    http_status = 503
+
+
+class HaUnsupported(PoolError):
+    code = "ha_unsupported"
+    http_status = 400
+
+
+def engine_connect_args() -> dict[str, Any]:
+    """Driver arguments of an HA controller's engine: keepalives on both ends, so that the
+    write transactions of a controller cut off from the database end within seconds and
+    cannot hold a takeover back."""
+    return {**CLIENT_KEEPALIVES, "options": KEEPALIVE_OPTIONS}
+
+
+@dataclass(frozen=True, slots=True)
+class Leader:
+    controller: str | None
+    url: str | None
+    epoch: int
+    since: datetime | None
+
+
+class Group:
+    """This controller's place in its HA group: the election, the fence, the status."""
+
+    def __init__(self, store: Store, settings: ControllerSettings) -> None:
+        if store.engine.dialect.name != "postgresql":
+            raise HaUnsupported(
+                "high availability needs PostgreSQL shared by the controllers "
+                f"(--db postgresql://...); this store is {store.engine.dialect.name}"
+            )
+        self.store = store
+        self.settings = settings
+        self.me = settings.own_url()
+        self.role = Role.STANDBY
+        self.epoch = 0
+        self.leader = Leader(None, None, 0, None)
+        self.started_at = time.time()
+        self.took_lead_at: float | None = None
+        self._lock_conn: psycopg.Connection[Any] | None = None
+        self._last_refresh = 0.0
+        self._http: httpx.AsyncClient | None = None
+        store.leading = False
+        store.fence = self.fence
+
+    # ---- the fence (writer thread) ---------------------------------------------------
+
+    def fence(self, session: Session) -> None:
+        """Refuse the write transaction unless this controller leads in the current epoch."""
+        if self.role is not Role.LEADER:
+            raise NotLeader(self.not_leading())
+        epoch = session.execute(
+            select(HaLeaderRow.epoch).where(HaLeaderRow.id == 1).with_for_update(read=True)
+        ).scalar_one()
+        if epoch != self.epoch:
+            self._step_down(f"epoch {epoch} began elsewhere while this controller led {self.epoch}")
+            raise NotLeader(self.not_leading())
+
+    def not_leading(self) -> str:
+        if self.leader.url and self.leader.url != self.me:
+            return f"{self.me} does not lead; the leader is {self.leader.url}: try it"
+        return f"{self.me} does not lead and no leader is known yet; try again in a second"
+
+    # ---- the election loop -------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, lead: Lead) -> None:
+        """Try for the lead, lead (running `lead` until the lead is lost), report, repeat."""
+        lead_stop = asyncio.Event()
+        lead_task: asyncio.Task[None] | None = None
+        try:
+            while not stop.is_set():
+                try:
+                    if self.role is Role.STANDBY:
+                        if await asyncio.to_thread(self._try_lock):
+                            await self._take_lead()
+                        else:
+                            await asyncio.to_thread(self._follow)
+                    elif not await asyncio.to_thread(self._lock_alive):
+                        self._step_down("lost the connection that holds the leader lock")
+                except Exception:
+                    log.exception("HA election step failed; retrying")
+                if self.role is Role.LEADER and lead_task is None:
+                    lead_stop = asyncio.Event()
+                    lead_task = asyncio.create_task(lead(lead_stop), name="ha-lead")
+                elif self.role is Role.STANDBY and lead_task is not None:
+                    lead_stop.set()
+                    await lead_task
+                    lead_task = None
+                    await asyncio.to_thread(self._release_lock)
+                with contextlib.suppress(Exception):
+                    await asyncio.to_thread(self._report, self.role.value)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=self.settings.ha_tick_s)
+        finally:
+            lead_stop.set()
+            if lead_task is not None:
+                await lead_task
+            self.role = Role.STANDBY
+            self.store.leading = False
+            await asyncio.to_thread(self._release_lock)
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(self._report, "stopped")
+            if self._http is not None:
+                await self._http.aclose()
+
+    async def _take_lead(self) -> None:
+        try:
+            epoch = await asyncio.to_thread(self._claim_epoch)
+            # The pool is loaded after the epoch moved: every commit of the old leader is
+            # in the database by then, and none can follow.
+            await asyncio.to_thread(self.store.load, True)
+        except Exception:
+            await asyncio.to_thread(self._release_lock)
+            raise
+        self.epoch = epoch
+        self.role = Role.LEADER
+        self.store.leading = True
+        self.took_lead_at = time.time()
+        self.leader = Leader(self.me, self.me, epoch, None)
+        log.warning("%s leads the pool (epoch %d)", self.me, epoch)
+        await self.store.write(lambda s: ensure_default(self.store, s))
+
+    def _step_down(self, why: str) -> None:
+        if self.role is Role.LEADER:
+            log.error("%s stops leading: %s", self.me, why)
+        self.role = Role.STANDBY
+        self.store.leading = False
+        self.epoch = 0
+
+    # ---- database work (threads) -------------------------------------------------------
+
+    def _lock_dsn(self) -> str:
+        return self.store.engine.url.set(drivername="postgresql").render_as_string(
+            hide_password=False
+        )
+
+    def _try_lock(self) -> bool:
+        if self._lock_conn is None or self._lock_conn.closed:
+            self._lock_conn = psycopg.connect(
+                self._lock_dsn(),
+                autocommit=True,
+                options=KEEPALIVE_OPTIONS + " -c statement_timeout=3000",
+                **CLIENT_KEEPALIVES,
+            )
+        row = self._lock_conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
+        return bool(row and row[0])
+
+    def _lock_alive(self) -> bool:
+        conn = self._lock_conn
+        if conn is None or conn.closed:
+            return False
+        try:
+            conn.execute("SELECT 1")
+        except psycopg.Error:
+            return False
+        return True
+
+    def _release_lock(self) -> None:
+        """Close the lock's connection: PostgreSQL frees the lock with it, whatever state
+        the connection is in."""
+        conn, self._lock_conn = self._lock_conn, None
+        if conn is not None:
+            with contextlib.suppress(psycopg.Error):
+                conn.close()
+
+    def _claim_epoch(self) -> int:
+        with Session(self.store.engine) as session, session.begin():
+            session.execute(insert(HaLeaderRow).values(id=1, epoch=0).on_conflict_do_nothing())
+            epoch = session.execute(
+                update(HaLeaderRow)
+                .where(HaLeaderRow.id == 1)
+                .values(
+                    epoch=HaLeaderRow.epoch + 1,
+                    controller=self.me,
+                    url=self.me,
+                    since=func.now(),
+                )
+                .returning(HaLeaderRow.epoch)
+            ).scalar_one()
+        return int(epoch)
+
+    def _follow(self) -> None:
+        """As a standby: learn who leads, and reload the pool now and then for reads."""
+        with Session(self.store.engine) as session:
+            row = session.get(HaLeaderRow, 1)
+            if row is not None:
+                self.leader = Leader(row.controller, row.url, row.epoch, row.since)
+        if time.monotonic() - self._last_refresh >= self.settings.ha_refresh_s:
+            self.store.load(forget_liveness=True)
+            self._last_refresh = time.monotonic()
+
+    def _report(self, role: str) -> None:
+        values = {
+            "url": self.me,
+            "role": role,
+            "epoch": self.epoch,
+            "version": __version__,
+            "last_seen_at": func.now(),
+        }
+        statement = insert(HaMemberRow).values(id=self.me, started_at=func.now(), **values)
+        statement = statement.on_conflict_do_update(index_elements=["id"], set_=values)
+        with Session(self.store.engine) as session, session.begin():
+            session.execute(statement)
+
+    def status(self, session: Session) -> HaOut:
+        """The group as the database sees it now (runs on a reader thread)."""
+        row = session.get(HaLeaderRow, 1)
+        members = session.execute(
+            select(
+                HaMemberRow, func.extract("epoch", func.now() - HaMemberRow.last_seen_at)
+            ).order_by(HaMemberRow.id)
+        ).all()
+        current = row.epoch if row is not None else 0
+        out = []
+        for member, ago in members:
+            seen_s = max(0.0, float(ago or 0.0))
+            # A leader of an older epoch lost the lead: it is dead or about to step down.
+            stale = member.role == "leader" and member.epoch != current
+            up = member.role != "stopped" and seen_s < MEMBER_TIMEOUT_S and not stale
+            role = member.role if member.role in ("leader", "standby", "stopped") else "standby"
+            out.append(
+                HaMemberOut(
+                    id=member.id,
+                    url=member.url,
+                    role=role,
+                    epoch=member.epoch,
+                    version=member.version,
+                    last_seen_s=round(seen_s, 3),
+                    up=up,
+                )
+            )
+        leader_url = row.url if row is not None else None
+        # The row names the last controller that took the lead; it leads still only if it
+        # is alive and holds that epoch.
+        alive = any(m.url == leader_url and m.up and m.role == "leader" for m in out) or (
+            self.role is Role.LEADER and leader_url == self.me
+        )
+        return HaOut(
+            enabled=True,
+            me=self.me,
+            role=self.role.value,
+            leader=leader_url if alive else None,
+            epoch=row.epoch if row is not None else 0,
+            leader_since=row.since if row is not None else None,
+            members=out,
+        )
+
+    # ---- forwarding writes -------------------------------------------------------------
+
+    def http(self) -> httpx.AsyncClient:
+        if self._http is None:
+            self._http = httpx.AsyncClient(timeout=30.0)
+        return self._http
+
+
+def single_status(settings: ControllerSettings) -> HaOut:
+    """The status of a controller that runs alone: it leads, nobody else exists."""
+    return HaOut(
+        enabled=False,
+        me=settings.own_url(),
+        role="leader",
+        leader=settings.own_url(),
+        epoch=0,
+        leader_since=None,
+    )
+
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+App = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+READS = frozenset({"GET", "HEAD", "OPTIONS"})
+HOP_BY_HOP = frozenset(
+    {
+        b"host",
+        b"connection",
+        b"keep-alive",
+        b"transfer-encoding",
+        b"content-length",
+        b"upgrade",
+        b"te",
+        b"trailer",
+        b"proxy-authorization",
+        b"proxy-authenticate",
+    }
+)
+
+
+class ForwardWrites:
+    """ASGI middleware of a standby: API writes go to the leader, answers come back as-is.
+
+    Forwarding (rather than redirecting) serves every client the same way: agents, the SDK,
+    curl and browsers; the Authorization header travels with the request.
+    """
+
+    def __init__(self, app: App, group: Callable[[], Group | None]) -> None:
+        self.app = app
+        self.group = group
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        group = self.group()
+        if (
+            group is None
+            or scope["type"] != "http"
+            or scope["method"] in READS
+            or not str(scope["path"]).startswith(API_PREFIX)
+            or group.role is Role.LEADER
+        ):
+            await self.app(scope, receive, send)
+            return
+        body = await _read_body(receive)
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
+        target = group.leader.url
+        if (
+            any(k.lower() == FORWARDED_BY.encode() for k, _ in headers)
+            or not target
+            or target == group.me
+        ):
+            await _answer(send, 503, NotLeader(group.not_leading()))
+            return
+        url = target + str(scope["path"])
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        headers.append((FORWARDED_BY.encode(), group.me.encode()))
+        try:
+            response = await group.http().request(
+                scope["method"], url, content=body, headers=headers
+            )
+        except httpx.TransportError as exc:
+            await _answer(
+                send,
+                503,
+                NotLeader(
+                    f"the leader {target} did not answer ({type(exc).__name__}); "
+                    "a standby takes over within seconds: try again"
+                ),
+            )
+            return
+        out = [
+            (k.encode("latin-1"), v.encode("latin-1"))
+            for k, v in response.headers.items()
+            if k.encode("latin-1").lower() not in HOP_BY_HOP and k.lower() != "content-encoding"
+        ]
+        out.append((b"content-length", str(len(response.content)).encode()))
+        await send({"type": "http.response.start", "status": response.status_code, "headers": out})
+        await send({"type": "http.response.body", "body": response.content})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            break
+    return b"".join(chunks)
+
+
+async def _answer(send: Send, status: int, error: PoolError) -> None:
+    body = json.dumps({"error": error.code, "detail": error.message}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"retry-after", b"1"),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
