@@ -11,7 +11,7 @@ from typer.core import TyperGroup
 from gpupool import __version__
 from gpupool.cli import events, gpus, leases, nodes, pool, run, sim, tenants
 from gpupool.cli.context import CliContext, default_actor
-from gpupool.cli.errors import describe
+from gpupool.cli.errors import BadInput, describe
 from gpupool.client.sdk import URL_ENV, resolve_url
 
 DEBUG_ENV = "GPUPOOL_DEBUG"
@@ -74,7 +74,8 @@ def root(
         typer.Option(
             "--url",
             envvar=URL_ENV,
-            help="Controller URL (default http://127.0.0.1:8900).",
+            help="Controller URL (default http://127.0.0.1:8900); several controllers of one "
+            "pool comma-separated, tried in turn.",
             show_default=False,
         ),
     ] = None,
@@ -87,7 +88,11 @@ def root(
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
     ] = False,
 ) -> None:
-    ctx.obj = CliContext(url=resolve_url(url), actor=actor or default_actor())
+    try:
+        chosen = resolve_url(url)
+    except ValueError as exc:
+        raise BadInput(f"--url / {URL_ENV}: {exc}") from None
+    ctx.obj = CliContext(url=chosen, actor=actor or default_actor())
 
 
 app.add_typer(leases.app, name="lease", help="Ask for GPU slices or whole GPUs and give them back.")

@@ -9,15 +9,18 @@ from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 from urllib.parse import quote
+from uuid import uuid4
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from gpupool.protocol.failover import FailoverTransport, split_urls
 from gpupool.protocol.v1.api import (
     EventOut,
     GpuIsolate,
     GpuModeSet,
     GpuOut,
+    HaOut,
     LeaseCreate,
     LeaseHeartbeat,
     LeaseOut,
@@ -67,11 +70,14 @@ class ControllerUnreachable(Exception):
 
 
 def resolve_url(url: str | None = None) -> str:
-    """The controller's base URL: the argument, else $GPUPOOL_URL, else the local default."""
+    """The controller's base URL: the argument, else $GPUPOOL_URL, else the local default.
+
+    Several controllers of one pool (high availability) are given comma-separated; each is
+    normalised and the list comes back comma-joined, ready for `PoolClient` or a child's
+    environment. Raises ValueError for a value that names no controller (`,`).
+    """
     chosen = url or os.environ.get(URL_ENV) or DEFAULT_URL
-    if "://" not in chosen:
-        chosen = f"http://{chosen}"
-    return chosen.rstrip("/")
+    return ",".join(split_urls(chosen))
 
 
 def _q(segment: str) -> str:
@@ -128,10 +134,14 @@ class PoolClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = resolve_url(url)
+        self.urls = split_urls(self.url)
         self.actor = actor
         headers = {ACTOR_HEADER: actor} if actor else {}
+        if len(self.urls) > 1:
+            # Several controllers: the request moves on while one is down or does not lead.
+            transport = FailoverTransport(self.urls, transport)
         self._http = httpx.Client(
-            base_url=self.url + API_PREFIX,
+            base_url=self.urls[0] + API_PREFIX,
             headers=headers,
             timeout=timeout,
             transport=transport,
@@ -217,6 +227,10 @@ class PoolClient:
     def pool(self) -> PoolSummary:
         return self._one(PoolSummary, self._request("GET", "/pool"))
 
+    def ha(self) -> HaOut:
+        """Which controller leads the pool, and the state of the others."""
+        return self._one(HaOut, self._request("GET", "/ha"))
+
     # ---- nodes ---------------------------------------------------------------------------
 
     def register_node(self, node: NodeRegister) -> NodeOut:
@@ -260,7 +274,13 @@ class PoolClient:
     # ---- leases --------------------------------------------------------------------------
 
     def create_lease(self, request: LeaseCreate) -> LeaseOut:
-        """Ask for a lease; it comes back `granted`, or `queued` with its queue position."""
+        """Ask for a lease; it comes back `granted`, or `queued` with its queue position.
+
+        The request carries a `request_id` (a fresh one unless the caller set it), so that
+        sending it again after a lost answer returns the same lease.
+        """
+        if request.request_id is None:
+            request = request.model_copy(update={"request_id": "r-" + uuid4().hex})
         return self._one(LeaseOut, self._request("POST", "/leases", request))
 
     def leases(

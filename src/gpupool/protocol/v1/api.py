@@ -333,20 +333,6 @@ class QueueEntryOut(BaseModel):
     lease: LeaseOut
 
 
-class PoolSummary(BaseModel):
-    nodes_up: int
-    nodes_down: int
-    gpus: dict[str, int]
-    compute_capacity_pct: int
-    compute_granted_pct: int
-    memory_capacity_mib: int
-    memory_granted_mib: int
-    leases: dict[str, int]
-    queued: int
-    ratios: dict[str, float]
-    simulated: bool
-
-
 class HaMemberOut(BaseModel):
     """One controller of a high-availability group, as it last reported itself."""
 
@@ -374,6 +360,22 @@ class HaOut(BaseModel):
     """Grows by one with every takeover."""
     leader_since: datetime | None
     members: list[HaMemberOut] = Field(default_factory=list)
+
+
+class PoolSummary(BaseModel):
+    nodes_up: int
+    nodes_down: int
+    gpus: dict[str, int]
+    compute_capacity_pct: int
+    compute_granted_pct: int
+    memory_capacity_mib: int
+    memory_granted_mib: int
+    leases: dict[str, int]
+    queued: int
+    ratios: dict[str, float]
+    simulated: bool
+    ha: HaOut | None = None
+    """Which controller leads and the state of the others (high availability)."""
 
 
 class ErrorOut(BaseModel):
