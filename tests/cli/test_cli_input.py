@@ -121,9 +121,7 @@ def test_bad_max_wait_and_guarantee_are_refused_before_any_request() -> None:
     from gpupool.cli.main import app
 
     runner = CliRunner()
-    result = runner.invoke(
-        app, ["--url", "http://127.0.0.1:9", "lease", "create", "--max-wait", "-5"]
-    )
+    result = runner.invoke(app, ["--url", "http://127.0.0.1:9", "lease", "create", "--max-wait", "-5"])
     assert result.exit_code == 2 and "--max-wait" in result.output
     result = runner.invoke(
         app, ["--url", "http://127.0.0.1:9", "tenant", "create", "t1", "--guaranteed-gpus", "-1"]
@@ -136,9 +134,7 @@ def test_bad_server_cpu_is_refused_before_any_request() -> None:
 
     from gpupool.cli.main import app
 
-    result = CliRunner().invoke(
-        app, ["--url", "http://127.0.0.1:9", "lease", "create", "--cpu", "lots"]
-    )
+    result = CliRunner().invoke(app, ["--url", "http://127.0.0.1:9", "lease", "create", "--cpu", "lots"])
     assert result.exit_code == 2 and "CPU" in result.output
     result = CliRunner().invoke(
         app, ["--url", "http://127.0.0.1:9", "run", "--remote", "--cpu", "2", "--", "true"]

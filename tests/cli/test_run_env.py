@@ -137,9 +137,7 @@ def test_slice_on_a_real_gpu_without_mps_is_warned_about() -> None:
 def test_outer_mps_pipe_directory_does_not_leak_into_a_physical_lease() -> None:
     outer = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/other-mps", "CUDA_MPS_LOG_DIRECTORY": "/tmp/x"}
     inner = lease_env(
-        lease([piece("GPU-a", 0, 100, 81920, whole=True)], physical=True),
-        [gpu("GPU-a", False)],
-        URL,
+        lease([piece("GPU-a", 0, 100, 81920, whole=True)], physical=True), [gpu("GPU-a", False)], URL
     )
     env = child_env(outer, inner)
     assert "CUDA_MPS_PIPE_DIRECTORY" not in env and "CUDA_MPS_LOG_DIRECTORY" not in env

@@ -25,14 +25,9 @@ def test_server_cpu_and_memory_are_granted_queued_and_restored(start_controller,
     ctl: ControllerProcess = start_controller(db_url, lease_ttl_s=600.0)
     with ctl.client() as client:
         _register(client)
-        first = client.post(
-            "/leases",
-            json={"compute_pct": 10, "memory": "1GiB", "cpu": "6", "host_memory": "32GiB"},
-        ).json()
+        first = client.post("/leases", json={"compute_pct": 10, "memory": "1GiB", "cpu": "6", "host_memory": "32GiB"}).json()
         assert first["state"] == "granted"
-        second = client.post(
-            "/leases", json={"compute_pct": 10, "memory": "1GiB", "cpu": "4000m"}
-        ).json()
+        second = client.post("/leases", json={"compute_pct": 10, "memory": "1GiB", "cpu": "4000m"}).json()
         assert second["state"] == "queued", "8 cores: 6 are taken, 4 more do not fit"
         never = client.post("/leases", json={"compute_pct": 10, "memory": "1GiB", "cpu": "16"})
         assert never.status_code == 409 and "never" in never.json()["detail"]

@@ -215,15 +215,11 @@ def test_request_for_more_server_cpu_than_any_server_has_can_never_fit() -> None
         pool.set_node_up(node, True)
         pool.set_host(node, Host(cpu_milli=8000, memory_mib=65536))
         for i in range(2):
-            pool.upsert_gpu(
-                Gpu(uuid=f"{node}{i}", node=node, model="H100", memory_mib=81920, index=i)
-            )
+            pool.upsert_gpu(Gpu(uuid=f"{node}{i}", node=node, model="H100", memory_mib=81920, index=i))
     pool.check_can_ever_fit(LeaseRequest(gpus=1, compute_pct=10, memory_mib=1024, cpu_milli=8000))
     pool.check_can_ever_fit(LeaseRequest(gpus=4, compute_pct=10, memory_mib=1024, cpu_milli=12000))
     with pytest.raises(NoCapacity, match="never"):
-        pool.check_can_ever_fit(
-            LeaseRequest(gpus=1, compute_pct=10, memory_mib=1024, cpu_milli=9000)
-        )
+        pool.check_can_ever_fit(LeaseRequest(gpus=1, compute_pct=10, memory_mib=1024, cpu_milli=9000))
     with pytest.raises(NoCapacity, match="never"):
         pool.check_can_ever_fit(
             LeaseRequest(gpus=2, compute_pct=10, memory_mib=1024, cpu_milli=12000, span_nodes=False)

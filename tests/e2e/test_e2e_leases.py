@@ -105,9 +105,7 @@ def test_sigterm_while_waiting_cancels_the_request(pool: Pool) -> None:
 
 
 def test_lease_takes_server_cpu_and_memory(pool: Pool) -> None:
-    lease = pool.json(
-        "lease", "create", "--compute", "10%", "-m", "1GiB", "--cpu", "1", "--host-memory", "1GiB"
-    )
+    lease = pool.json("lease", "create", "--compute", "10%", "-m", "1GiB", "--cpu", "1", "--host-memory", "1GiB")
     assert lease["state"] == "granted"
     refused = pool.cli("lease", "create", "--compute", "10%", "-m", "1GiB", "--cpu", "100000")
     assert refused.returncode == 2 and "never be granted" in refused.stderr

@@ -40,9 +40,7 @@ def _result(stdout: str) -> dict[str, object]:
 
 
 @pytest.mark.parametrize("gpus", [1, 2])
-def test_remote_run_trains_on_leased_workers_and_gives_them_back(
-    pool: Pool, tmp_path: Path, gpus: int
-) -> None:
+def test_remote_run_trains_on_leased_workers_and_gives_them_back(pool: Pool, tmp_path: Path, gpus: int) -> None:
     program = tmp_path / "train.py"
     program.write_text(PROGRAM)
     import sys
@@ -68,22 +66,10 @@ def test_workers_stop_when_the_lease_ends(pool: Pool, tmp_path: Path) -> None:
     import subprocess
 
     program = tmp_path / "sleep.py"
-    program.write_text(
-        "import torch, time\ntorch.ones(1, device='cuda').sum().item()\ntime.sleep(60)\n"
-    )
+    program.write_text("import torch, time\ntorch.ones(1, device='cuda').sum().item()\ntime.sleep(60)\n")
     import sys
 
-    run = pool.spawn(
-        "run",
-        "--remote",
-        "--compute",
-        "10%",
-        "--memory",
-        "1GiB",
-        "--",
-        sys.executable,
-        str(program),
-    )
+    run = pool.spawn("run", "--remote", "--compute", "10%", "--memory", "1GiB", "--", sys.executable, str(program))
     try:
         deadline = time.monotonic() + 90
         lease = None
@@ -98,9 +84,7 @@ def test_workers_stop_when_the_lease_ends(pool: Pool, tmp_path: Path) -> None:
         assert run.wait(timeout=60) != 0, "the program lost its lease and was stopped"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            ps = subprocess.run(
-                ["pgrep", "-f", f"gpupool.worker --lease {lease['id']}"], capture_output=True
-            )
+            ps = subprocess.run(["pgrep", "-f", f"gpupool.worker --lease {lease['id']}"], capture_output=True)
             if ps.returncode != 0:
                 break
             time.sleep(0.3)

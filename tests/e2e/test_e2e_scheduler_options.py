@@ -28,10 +28,7 @@ def test_controller_starts_with_scheduler_settings(tmp_path: Path) -> None:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
-                if (
-                    httpx.get(f"http://127.0.0.1:{port}/api/v1/health", timeout=2).status_code
-                    == 200
-                ):
+                if httpx.get(f"http://127.0.0.1:{port}/api/v1/health", timeout=2).status_code == 200:
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)

@@ -53,15 +53,6 @@ def test_guarantee_is_set_and_kept_when_other_limits_change(pool: Pool) -> None:
 
 def test_lease_with_locality_and_max_wait_reaches_the_controller(pool: Pool) -> None:
     lease = pool.json(
-        "lease",
-        "create",
-        "--compute",
-        "10%",
-        "-m",
-        "1GiB",
-        "--locality",
-        "any",
-        "--max-wait",
-        "120",
+        "lease", "create", "--compute", "10%", "-m", "1GiB", "--locality", "any", "--max-wait", "120"
     )
     assert lease["state"] == "granted"
