@@ -14,6 +14,7 @@ from uuid import uuid4
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from gpupool.protocol.failover import DEFAULT_BUDGET_S as DEFAULT_FAILOVER_S
 from gpupool.protocol.failover import FailoverTransport, split_urls
 from gpupool.protocol.v1.api import (
     EventOut,
@@ -120,10 +121,12 @@ def _unreachable_reason(exc: httpx.TransportError) -> str:
 
 
 class PoolClient:
-    """A synchronous client of one controller.
+    """A synchronous client of one controller, or of several of one pool (high availability).
 
     Every method returns the API's pydantic models and raises `ApiError` for an error
-    answer or `ControllerUnreachable` when no answer comes.
+    answer or `ControllerUnreachable` when no answer comes. Given comma-separated URLs, a
+    request moves on to the next controller while one is down or does not lead, for up to
+    `failover_s` seconds.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class PoolClient:
         actor: str | None = None,
         timeout: float = 10,
         transport: httpx.BaseTransport | None = None,
+        failover_s: float = DEFAULT_FAILOVER_S,
     ) -> None:
         self.url = resolve_url(url)
         self.urls = split_urls(self.url)
@@ -139,7 +143,7 @@ class PoolClient:
         headers = {ACTOR_HEADER: actor} if actor else {}
         if len(self.urls) > 1:
             # Several controllers: the request moves on while one is down or does not lead.
-            transport = FailoverTransport(self.urls, transport)
+            transport = FailoverTransport(self.urls, transport, budget_s=failover_s)
         self._http = httpx.Client(
             base_url=self.urls[0] + API_PREFIX,
             headers=headers,

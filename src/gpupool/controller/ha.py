@@ -31,6 +31,7 @@ import httpx
 import psycopg
 from sqlalchemy import func, select, update
 from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from gpupool import __version__
@@ -133,9 +134,17 @@ class Group:
         """Refuse the write transaction unless this controller leads in the current epoch."""
         if self.role is not Role.LEADER:
             raise NotLeader(self.not_leading())
-        epoch = session.execute(
-            select(HaLeaderRow.epoch).where(HaLeaderRow.id == 1).with_for_update(read=True)
-        ).scalar_one()
+        try:
+            epoch = session.execute(
+                select(HaLeaderRow.epoch).where(HaLeaderRow.id == 1).with_for_update(read=True)
+            ).scalar_one()
+        except SQLAlchemyError as exc:
+            # Cut off from the database: whether it still leads is unknown, so it may not
+            # write; clients are told to try another controller rather than given a 500.
+            raise NotLeader(
+                f"{self.me} cannot reach the database to check that it leads: try another "
+                "controller"
+            ) from exc
         if epoch != self.epoch:
             self._step_down(f"epoch {epoch} began elsewhere while this controller led {self.epoch}")
             raise NotLeader(self.not_leading())
