@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 import psycopg
-from sqlalchemy import func, select, update
+from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
@@ -65,6 +65,7 @@ CLIENT_KEEPALIVES: dict[str, Any] = {
     "keepalives_idle": 2,
     "keepalives_interval": 1,
     "keepalives_count": 3,
+    "tcp_user_timeout": 5000,
     "connect_timeout": 3,
 }
 
@@ -123,8 +124,11 @@ class Group:
         self.started_at = time.time()
         self.took_lead_at: float | None = None
         self._lock_conn: psycopg.Connection[Any] | None = None
+        self._holds_lock = False
         self._last_refresh = 0.0
         self._http: httpx.AsyncClient | None = None
+        self._lead_task: asyncio.Task[None] | None = None
+        self._lead_stop = asyncio.Event()
         store.leading = False
         store.fence = self.fence
 
@@ -158,10 +162,9 @@ class Group:
 
     async def run(self, stop: asyncio.Event, lead: Lead) -> None:
         """Try for the lead, lead (running `lead` until the lead is lost), report, repeat."""
-        lead_stop = asyncio.Event()
-        lead_task: asyncio.Task[None] | None = None
         try:
             while not stop.is_set():
+                await self._let_go_if_lost()
                 try:
                     if self.role is Role.STANDBY:
                         if await asyncio.to_thread(self._try_lock):
@@ -172,29 +175,34 @@ class Group:
                         self._step_down("lost the connection that holds the leader lock")
                 except Exception:
                     log.exception("HA election step failed; retrying")
-                if self.role is Role.LEADER and lead_task is None:
-                    lead_stop = asyncio.Event()
-                    lead_task = asyncio.create_task(lead(lead_stop), name="ha-lead")
-                elif self.role is Role.STANDBY and lead_task is not None:
-                    lead_stop.set()
-                    await lead_task
-                    lead_task = None
-                    await asyncio.to_thread(self._release_lock)
+                await self._let_go_if_lost()
+                if self.role is Role.LEADER and self._lead_task is None:
+                    self._lead_stop = asyncio.Event()
+                    self._lead_task = asyncio.create_task(lead(self._lead_stop), name="ha-lead")
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(self._report, self.role.value)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=self.settings.ha_tick_s)
         finally:
-            lead_stop.set()
-            if lead_task is not None:
-                await lead_task
             self.role = Role.STANDBY
             self.store.leading = False
-            await asyncio.to_thread(self._release_lock)
+            await self._let_go_if_lost()
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(self._report, "stopped")
             if self._http is not None:
                 await self._http.aclose()
+
+    async def _let_go_if_lost(self) -> None:
+        """After the lead was lost (the fence, the lock's connection, a failed takeover):
+        stop the leader's loops and free the lock, so this controller competes afresh."""
+        if self.role is not Role.STANDBY:
+            return
+        if self._lead_task is not None:
+            self._lead_stop.set()
+            await self._lead_task
+            self._lead_task = None
+        if self._holds_lock:
+            await asyncio.to_thread(self._release_lock)
 
     async def _take_lead(self) -> None:
         try:
@@ -236,7 +244,8 @@ class Group:
                 **CLIENT_KEEPALIVES,
             )
         row = self._lock_conn.execute("SELECT pg_try_advisory_lock(%s)", (LOCK_KEY,)).fetchone()
-        return bool(row and row[0])
+        self._holds_lock = bool(row and row[0])
+        return self._holds_lock
 
     def _lock_alive(self) -> bool:
         conn = self._lock_conn
@@ -252,6 +261,7 @@ class Group:
         """Close the lock's connection: PostgreSQL frees the lock with it, whatever state
         the connection is in."""
         conn, self._lock_conn = self._lock_conn, None
+        self._holds_lock = False
         if conn is not None:
             with contextlib.suppress(psycopg.Error):
                 conn.close()
@@ -270,6 +280,12 @@ class Group:
                 )
                 .returning(HaLeaderRow.epoch)
             ).scalar_one()
+            # Controllers gone for a day are history, not members.
+            session.execute(
+                delete(HaMemberRow).where(
+                    HaMemberRow.last_seen_at < func.now() - text("interval '1 day'")
+                )
+            )
         return int(epoch)
 
     def _follow(self) -> None:
