@@ -60,7 +60,10 @@ def pg_url(pg_admin_url: str) -> Iterator[str]:
 
 @pytest.fixture
 def ha_pg_url(pg_admin_url: str) -> Iterator[str]:
-    """A fresh PostgreSQL database for one high-availability test, shared by its controllers."""
+    """A fresh PostgreSQL database for one high-availability test, shared by its controllers.
+
+    Ask for it before `start_controller`, so that the controllers stop before it is dropped.
+    """
     import psycopg
 
     name = f"gpupool_ha_test_{uuid.uuid4().hex[:10]}"

@@ -5,6 +5,8 @@ while the leader is killed."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -76,7 +78,7 @@ def lease_states(db: str) -> dict[str, str]:
         return {str(i): str(s) for i, s in conn.execute("SELECT id, state FROM leases")}
 
 
-def test_one_controller_leads_and_the_others_stand_by(start_controller, ha_pg_url) -> None:
+def test_one_controller_leads_and_the_others_stand_by(ha_pg_url, start_controller) -> None:
     group = start_group(start_controller, ha_pg_url, 3)
     urls = [c.url for c in group]
     leader = wait_for_leader(urls)
@@ -95,7 +97,7 @@ def test_one_controller_leads_and_the_others_stand_by(start_controller, ha_pg_ur
 
 
 def test_a_standby_forwards_writes_and_serves_what_they_wrote_at_once(
-    start_controller, ha_pg_url
+    ha_pg_url, start_controller
 ) -> None:
     group = start_group(start_controller, ha_pg_url, 2)
     leader = wait_for_leader([c.url for c in group])
@@ -113,8 +115,34 @@ def test_a_standby_forwards_writes_and_serves_what_they_wrote_at_once(
     assert lease_states(ha_pg_url) == {lease["id"]: "released"}
 
 
+def test_a_standby_reads_every_write_the_leader_committed_before(
+    ha_pg_url, start_controller
+) -> None:
+    group = start_group(start_controller, ha_pg_url, 2)
+    leader = wait_for_leader([c.url for c in group])
+    standby = next(c for c in group if c.url != leader)
+    with (
+        httpx.Client(base_url=leader + "/api/v1", timeout=10) as direct,
+        standby.client() as client,
+    ):
+        register_fake_node(direct, gpus=1)
+        for round_ in range(3):
+            made = [
+                direct.post("/leases", json={"compute_pct": 60, "memory": "1GiB"}).json()
+                for _ in range(2)
+            ]
+            # At once, through the standby: the queue and the GPU as the leader left them.
+            assert [e["lease"]["id"] for e in client.get("/queue").json()] == [made[1]["id"]]
+            [gpu] = client.get("/gpus").json()
+            assert gpu["compute_granted_pct"] == 60, round_
+            for lease in made:
+                assert direct.delete(f"/leases/{lease['id']}").status_code == 200
+            assert client.get("/queue").json() == []
+            assert client.get("/gpus").json()[0]["compute_granted_pct"] == 0
+
+
 def test_concurrent_requests_to_three_controllers_grant_exactly_the_capacity(
-    start_controller, ha_pg_url
+    ha_pg_url, start_controller
 ) -> None:
     group = start_group(start_controller, ha_pg_url, 3)
     with group[0].client() as client:
@@ -133,7 +161,7 @@ def test_concurrent_requests_to_three_controllers_grant_exactly_the_capacity(
 
 
 def test_nothing_is_granted_twice_or_lost_while_the_leader_is_killed(
-    start_controller, ha_pg_url
+    ha_pg_url, start_controller
 ) -> None:
     group = start_group(start_controller, ha_pg_url, 3)
     urls = [c.url for c in group]
@@ -176,7 +204,7 @@ def test_nothing_is_granted_twice_or_lost_while_the_leader_is_killed(
 
 
 def test_after_kill9_of_the_leader_a_standby_leads_with_every_lease_and_the_queue(
-    start_controller, ha_pg_url
+    ha_pg_url, start_controller
 ) -> None:
     group = start_group(start_controller, ha_pg_url, 3)
     urls = [c.url for c in group]
@@ -210,7 +238,7 @@ def test_after_kill9_of_the_leader_a_standby_leads_with_every_lease_and_the_queu
 
 
 def test_a_leader_whose_lock_connection_dies_stops_leading_and_another_takes_over(
-    start_controller, ha_pg_url
+    ha_pg_url, start_controller
 ) -> None:
     group = start_group(start_controller, ha_pg_url, 2)
     urls = [c.url for c in group]
@@ -230,8 +258,12 @@ def test_a_leader_whose_lock_connection_dies_stops_leading_and_another_takes_ove
     else:
         raise AssertionError("no takeover after the leader lost its lock connection")
     new_leader = wait_for_leader(urls)
-    roles = sorted(ha_status(u)["role"] for u in urls)  # type: ignore[index]
-    assert roles == ["leader", "standby"], "exactly one leads, whichever won"
+    # The old leader finds out by itself (its lock connection fails) and stands by, unless
+    # it won the lead back: either way exactly one leads.
+    deadline = time.monotonic() + 15
+    while sorted((ha_status(u) or {}).get("role", "") for u in urls) != ["leader", "standby"]:
+        assert time.monotonic() < deadline, "the two controllers disagree on who leads"
+        time.sleep(0.1)
     with httpx.Client(base_url=leader + "/api/v1", timeout=10) as client:
         # Written through the old leader: forwarded if it stands by, served if it won again.
         assert client.post("/tenants", json={"name": "after"}).status_code == 201
@@ -290,3 +322,107 @@ def test_ha_without_postgresql_is_refused_in_one_line(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "--ha needs a PostgreSQL" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+class DbLink:
+    """A TCP relay between one controller and PostgreSQL that the test can cut and heal."""
+
+    def __init__(self, upstream_port: int = 5432) -> None:
+        self.upstream_port = upstream_port
+        self.listener = socket.socket()
+        self.listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(64)
+        self.port = int(self.listener.getsockname()[1])
+        self.open = True
+        self.pairs: list[tuple[socket.socket, socket.socket]] = []
+        self.lock = threading.Lock()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            if not self.open:
+                client.close()
+                continue
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            with self.lock:
+                self.pairs.append((client, upstream))
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(source: socket.socket, sink: socket.socket) -> None:
+        try:
+            while data := source.recv(65536):
+                sink.sendall(data)
+        except OSError:
+            pass
+        for s in (source, sink):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """Every connection through the link ends, and new ones are refused."""
+        self.open = False
+        with self.lock:
+            pairs, self.pairs = self.pairs, []
+        for pair in pairs:
+            for s in pair:
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+                s.close()
+
+    def heal(self) -> None:
+        self.open = True
+
+    def close(self) -> None:
+        self.cut()
+        self.listener.close()
+
+
+def test_a_leader_cut_off_from_the_database_stops_writing_and_comes_back_as_a_standby(
+    ha_pg_url, start_controller
+) -> None:
+    link = DbLink()
+    try:
+        via_link = ha_pg_url.replace("127.0.0.1:5432", f"127.0.0.1:{link.port}")
+        assert via_link != ha_pg_url
+        first = start_controller(via_link, ha=True, lease_ttl_s=600.0)
+        assert wait_for_leader([first.url]) == first.url
+        second = start_controller(ha_pg_url, ha=True, lease_ttl_s=600.0)
+        urls = [first.url, second.url]
+        assert wait_for_leader(urls) == first.url
+        with PoolClient(",".join(urls)) as sdk:
+            with first.client() as client:
+                register_fake_node(client, gpus=1)
+            before = sdk.create_lease(LeaseCreate(compute_pct=50, memory="1GiB"))
+
+            link.cut()
+            deadline = time.monotonic() + 20
+            while (ha_status(second.url) or {}).get("role") != "leader":
+                assert time.monotonic() < deadline, "the standby did not take over"
+                time.sleep(0.1)
+            # Through both URLs, the first one cut off: the request lands on the new leader.
+            after = sdk.create_lease(LeaseCreate(compute_pct=50, memory="1GiB"))
+            assert after.state == "granted"
+            states = lease_states(ha_pg_url)
+            assert states == {before.id: "granted", after.id: "granted"}
+
+            link.heal()
+            deadline = time.monotonic() + 30
+            while (ha_status(first.url) or {}).get("role") != "standby":
+                assert time.monotonic() < deadline, "the old leader did not come back"
+                time.sleep(0.2)
+            assert wait_for_leader(urls) == second.url
+            # The healed controller forwards writes to the new leader.
+            with first.client() as client:
+                released = client.delete(f"/leases/{before.id}")
+                assert released.status_code == 200, released.text
+        assert lease_states(ha_pg_url) == {before.id: "released", after.id: "granted"}
+        assert list(holding_per_gpu(ha_pg_url).values()) == [(50, 1)]
+    finally:
+        link.close()

@@ -81,7 +81,7 @@ def create_app(settings: ControllerSettings) -> FastAPI:
     app.include_router(dashboard.pages)
     app.add_middleware(SchedulingTimer)
     # Outermost: a standby forwards a write before anything else of it runs.
-    app.add_middleware(ha.ForwardWrites, group=lambda: getattr(app.state, "ha", None))
+    app.add_middleware(ha.Standby, group=lambda: getattr(app.state, "ha", None))
     app.add_exception_handler(PoolError, _pool_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     return app

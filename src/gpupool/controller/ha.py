@@ -125,7 +125,9 @@ class Group:
         self.took_lead_at: float | None = None
         self._lock_conn: psycopg.Connection[Any] | None = None
         self._holds_lock = False
-        self._last_refresh = 0.0
+        self._reload_lock = asyncio.Lock()
+        self._loaded_changes = 0
+        self._loaded_once = False
         self._http: httpx.AsyncClient | None = None
         self._lead_task: asyncio.Task[None] | None = None
         self._lead_stop = asyncio.Event()
@@ -135,13 +137,21 @@ class Group:
     # ---- the fence (writer thread) ---------------------------------------------------
 
     def fence(self, session: Session) -> None:
-        """Refuse the write transaction unless this controller leads in the current epoch."""
+        """Refuse the write transaction unless this controller leads in the current epoch.
+
+        One UPDATE both checks the epoch and counts the transaction (standbys reload when
+        the count moved); its row lock, held to the commit, is what a takeover waits for.
+        """
         if self.role is not Role.LEADER:
             raise NotLeader(self.not_leading())
         try:
-            epoch = session.execute(
-                select(HaLeaderRow.epoch).where(HaLeaderRow.id == 1).with_for_update(read=True)
-            ).scalar_one()
+            counted = session.execute(
+                update(HaLeaderRow)
+                .where(HaLeaderRow.id == 1, HaLeaderRow.epoch == self.epoch)
+                .values(changes=HaLeaderRow.changes + 1)
+                .returning(HaLeaderRow.changes)
+                .execution_options(synchronize_session=False)
+            ).scalar_one_or_none()
         except SQLAlchemyError as exc:
             # Cut off from the database: whether it still leads is unknown, so it may not
             # write; clients are told to try another controller rather than given a 500.
@@ -149,8 +159,8 @@ class Group:
                 f"{self.me} cannot reach the database to check that it leads: try another "
                 "controller"
             ) from exc
-        if epoch != self.epoch:
-            self._step_down(f"epoch {epoch} began elsewhere while this controller led {self.epoch}")
+        if counted is None:
+            self._step_down(f"a newer epoch began elsewhere while this one led {self.epoch}")
             raise NotLeader(self.not_leading())
 
     def not_leading(self) -> str:
@@ -171,6 +181,7 @@ class Group:
                             await self._take_lead()
                         else:
                             await asyncio.to_thread(self._follow)
+                            await self.fresh()
                     elif not await asyncio.to_thread(self._lock_alive):
                         self._step_down("lost the connection that holds the leader lock")
                 except Exception:
@@ -224,6 +235,8 @@ class Group:
     def _step_down(self, why: str) -> None:
         if self.role is Role.LEADER:
             log.error("%s stops leading: %s", self.me, why)
+        # What it held as leader may include writes that were never committed.
+        self._loaded_once = False
         self.role = Role.STANDBY
         self.store.leading = False
         self.epoch = 0
@@ -289,14 +302,39 @@ class Group:
         return int(epoch)
 
     def _follow(self) -> None:
-        """As a standby: learn who leads, and reload the pool now and then for reads."""
+        """As a standby: learn who leads."""
         with Session(self.store.engine) as session:
             row = session.get(HaLeaderRow, 1)
             if row is not None:
                 self.leader = Leader(row.controller, row.url, row.epoch, row.since)
-        if time.monotonic() - self._last_refresh >= self.settings.ha_refresh_s:
-            self.store.load(forget_liveness=True)
-            self._last_refresh = time.monotonic()
+
+    def _changes(self) -> int:
+        with Session(self.store.engine) as session:
+            count = session.scalar(select(HaLeaderRow.changes).where(HaLeaderRow.id == 1))
+        return int(count or 0)
+
+    def _reload(self) -> int:
+        """Load the pool; returns the count of writes the loaded copy holds at least."""
+        count = self._changes()
+        self.store.load(forget_liveness=True)
+        return count
+
+    async def fresh(self) -> None:
+        """On a standby: make the copy of the pool hold every write committed before now.
+
+        Reads that arrive together share one reload; with no new write there is none.
+        """
+        if self.role is Role.LEADER:
+            return
+        count = await asyncio.to_thread(self._changes)
+        if count <= self._loaded_changes and self._loaded_once:
+            return
+        async with self._reload_lock:
+            if count <= self._loaded_changes and self._loaded_once:
+                return
+            loaded = await asyncio.to_thread(self._reload)
+            self._loaded_changes = max(self._loaded_changes, loaded)
+            self._loaded_once = True
 
     def _report(self, role: str) -> None:
         values = {
@@ -381,6 +419,8 @@ Send = Callable[[Message], Awaitable[None]]
 App = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 READS = frozenset({"GET", "HEAD", "OPTIONS"})
+UNCACHED_READS = frozenset({f"{API_PREFIX}/ha", f"{API_PREFIX}/health"})
+"""Reads that never look at the copy of the pool: no refresh before them."""
 HOP_BY_HOP = frozenset(
     {
         b"host",
@@ -397,8 +437,9 @@ HOP_BY_HOP = frozenset(
 )
 
 
-class ForwardWrites:
-    """ASGI middleware of a standby: API writes go to the leader, answers come back as-is.
+class Standby:
+    """ASGI middleware of a standby: API writes go to the leader and its answers come back
+    as they are; reads are answered here, from a copy of the pool made fresh first.
 
     Forwarding (rather than redirecting) serves every client the same way: agents, the SDK,
     curl and browsers; the Authorization header travels with the request.
@@ -410,13 +451,16 @@ class ForwardWrites:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         group = self.group()
-        if (
-            group is None
-            or scope["type"] != "http"
-            or scope["method"] in READS
-            or not str(scope["path"]).startswith(API_PREFIX)
-            or group.role is Role.LEADER
-        ):
+        if group is None or scope["type"] != "http" or group.role is Role.LEADER:
+            await self.app(scope, receive, send)
+            return
+        path = str(scope["path"])
+        if scope["method"] in READS or not path.startswith(API_PREFIX):
+            if path not in UNCACHED_READS:
+                try:
+                    await group.fresh()
+                except Exception as exc:  # the database is away: answer from the last copy
+                    log.debug("standby could not refresh before a read: %s", exc)
             await self.app(scope, receive, send)
             return
         body = await _read_body(receive)

@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -187,6 +188,9 @@ class HaLeaderRow(Base):
     controller: Mapped[str | None] = mapped_column(String(512))
     url: Mapped[str | None] = mapped_column(String(512))
     since: Mapped[datetime | None] = mapped_column()
+    changes: Mapped[int] = mapped_column(BigInteger, default=0)
+    """Counts the leader's write transactions: a standby whose copy of the pool was loaded
+    at a lower count reloads it before it answers a read."""
 
 
 class HaMemberRow(Base):

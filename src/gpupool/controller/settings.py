@@ -45,8 +45,6 @@ class ControllerSettings:
     """The URL other controllers forward writes to (default: http://host:port)."""
     ha_tick_s: float = 0.5
     """How often an HA controller tries for the lead, checks it still leads, and reports."""
-    ha_refresh_s: float = 1.0
-    """How often a standby reloads the pool from the database for the reads it serves."""
 
     def own_url(self) -> str:
         """Where this controller is reached, as other controllers and the HA status show it."""

@@ -27,6 +27,7 @@ def upgrade() -> None:
         sa.Column("controller", sa.String(512), nullable=True),
         sa.Column("url", sa.String(512), nullable=True),
         sa.Column("since", sa.DateTime(timezone=True), nullable=True),
+        sa.Column("changes", sa.BigInteger(), nullable=False, server_default="0"),
     )
     op.execute("INSERT INTO ha_leader (id, epoch) VALUES (1, 0)")
     op.create_table(
