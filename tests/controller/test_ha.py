@@ -23,7 +23,7 @@ from gpupool.controller import ha
 from gpupool.controller.app import open_store
 from gpupool.controller.models import TenantRow
 from gpupool.controller.settings import ControllerSettings
-from gpupool.protocol.v1.api import LeaseCreate
+from gpupool.protocol.v1.api import LeaseCreate, TenantCreate
 from tests.conftest import ControllerProcess, register_fake_node
 
 pytestmark = [pytest.mark.postgres]
@@ -113,6 +113,11 @@ def test_a_standby_forwards_writes_and_serves_what_they_wrote_at_once(
         released = client.delete(f"/leases/{lease['id']}")
         assert released.json()["state"] == "released"
     assert lease_states(ha_pg_url) == {lease["id"]: "released"}
+    # A client that knows both goes to the leader once a standby named it.
+    with PoolClient(f"{standby.url},{leader}") as sdk:
+        assert sdk.ha().me == standby.url
+        sdk.create_tenant(TenantCreate(name="team-a"))
+        assert sdk.ha().me == leader
 
 
 def test_a_standby_reads_every_write_the_leader_committed_before(

@@ -47,8 +47,12 @@ log = logging.getLogger("gpupool.controller.ha")
 
 LOCK_KEY = 7210010
 """The advisory lock whose holder leads (the migration lock is 7210001)."""
+BACKGROUND_REFRESH_S = 2.0
+"""How often a standby refreshes its copy of the pool unasked; reads refresh it on demand."""
 MEMBER_TIMEOUT_S = 5.0
 """A controller that has not reported for this long is shown as down."""
+LEADER_HEADER = "x-gpupool-leader"
+"""On an answer a standby forwarded: the leader's URL."""
 FORWARDED_BY = "x-gpupool-forwarded-by"
 """Set on a write forwarded to the leader: a controller that gets one and does not lead
 answers 503 instead of forwarding it again, so a request never loops."""
@@ -126,6 +130,7 @@ class Group:
         self._lock_conn: psycopg.Connection[Any] | None = None
         self._holds_lock = False
         self._reload_lock = asyncio.Lock()
+        self._refreshed_at = 0.0
         self._loaded_changes = 0
         self._loaded_once = False
         self._http: httpx.AsyncClient | None = None
@@ -181,7 +186,10 @@ class Group:
                             await self._take_lead()
                         else:
                             await asyncio.to_thread(self._follow)
-                            await self.fresh()
+                            if time.monotonic() - self._refreshed_at >= BACKGROUND_REFRESH_S:
+                                # For what no request asks for: history and alert rules.
+                                self._refreshed_at = time.monotonic()
+                                await self.fresh()
                     elif not await asyncio.to_thread(self._lock_alive):
                         self._step_down("lost the connection that holds the leader lock")
                 except Exception:
@@ -396,6 +404,8 @@ class Group:
 
     def http(self) -> httpx.AsyncClient:
         if self._http is None:
+            # One INFO line per forwarded request would flood the log and slow every write.
+            logging.getLogger("httpx").setLevel(logging.WARNING)
             self._http = httpx.AsyncClient(timeout=30.0)
         return self._http
 
@@ -497,6 +507,8 @@ class Standby:
             if k.encode("latin-1").lower() not in HOP_BY_HOP and k.lower() != "content-encoding"
         ]
         out.append((b"content-length", str(len(response.content)).encode()))
+        # Clients that know several controllers go straight to the leader from now on.
+        out.append((LEADER_HEADER.encode(), target.encode("latin-1")))
         await send({"type": "http.response.start", "status": response.status_code, "headers": out})
         await send({"type": "http.response.body", "body": response.content})
 

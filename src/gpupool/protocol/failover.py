@@ -19,6 +19,8 @@ import httpx
 DEFAULT_BUDGET_S = 20.0
 """How long one request keeps trying the controllers: a takeover takes about a second,
 a controller that is cut off costs a connect timeout."""
+LEADER_HEADER = "x-gpupool-leader"
+"""A standby names the leader on the answers it forwarded from it."""
 PAUSE_S = 0.25
 """Rest after each full round of the controllers, so a pool with no leader is not hammered."""
 
@@ -79,6 +81,17 @@ class Rotation:
         with self._lock:
             return self.current
 
+    def answered(self, index: int, response: httpx.Response) -> None:
+        """Follow a standby's hint: ask the leader it named first from now on."""
+        leader = response.headers.get(LEADER_HEADER)
+        if leader is None:
+            return
+        leader = leader.rstrip("/")
+        if leader in self.urls:
+            with self._lock:
+                if self.current == index:
+                    self.current = self.urls.index(leader)
+
     def moved_on(self, failed: int) -> int:
         """The next controller after `failed`; other requests follow the move."""
         with self._lock:
@@ -113,6 +126,7 @@ class FailoverTransport(httpx.BaseTransport):
                     raise
             else:
                 if response.status_code != 503:
+                    rotation.answered(index, response)
                     return response
                 response.read()
                 if not not_leading(response) or time.monotonic() >= deadline:
@@ -153,6 +167,7 @@ class AsyncFailoverTransport(httpx.AsyncBaseTransport):
                     raise
             else:
                 if response.status_code != 503:
+                    rotation.answered(index, response)
                     return response
                 await response.aread()
                 if not not_leading(response) or time.monotonic() >= deadline:
