@@ -140,10 +140,11 @@ def main() -> None:
         conn.execute(f'CREATE DATABASE "{name}"')
     db = PG_ADMIN.rsplit("/", 1)[0] + "/" + name
     work = Path(tempfile.mkdtemp(prefix="gpupool-ha-bench-"))
-    cluster = Cluster(db, work, 3)
+    cluster: Cluster | None = None
     agent: subprocess.Popen[bytes] | None = None
     rounds: list[dict[str, float]] = []
     try:
+        cluster = Cluster(db, work, 3)
         leader, _ = cluster.leader()
         all_urls = ",".join(cluster.urls)
         agent_log = open(work / "agent.log", "ab")  # noqa: SIM115 - with the process
@@ -198,7 +199,8 @@ def main() -> None:
         if agent is not None:
             agent.terminate()
             agent.wait(timeout=10)
-        cluster.stop()
+        if cluster is not None:
+            cluster.stop()
         with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     takeovers = [r["takeover_s"] for r in rounds]
