@@ -8,10 +8,14 @@ keepalives on that connection), so a standby that polls for it takes over within
 
 Fencing: the lock alone cannot stop a leader that lost it without noticing yet. So each
 takeover raises the `epoch` in the one `ha_leader` row, and every write transaction of a
-leader first reads that row `FOR SHARE` and refuses to go on if the epoch is not its own.
-A takeover's UPDATE waits for a write transaction still holding that share lock, and any
-later transaction of the old leader sees the new epoch: the two leaders' writes never
-interleave, and the new leader loads the pool only after the old one's last commit.
+leader first updates that row where the epoch is its own (counting its writes) and refuses
+to go on when no row matched. A takeover's UPDATE waits for a write transaction still
+holding that row, and any later transaction of the old leader finds the new epoch: the two
+leaders' writes never interleave, and the new leader loads the pool only after the old
+one's last commit.
+
+Standbys answer reads from the database and from a copy of the pool, reloaded before a read
+when the leader's count of writes moved; they forward writes to the leader.
 """
 
 from __future__ import annotations
