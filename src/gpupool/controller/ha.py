@@ -172,6 +172,9 @@ class Group:
             self._step_down(f"a newer epoch began elsewhere while this one led {self.epoch}")
             raise NotLeader(self.not_leading())
 
+    def leads(self) -> bool:
+        return self.role is Role.LEADER
+
     def not_leading(self) -> str:
         if self.leader.url and self.leader.url != self.me:
             return f"{self.me} does not lead; the leader is {self.leader.url}: try it"
@@ -231,8 +234,10 @@ class Group:
         try:
             epoch = await asyncio.to_thread(self._claim_epoch)
             # The pool is loaded after the epoch moved: every commit of the old leader is
-            # in the database by then, and none can follow.
-            await asyncio.to_thread(self.store.load, True)
+            # in the database by then, and none can follow. Not beside a standby's reload,
+            # whose older copy could otherwise land last.
+            async with self._reload_lock:
+                await asyncio.to_thread(self.store.load, True)
         except Exception:
             await asyncio.to_thread(self._release_lock)
             raise
@@ -342,7 +347,8 @@ class Group:
         if count <= self._loaded_changes and self._loaded_once:
             return
         async with self._reload_lock:
-            if count <= self._loaded_changes and self._loaded_once:
+            # It may have taken the lead while this read waited.
+            if self.leads() or (count <= self._loaded_changes and self._loaded_once):
                 return
             loaded = await asyncio.to_thread(self._reload)
             self._loaded_changes = max(self._loaded_changes, loaded)
