@@ -192,7 +192,7 @@ class Group:
                         if await asyncio.to_thread(self._try_lock):
                             await self._take_lead()
                         else:
-                            await asyncio.to_thread(self._follow)
+                            await asyncio.to_thread(self.learn_leader)
                             if time.monotonic() - self._refreshed_at >= BACKGROUND_REFRESH_S:
                                 # For what no request asks for: history and alert rules.
                                 self._refreshed_at = time.monotonic()
@@ -254,6 +254,8 @@ class Group:
             log.error("%s stops leading: %s", self.me, why)
         # What it held as leader may include writes that were never committed.
         self._loaded_once = False
+        if self.leader.url == self.me:
+            self.leader = Leader(None, None, 0, None)
         self.role = Role.STANDBY
         self.store.leading = False
         self.epoch = 0
@@ -318,8 +320,8 @@ class Group:
             )
         return int(epoch)
 
-    def _follow(self) -> None:
-        """As a standby: learn who leads."""
+    def learn_leader(self) -> None:
+        """As a standby: learn who leads, from the leader row."""
         with Session(self.store.engine) as session:
             row = session.get(HaLeaderRow, 1)
             if row is not None:
@@ -486,6 +488,11 @@ class Standby:
         body = await _read_body(receive)
         headers = [(k, v) for k, v in scope["headers"] if k.lower() not in HOP_BY_HOP]
         target = group.leader.url
+        if not target or target == group.me:
+            # Just stepped down, or the lead just moved: ask the database before refusing.
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(group.learn_leader)
+            target = group.leader.url
         if (
             any(k.lower() == FORWARDED_BY.encode() for k, _ in headers)
             or not target
