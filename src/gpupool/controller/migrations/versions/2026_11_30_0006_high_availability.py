@@ -1,6 +1,6 @@
 """High availability: the leader row, the members of the group, and lease request keys.
 
-Revision ID: 0005
+Revision ID: 0006
 Revises: 0004
 Create Date: 2026-11-30 16:20:00
 """
@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0005"
+revision: str = "0006"
 down_revision: str | None = "0004"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
