@@ -67,6 +67,22 @@ def pg_url(pg_admin_url: str) -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture
+def ha_pg_url(pg_admin_url: str) -> Iterator[str]:
+    """A fresh PostgreSQL database for one high-availability test, shared by its controllers.
+
+    Ask for it before `start_controller`, so that the controllers stop before it is dropped.
+    """
+    import psycopg
+
+    name = f"gpupool_ha_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield pg_admin_url.rsplit("/", 1)[0] + "/" + name
+    with psycopg.connect(pg_admin_url, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture(params=["sqlite", "postgresql"])
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> str | None:
     """Runs a test once on SQLite (None: the embedded default) and once on PostgreSQL."""

@@ -12,12 +12,15 @@ import pytest
 from e2e_pool import (
     FAKE_SPEC,
     START_TIMEOUT_S,
+    HaPool,
     Pool,
     free_port,
     gpu_count,
     gpupool_argv,
     healthy,
+    start_ha_pool,
     stop,
+    stop_ha_pool,
 )
 from netns import unavailable_reason
 from netpool import NetPool, build
@@ -78,3 +81,11 @@ def record(request: pytest.FixtureRequest) -> Iterator[FaultRecord]:
     yield rec
     rec.seconds = round(time.monotonic() - started, 1)
     rec.save(request.node.name)
+def ha_pool(tmp_path: Path, ha_pg_url: str) -> Iterator[HaPool]:
+    """Three `gpupool controller --ha` on one PostgreSQL and a fake-GPU agent knowing them all;
+    nodes are marked down after 5 s of silence, so an agent that does not reconnect shows."""
+    pool = start_ha_pool(tmp_path, ha_pg_url, 3, "--node-timeout", "5")
+    try:
+        yield pool
+    finally:
+        stop_ha_pool(pool)

@@ -108,3 +108,79 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@dataclass
+class HaPool(Pool):
+    """Several `gpupool controller --ha` sharing one PostgreSQL, and an agent that knows them
+    all; `url` is their comma-separated list, so every CLI call and the agent fail over."""
+
+    urls: list[str]
+    controllers: dict[str, subprocess.Popen[bytes]]
+
+    def status(self, url: str) -> dict[str, Any] | None:
+        try:
+            response = httpx.get(url + "/api/v1/ha", timeout=2)
+        except httpx.HTTPError:
+            return None
+        return dict(response.json()) if response.status_code == 200 else None
+
+    def leader(self, timeout_s: float = 30, not_: str | None = None) -> str:
+        """The controller that leads by its own word and by every live controller's."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            alive = [u for u, p in self.controllers.items() if p.poll() is None]
+            seen = [self.status(u) for u in alive]
+            named = {s["leader"] for s in seen if s is not None}
+            if len(named) == 1 and None not in seen:
+                leader = named.pop()
+                if (
+                    leader
+                    and leader != not_
+                    and (self.status(leader) or {}).get("role") == "leader"
+                ):
+                    return str(leader)
+            time.sleep(0.05)
+        raise AssertionError(f"no agreed leader within {timeout_s} s\n{self.logs()}")
+
+    def kill9(self, url: str) -> None:
+        proc = self.controllers[url]
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+def start_ha_pool(
+    workdir: Path, db_url: str, controllers: int = 3, *controller_args: str
+) -> HaPool:
+    """Start the controllers one after another, then the agent, and wait for its GPUs."""
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    for _ in range(controllers):
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        args = ["controller", "--ha", "--db", db_url, "--port", str(port)]
+        args += ["--data-dir", str(workdir / f"ctl-{port}"), *controller_args]
+        with (workdir / f"controller-{port}.log").open("wb") as log:
+            procs[url] = subprocess.Popen(gpupool_argv(*args), stdout=log, stderr=subprocess.STDOUT)
+    urls = list(procs)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    for url, proc in procs.items():
+        while not healthy(url):
+            assert proc.poll() is None, f"controller {url} exited"
+            assert time.monotonic() < deadline, f"controller {url} did not start"
+            time.sleep(0.1)
+    agent_args = ["--url", ",".join(urls), "--fake", FAKE_SPEC, "--interval", "0.3"]
+    agent_args += ["--data-dir", str(workdir / "agent")]
+    with (workdir / "agent.log").open("wb") as log:
+        agent = subprocess.Popen(gpupool_argv("agent", *agent_args), stdout=log, stderr=log)
+    pool = HaPool(",".join(urls), workdir, procs[urls[0]], agent, urls, procs)
+    while gpu_count(urls[0]) < 2:
+        assert agent.poll() is None, (workdir / "agent.log").read_text()
+        assert time.monotonic() < deadline, "agent did not register its GPUs"
+        time.sleep(0.1)
+    return pool
+
+
+def stop_ha_pool(pool: HaPool) -> None:
+    stop(pool.agent)
+    for proc in pool.controllers.values():
+        stop(proc)

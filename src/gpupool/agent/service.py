@@ -25,6 +25,7 @@ from gpupool.agent.metrics import HealthCounts
 from gpupool.agent.mps import MpsSupervisor
 from gpupool.agent.workers import WorkerSupervisor
 from gpupool.client.sdk import tls_verify
+from gpupool.protocol.failover import AsyncFailoverTransport, split_urls
 from gpupool.protocol.v1.api import (
     GpuDesired,
     GpuInventory,
@@ -86,10 +87,9 @@ class AgentSettings:
             raise ValueError(f"heartbeat interval must be > 0 s, got {self.heartbeat_interval_s}")
         if self.retry_max_s <= 0:
             raise ValueError(f"retry_max_s must be > 0 s, got {self.retry_max_s}")
-        if not self.controller_url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"controller URL must start with http:// or https://: {self.controller_url!r}"
-            )
+        for url in self.controller_url.split(","):
+            if not url.strip().startswith(("http://", "https://")):
+                raise ValueError(f"controller URL must start with http:// or https://: {url!r}")
 
 
 def open_backend(settings: AgentSettings) -> Backend:
@@ -192,10 +192,16 @@ class Agent:
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")
         keeper = asyncio.create_task(self._keep_workers(done), name="agent-workers")
         try:
+            urls = split_urls(self.settings.controller_url)
+            transport = self._transport
+            if len(urls) > 1:
+                # Several controllers (high availability): heartbeats move on while one is
+                # down or does not lead, so the node stays up through a takeover.
+                transport = AsyncFailoverTransport(urls, transport)
             async with httpx.AsyncClient(
-                base_url=self.settings.controller_url.rstrip("/"),
+                base_url=urls[0],
                 timeout=HTTP_TIMEOUT_S,
-                transport=self._transport,
+                transport=transport,
                 # The event log names who acted: here, this node's agent (it isolates GPUs).
                 headers=self._headers(),
                 verify=tls_verify(),

@@ -74,7 +74,8 @@ def root(
         typer.Option(
             "--url",
             envvar=URL_ENV,
-            help="Controller URL (default http://127.0.0.1:8900).",
+            help="Controller URL (default http://127.0.0.1:8900); several controllers of one "
+            "pool comma-separated, tried in turn.",
             show_default=False,
         ),
     ] = None,
@@ -93,13 +94,17 @@ def root(
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
     ] = False,
 ) -> None:
+    try:
+        chosen = resolve_url(url)
+    except ValueError as exc:
+        raise BadInput(f"--url / {URL_ENV}: {exc}") from None
     if token is not None:
         token = token.strip()
         if not token:
             raise BadInput("--token is empty")
         # Commands this one starts (gpupool run's program, agents) act with the same token.
         os.environ[TOKEN_ENV] = token
-    ctx.obj = CliContext(url=resolve_url(url), actor=default_actor(), token=token)
+    ctx.obj = CliContext(url=chosen, actor=default_actor(), token=token)
 
 
 app.add_typer(leases.app, name="lease", help="Ask for GPU slices or whole GPUs and give them back.")

@@ -20,6 +20,7 @@ from gpupool.core.units import format_mib
 from gpupool.protocol.v1.api import (
     EventOut,
     GpuOut,
+    HaOut,
     LeaseOut,
     NodeOut,
     PoolSummary,
@@ -410,5 +411,31 @@ def pool_panel(pool: PoolSummary) -> Panel:
     table.add_row("leases", leases)
     table.add_row("queued", str(pool.queued))
     table.add_row("oversubscription", ratios or "-")
+    if pool.ha is not None and pool.ha.enabled:
+        table.add_row("leader", ha_leader(pool.ha))
+        table.add_row("controllers", ha_members(pool.ha))
     title = "pool" + (" [yellow](SIMULATED GPUs)[/yellow]" if pool.simulated else "")
     return Panel(table, title=title, title_align="left", expand=False)
+
+
+def ha_leader(ha: HaOut) -> str:
+    if ha.leader is None:
+        return "[red]none[/red] (a takeover is under way)"
+    since = seconds_since(ha.leader_since)
+    return f"{ha.leader} (epoch {ha.epoch}, for {duration(since)})"
+
+
+def ha_members(ha: HaOut) -> str:
+    """Each controller: its role, or how long it has been silent when it is down."""
+    parts = []
+    for member in ha.members:
+        state: str
+        if member.up:
+            state = member.role
+        elif member.role == "stopped":
+            state = "[yellow]stopped[/yellow]"
+        else:
+            state = f"[red]down[/red], silent {duration(member.last_seen_s)}"
+        mine = " (answered)" if member.url == ha.me else ""
+        parts.append(f"{member.url} {state}{mine}")
+    return "\n".join(parts) or "-"

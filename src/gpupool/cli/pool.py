@@ -375,7 +375,27 @@ def controller(
     admin_token_file: AdminTokenFileOption = None,
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
+    ha: Annotated[
+        bool,
+        typer.Option(
+            "--ha",
+            help="High availability: run beside other controllers of the same PostgreSQL "
+            "--db; one leads, the others serve reads, forward writes and take over.",
+        ),
+    ] = False,
+    advertise_url: Annotated[
+        str | None,
+        typer.Option(
+            "--advertise-url",
+            help="With --ha: the URL other controllers reach this one at "
+            "(default http://HOST:PORT).",
+        ),
+    ] = None,
 ) -> None:
+    if ha and not (db or "").startswith(("postgresql://", "postgres://")):
+        raise BadInput("--ha needs a PostgreSQL shared by the controllers: --db postgresql://...")
+    if advertise_url is not None and not advertise_url.startswith(("http://", "https://")):
+        raise BadInput(f"--advertise-url must be an http:// or https:// URL, got {advertise_url!r}")
     if lease_ttl <= 0 or node_timeout <= 0:
         raise BadInput("--lease-ttl and --node-timeout must be more than 0")
     if alert_webhook is not None and not alert_webhook.startswith(("http://", "https://")):
@@ -432,6 +452,8 @@ def controller(
             physical_ready=physical_ready,
             node_lost_policy=node_lost_policy,
             node_lost_grace_s=node_lost_grace,
+            ha=ha,
+            advertise_url=advertise_url,
         )
     )
 

@@ -11,16 +11,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 from urllib.parse import quote, urlsplit
+from uuid import uuid4
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from gpupool.core.errors import InvalidRequest
+from gpupool.protocol.failover import DEFAULT_BUDGET_S as DEFAULT_FAILOVER_S
+from gpupool.protocol.failover import FailoverTransport, split_urls
 from gpupool.protocol.v1.api import (
     EventOut,
     GpuIsolate,
     GpuModeSet,
     GpuOut,
+    HaOut,
     LeaseCreate,
     LeaseHeartbeat,
     LeaseOut,
@@ -80,11 +84,14 @@ class ControllerUnreachable(Exception):
 
 
 def resolve_url(url: str | None = None) -> str:
-    """The controller's base URL: the argument, else $GPUPOOL_URL, else the local default."""
+    """The controller's base URL: the argument, else $GPUPOOL_URL, else the local default.
+
+    Several controllers of one pool (high availability) are given comma-separated; each is
+    normalised and the list comes back comma-joined, ready for `PoolClient` or a child's
+    environment. Raises ValueError for a value that names no controller (`,`).
+    """
     chosen = url or os.environ.get(URL_ENV) or DEFAULT_URL
-    if "://" not in chosen:
-        chosen = f"http://{chosen}"
-    return chosen.rstrip("/")
+    return ",".join(split_urls(chosen))
 
 
 def resolve_token(url: str, token: str | None = None) -> str | None:
@@ -165,10 +172,12 @@ def _unreachable_reason(exc: httpx.TransportError) -> str:
 
 
 class PoolClient:
-    """A synchronous client of one controller.
+    """A synchronous client of one controller, or of several of one pool (high availability).
 
     Every method returns the API's pydantic models and raises `ApiError` for an error
-    answer or `ControllerUnreachable` when no answer comes.
+    answer or `ControllerUnreachable` when no answer comes. Given comma-separated URLs, a
+    request moves on to the next controller while one is down or does not lead, for up to
+    `failover_s` seconds.
     """
 
     def __init__(
@@ -178,15 +187,20 @@ class PoolClient:
         timeout: float = 10,
         transport: httpx.BaseTransport | None = None,
         token: str | None = None,
+        failover_s: float = DEFAULT_FAILOVER_S,
     ) -> None:
         self.url = resolve_url(url)
+        self.urls = split_urls(self.url)
         self.actor = actor
         headers = {ACTOR_HEADER: actor} if actor else {}
         self.token = resolve_token(self.url, token)
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        if len(self.urls) > 1:
+            # Several controllers: the request moves on while one is down or does not lead.
+            transport = FailoverTransport(self.urls, transport, budget_s=failover_s)
         self._http = httpx.Client(
-            base_url=self.url + API_PREFIX,
+            base_url=self.urls[0] + API_PREFIX,
             headers=headers,
             timeout=timeout,
             transport=transport,
@@ -273,6 +287,10 @@ class PoolClient:
     def pool(self) -> PoolSummary:
         return self._one(PoolSummary, self._request("GET", "/pool"))
 
+    def ha(self) -> HaOut:
+        """Which controller leads the pool, and the state of the others."""
+        return self._one(HaOut, self._request("GET", "/ha"))
+
     # ---- nodes ---------------------------------------------------------------------------
 
     def register_node(self, node: NodeRegister) -> NodeOut:
@@ -318,7 +336,12 @@ class PoolClient:
     def create_lease(self, request: LeaseCreate) -> LeaseOut:
         """Ask for a lease; it comes back `granted`, or `queued` with its queue position.
 
-        Only the fields the caller set are sent: a tenant left out means "my token's tenant"."""
+        Only the fields the caller set are sent: a tenant left out means "my token's tenant".
+        The request carries a `request_id` (a fresh one unless the caller set it), so that
+        sending it again after a lost answer returns the same lease.
+        """
+        if request.request_id is None:
+            request = request.model_copy(update={"request_id": "r-" + uuid4().hex})
         return self._one(LeaseOut, self._request("POST", "/leases", request, only_set=True))
 
     def leases(

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from gpupool import __version__
+from gpupool.controller import ha
 from gpupool.controller.background import history, reconcile
 from gpupool.controller.db import make_engine, migrate
 from gpupool.controller.routers import (
@@ -26,6 +27,7 @@ from gpupool.controller.routers import (
     tenants,
     tokens,
 )
+from gpupool.controller.routers import ha as ha_routes
 from gpupool.controller.services import auth
 from gpupool.controller.services.metrics import SchedulingTimer
 from gpupool.controller.services.tenants import ensure_default
@@ -39,16 +41,22 @@ log = logging.getLogger(__name__)
 
 
 def open_store(settings: ControllerSettings) -> Store:
-    engine = make_engine(settings.database_url())
+    url = settings.database_url()
+    if settings.ha and not url.startswith("postgresql"):
+        raise ha.HaUnsupported(
+            "high availability needs PostgreSQL shared by the controllers (--db postgresql://...)"
+        )
+    engine = make_engine(url, ha.engine_connect_args() if settings.ha else None)
     migrate(engine)
     store = Store(engine, settings)
     store.start()
-    store.write_sync(lambda s: ensure_default(store, s))
-    written = store.write_sync(
-        lambda s: auth.bootstrap(s, settings.data_dir, settings.admin_token)
-    )
-    if written:
-        log.warning("first admin token written to %s (readable by its owner only)", written)
+    if not settings.ha:  # an HA controller does both when it takes the lead
+        store.write_sync(lambda s: ensure_default(store, s))
+        written = store.write_sync(
+            lambda s: auth.bootstrap(s, settings.data_dir, settings.admin_token)
+        )
+        if written:
+            log.warning("first admin token written to %s (readable by its owner only)", written)
     return store
 
 
@@ -59,7 +67,14 @@ def create_app(settings: ControllerSettings) -> FastAPI:
         app.state.store = store
         app.state.tokens = auth.TokenCache()
         stop = asyncio.Event()
-        loop_task = asyncio.create_task(reconcile.run(store, stop))
+        if settings.ha:
+            app.state.ha = group = ha.Group(store, settings)
+            loop_task = asyncio.create_task(
+                group.run(stop, lambda until: reconcile.run(store, until))
+            )
+        else:
+            app.state.ha = None
+            loop_task = asyncio.create_task(reconcile.run(store, stop))
         app.state.watch = watch = await asyncio.to_thread(open_watch, store, settings)
         watch_task = asyncio.create_task(history.run(store, watch, stop))
         try:
@@ -79,11 +94,13 @@ def create_app(settings: ControllerSettings) -> FastAPI:
         openapi_url=f"{API_PREFIX}/openapi.json",
         docs_url=f"{API_PREFIX}/docs",
     )
-    for module in (leases, gpus, nodes, tenants, pool, dashboard, tokens):
+    for module in (leases, gpus, nodes, tenants, pool, dashboard, tokens, ha_routes):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(metrics.router)
     app.include_router(dashboard.pages)
     app.add_middleware(SchedulingTimer)
+    # Outermost: a standby forwards a write before anything else of it runs.
+    app.add_middleware(ha.Standby, group=lambda: getattr(app.state, "ha", None))
     app.add_exception_handler(PoolError, _pool_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     return app

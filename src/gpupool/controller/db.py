@@ -12,7 +12,8 @@ from sqlalchemy import Engine, create_engine, event
 MIGRATIONS = Path(__file__).with_name("migrations")
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, connect_args: dict[str, Any] | None = None) -> Engine:
+    """An engine for `url`; `connect_args` go to the PostgreSQL driver (HA sets keepalives)."""
     if url.startswith("sqlite"):
         engine = create_engine(
             url,
@@ -22,7 +23,9 @@ def make_engine(url: str) -> Engine:
         )
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_size=8, max_overflow=8, pool_pre_ping=True)
+    return create_engine(
+        url, pool_size=8, max_overflow=8, pool_pre_ping=True, connect_args=connect_args or {}
+    )
 
 
 def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:

@@ -7,6 +7,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     DateTime,
     Float,
@@ -142,6 +143,9 @@ class LeaseRow(Base):
     host_memory_mib: Mapped[int] = mapped_column(Integer, default=0)
     host_charge: Mapped[list[Any] | None] = mapped_column()
     """(node, CPU milli, memory MiB) charged to each server of a granted direct lease."""
+    request_id: Mapped[str | None] = mapped_column(String(64))
+    """The client's key for this request: a request sent again (after a controller failed
+    over mid-answer) finds the lease it already made instead of making a second one."""
     """The data-plane token of a remote lease: its holder and its workers share it."""
 
     slices: Mapped[list[LeaseSliceRow]] = relationship(
@@ -154,6 +158,7 @@ class LeaseRow(Base):
     __table_args__ = (
         Index("ix_leases_state", "state"),
         Index("ix_leases_tenant_state", "tenant", "state"),
+        Index("ix_leases_request_id", "request_id", unique=True),
     )
 
 
@@ -186,3 +191,33 @@ class EventRow(Base):
     subject: Mapped[str] = mapped_column(String(128), index=True)
     message: Mapped[str] = mapped_column(String(1024))
     data: Mapped[dict[str, Any]] = mapped_column(default=dict)
+
+
+class HaLeaderRow(Base):
+    """The one row saying which controller leads; `epoch` grows with every takeover and
+    fences the writes of a leader that lost its place without knowing it yet."""
+
+    __tablename__ = "ha_leader"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    controller: Mapped[str | None] = mapped_column(String(512))
+    url: Mapped[str | None] = mapped_column(String(512))
+    since: Mapped[datetime | None] = mapped_column()
+    changes: Mapped[int] = mapped_column(BigInteger, default=0)
+    """Counts the leader's write transactions: a standby whose copy of the pool was loaded
+    at a lower count reloads it before it answers a read."""
+
+
+class HaMemberRow(Base):
+    """Each controller of an HA group, as it last reported itself."""
+
+    __tablename__ = "ha_members"
+
+    id: Mapped[str] = mapped_column(String(512), primary_key=True)
+    url: Mapped[str] = mapped_column(String(512))
+    role: Mapped[str] = mapped_column(String(16))
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    version: Mapped[str] = mapped_column(String(64), default="")
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +66,23 @@ class ControllerSettings:
             raise ValueError(
                 f"node_lost_grace_s must not be negative, got {self.node_lost_grace_s}"
             )
+    ha: bool = False
+    """High availability: controllers sharing one PostgreSQL elect one leader (controller/ha)."""
+    advertise_url: str | None = None
+    """The URL other controllers forward writes to (default: http://host:port)."""
+    ha_tick_s: float = 0.5
+    """How often an HA controller tries for the lead, checks it still leads, and reports."""
+
+    def own_url(self) -> str:
+        """Where this controller is reached, as other controllers and the HA status show it."""
+        if self.advertise_url:
+            return self.advertise_url.rstrip("/")
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = socket.getfqdn()
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
 
     def database_url(self) -> str:
         if self.db_url:

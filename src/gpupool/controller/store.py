@@ -81,6 +81,11 @@ class Store:
         self.lease_rows: dict[str, LeaseRow] = {}
         self.gpu_rows: dict[str, GpuRow] = {}
         self.node_rows: dict[str, NodeRow] = {}
+        self.fence: Callable[[Session], None] | None = None
+        """Run first in every write transaction; raising refuses the whole batch. High
+        availability sets it so that a controller which lost the lead cannot write."""
+        self.leading = True
+        """False on an HA standby: it serves reads and runs no reconcile loop or webhook."""
 
     def _new_session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
@@ -111,12 +116,19 @@ class Store:
         row = self.node_rows.get(name)
         return row if row is not None else session.get(NodeRow, name)
 
-    def load(self) -> None:
-        """Rebuild the pool from the database: after a start, or after a failed commit."""
+    def load(self, forget_liveness: bool = False) -> None:
+        """Rebuild the pool from the database: after a start, or after a failed commit.
+
+        `forget_liveness` drops the heartbeat times held in memory, so every holder and
+        node gets its grace again: what an HA controller needs when it takes the lead, as
+        the times it kept as a standby were never updated by the heartbeats.
+        """
         grace_start = time.time()
-        self.session.close()
-        self.session = session = self._new_session()
         with self.lock:
+            self.session.close()
+            self.session = session = self._new_session()
+            if forget_liveness:
+                self.live = Liveness()
             pool = new_pool(self.settings)
             self.lease_rows, self.gpu_rows, self.node_rows = {}, {}, {}
             for tenant in session.scalars(select(TenantRow)):
@@ -199,11 +211,27 @@ class Store:
                 batch.append(nxt)
             self._run_batch(batch)
 
+    def _refused(self, session: Session, batch: list[tuple[Command, Future[Any]]]) -> bool:
+        """Ask the fence; a refusal fails the batch before any command ran, so there is
+        nothing to undo and nothing to reload."""
+        if self.fence is None:
+            return False
+        try:
+            self.fence(session)
+        except Exception as exc:
+            session.rollback()
+            for _command, future in batch:
+                future.set_exception(exc)
+            return True
+        return False
+
     def _run_batch(self, batch: list[tuple[Command, Future[Any]]]) -> None:
         outcomes: list[tuple[Future[Any], Any, BaseException | None]] = []
-        session = self.session
         try:
             with self.lock:
+                session = self.session
+                if self._refused(session, batch):
+                    return
                 for command, future in batch:
                     try:
                         outcomes.append((future, command(session), None))

@@ -25,7 +25,8 @@ async def run(store: Store, watch: PoolWatch, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
                 notices = await asyncio.to_thread(tick, store, watch, time.time())
-                watch.webhook.send(notices)
+                if store.leading:  # an HA standby judges alerts too, but only one sends them
+                    watch.webhook.send(notices)
                 if watch.history_file and time.monotonic() - last_save > SAVE_EVERY_S:
                     await asyncio.to_thread(histories.save, watch.history, watch.history_file)
                     last_save = time.monotonic()

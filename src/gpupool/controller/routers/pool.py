@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Request
 
 from gpupool import __version__
+from gpupool.controller import ha
 from gpupool.controller.routers.common import ANYONE, OPERATORS, get_store
 from gpupool.controller.services import events, pool
 from gpupool.controller.store import Store
@@ -28,9 +29,12 @@ async def health(store: Store = Depends(get_store)) -> dict[str, Any]:
 
 @router.get("/pool", response_model=PoolSummary)
 async def get_pool(
-    store: Store = Depends(get_store), _who: object = Depends(ANYONE)
+    request: Request, store: Store = Depends(get_store), _who: object = Depends(ANYONE)
 ) -> PoolSummary:
-    return await store.read(lambda s: pool.summary(store, s))
+    summary = await store.read(lambda s: pool.summary(store, s))
+    group: ha.Group | None = request.app.state.ha
+    status = ha.single_status(store.settings) if group is None else await store.read(group.status)
+    return summary.model_copy(update={"ha": status})
 
 
 @router.get("/events", response_model=list[EventOut])

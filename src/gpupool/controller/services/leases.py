@@ -19,6 +19,7 @@ from gpupool.core import (
     HOLDING,
     LIVE,
     Access,
+    Conflict,
     Grant,
     InvalidRequest,
     LeaseRequest,
@@ -68,6 +69,10 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
     """Grant the request now if it fits behind everything already waiting, else queue it."""
     pool = store.pool
     request = request_from(body)
+    if body.request_id is not None:
+        made = made_by(session, body.request_id, request.tenant)
+        if made is not None:
+            return lease_out(made, pool).model_copy(update={"token": made.worker_token})
     if request.tenant not in pool.quotas:
         raise InvalidRequest(f"no tenant {request.tenant!r}")
     if request.node is not None and request.node not in {g.node for g in pool.gpus.values()}:
@@ -118,6 +123,7 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
         worker_token=secrets.token_urlsafe(32) if request.access is Access.REMOTE else None,
         cpu_milli=request.cpu_milli,
         host_memory_mib=request.host_memory_mib,
+        request_id=body.request_id,
     )
     session.add(row)
     store.lease_rows[lease_id] = row
@@ -140,6 +146,18 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
     persist_grants(store, session, others, now)
     # The token goes to whoever asked for the lease, once; no later answer shows it.
     return lease_out(row, pool).model_copy(update={"token": row.worker_token})
+
+
+def made_by(session: Session, request_id: str, tenant: str) -> LeaseRow | None:
+    """The lease an earlier send of the same request made, if any.
+
+    Clients resend a request when its answer was lost (a controller died after the commit,
+    before the reply); the key makes the resend find that lease instead of making another.
+    """
+    row = session.scalar(select(LeaseRow).where(LeaseRow.request_id == request_id))
+    if row is not None and row.tenant != tenant:
+        raise Conflict(f"request_id {request_id!r} was already used by another request")
+    return row
 
 
 def describe(request: LeaseRequest) -> str:

@@ -149,6 +149,12 @@ class PoolCollector(Collector):
         for (name, severity), count in sorted(self.firing().items()):
             alerts.add_metric([name, severity], count)
         yield alerts
+        yield _gauge(
+            "gpupool_leader",
+            "1 on the controller that runs the scheduler (always, without high availability); "
+            "0 on a standby, which serves reads and forwards writes.",
+            1.0 if self.store.leading else 0.0,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

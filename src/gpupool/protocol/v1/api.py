@@ -159,6 +159,9 @@ class GpuIsolate(Strict):
 # ---- leases -----------------------------------------------------------------------------
 
 
+RequestId = Annotated[str, Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
+
+
 class LeaseCreate(Strict):
     """A lease request. Memory needs a unit (`20GiB`); compute is a whole percent (1..100)."""
 
@@ -184,6 +187,9 @@ class LeaseCreate(Strict):
     """The client's own server: placement tries it first, then any server (locality `any`)."""
     max_wait_s: Annotated[float, Field(gt=0, le=30 * 86400)] | None = None
     """Fail, saying why, instead of waiting longer than this in the queue."""
+    request_id: RequestId | None = None
+    """The client's key for this request: sending it again (after a failover cut the
+    answer off) returns the lease the first send made, never a second lease."""
 
     @field_validator("compute_pct", mode="before")
     @classmethod
@@ -327,6 +333,35 @@ class QueueEntryOut(BaseModel):
     lease: LeaseOut
 
 
+class HaMemberOut(BaseModel):
+    """One controller of a high-availability group, as it last reported itself."""
+
+    id: str
+    url: str
+    role: Literal["leader", "standby", "stopped"]
+    epoch: int
+    version: str
+    last_seen_s: float
+    """Seconds since it last reported, by the database's clock."""
+    up: bool
+    """It reported recently enough to be counted alive."""
+
+
+class HaOut(BaseModel):
+    """Who leads the pool, since when, and the state of every controller."""
+
+    enabled: bool
+    me: str
+    """The URL of the controller that answered."""
+    role: Literal["leader", "standby"]
+    leader: str | None
+    """The leader's URL; None while no controller leads (a takeover is under way)."""
+    epoch: int
+    """Grows by one with every takeover."""
+    leader_since: datetime | None
+    members: list[HaMemberOut] = Field(default_factory=list)
+
+
 class PoolSummary(BaseModel):
     nodes_up: int
     nodes_down: int
@@ -339,6 +374,8 @@ class PoolSummary(BaseModel):
     queued: int
     ratios: dict[str, float]
     simulated: bool
+    ha: HaOut | None = None
+    """Which controller leads and the state of the others (high availability)."""
 
 
 class ErrorOut(BaseModel):
