@@ -327,9 +327,28 @@ def agent(
         int, typer.Option("--api-port", help="Port of the agent's API (0: any free port).")
     ] = 0,
     banner: Annotated[bool, typer.Option("--banner/--no-banner", hidden=True)] = True,
+    device_plugin: Annotated[
+        bool,
+        typer.Option(
+            "--device-plugin",
+            help="Serve the kubelet device plugin (gpupool.io/vgpu, gpupool.io/gpu).",
+        ),
+    ] = False,
+    kubelet_dir: Annotated[
+        Path,
+        typer.Option("--kubelet-dir", help="The kubelet's device-plugins directory."),
+    ] = Path("/var/lib/kubelet/device-plugins"),
+    vgpu_slots: Annotated[
+        int,
+        typer.Option("--vgpu-slots", help="gpupool.io/vgpu devices per virtual GPU (1..100)."),
+    ] = 10,
 ) -> None:
     if interval <= 0:
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
+    if not 1 <= vgpu_slots <= 100:
+        raise BadInput(f"--vgpu-slots must be 1..100, got {vgpu_slots}")
+    if device_plugin and not kubelet_dir.is_dir():
+        raise BadInput(f"--kubelet-dir {kubelet_dir} is not a directory (is the kubelet here?)")
     if not 0 <= api_port <= 65535:
         raise BadInput(f"--api-port must be 0..65535, got {api_port}")
     from gpupool.agent.service import AgentSettings, run_agent
@@ -344,6 +363,8 @@ def agent(
             address=address,
             api_host=api_host,
             api_port=api_port,
+            device_plugin_dir=kubelet_dir if device_plugin else None,
+            device_plugin_slots=vgpu_slots,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None

@@ -15,7 +15,16 @@ from fastapi.responses import JSONResponse
 from gpupool import __version__
 from gpupool.controller.background import history, reconcile
 from gpupool.controller.db import make_engine, migrate
-from gpupool.controller.routers import dashboard, gpus, leases, metrics, nodes, pool, tenants
+from gpupool.controller.routers import (
+    dashboard,
+    gpus,
+    k8s,
+    leases,
+    metrics,
+    nodes,
+    pool,
+    tenants,
+)
 from gpupool.controller.services.metrics import SchedulingTimer
 from gpupool.controller.services.tenants import ensure_default
 from gpupool.controller.services.watch import open_watch
@@ -60,7 +69,7 @@ def create_app(settings: ControllerSettings) -> FastAPI:
         openapi_url=f"{API_PREFIX}/openapi.json",
         docs_url=f"{API_PREFIX}/docs",
     )
-    for module in (leases, gpus, nodes, tenants, pool, dashboard):
+    for module in (leases, gpus, nodes, tenants, pool, dashboard, k8s):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(metrics.router)
     app.include_router(dashboard.pages)
