@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from conftest import K8sNode
 
+from conftest import K8sNode
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from gpupool.protocol.v1.api import LeaseCreate
 from gpupool.protocol.v1.k8s import ClaimCreate
