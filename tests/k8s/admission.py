@@ -18,7 +18,10 @@ def pod(
     command: list[str] | None = None,
     **spec: Any,
 ) -> dict[str, Any]:
-    container: dict[str, Any] = {"name": "main", "image": "pytorch/pytorch:2.4.0-cuda12.1-cudnn9-runtime"}
+    container: dict[str, Any] = {
+        "name": "main",
+        "image": "pytorch/pytorch:2.4.0-cuda12.1-cudnn9-runtime",
+    }
     if limits is not None:
         container["resources"] = {"limits": dict(limits)}
     if env is not None:
@@ -36,7 +39,9 @@ def pod(
     return body
 
 
-def admission_review(obj: dict[str, Any], operation: str = "CREATE", old: dict[str, Any] | None = None) -> dict[str, Any]:
+def admission_review(
+    obj: dict[str, Any], operation: str = "CREATE", old: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """As the API server sends it (admission.k8s.io/v1)."""
     request: dict[str, Any] = {
         "uid": "705ab4f5-6393-11e8-b7cc-42010a800002",
@@ -63,7 +68,9 @@ def apply_patch(obj: dict[str, Any], response: dict[str, Any]) -> dict[str, Any]
         return out
     assert response["patchType"] == "JSONPatch"
     for op in json.loads(base64.b64decode(response["patch"])):
-        *parents, last = [p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]]
+        *parents, last = [
+            p.replace("~1", "/").replace("~0", "~") for p in op["path"].split("/")[1:]
+        ]
         target: Any = out
         for part in parents:
             target = target[int(part)] if isinstance(target, list) else target[part]

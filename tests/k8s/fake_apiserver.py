@@ -41,10 +41,16 @@ class FakeApiServer:
                         items = [p for p in server.pods.values() if _matches(p, selector)]
                         self._send(200, {"kind": "PodList", "apiVersion": "v1", "items": items})
                         return
-                    if len(parts) == 6 and parts[:3] == ["api", "v1", "namespaces"] and parts[4] == "pods":
+                    if (
+                        len(parts) == 6
+                        and parts[:3] == ["api", "v1", "namespaces"]
+                        and parts[4] == "pods"
+                    ):
                         pod = server.pods.get((parts[3], parts[5]))
                         if pod is None:
-                            self._send(404, {"kind": "Status", "message": f'pods "{parts[5]}" not found'})
+                            self._send(
+                                404, {"kind": "Status", "message": f'pods "{parts[5]}" not found'}
+                            )
                         else:
                             self._send(200, pod)
                         return
@@ -63,7 +69,9 @@ class FakeApiServer:
                             self._send(404, {"kind": "Status", "message": "pod not found"})
                             return
                         if pod["spec"].get("nodeName"):
-                            self._send(409, {"kind": "Status", "message": "pod is already assigned"})
+                            self._send(
+                                409, {"kind": "Status", "message": "pod is already assigned"}
+                            )
                             return
                         pod["spec"]["nodeName"] = body["target"]["name"]
                         server.bindings.append(body)

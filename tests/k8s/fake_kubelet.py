@@ -48,7 +48,9 @@ class FakeKubelet(pb_grpc.RegistrationServicer):  # type: ignore[misc]
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
         if request.version != "v1beta1":
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version}")
+            context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version}"
+            )
         channel = grpc.insecure_channel(f"unix://{self.directory / request.endpoint}")
         plugin = Plugin(request, channel, pb_grpc.DevicePluginStub(channel))
         with self.changed:
@@ -121,10 +123,14 @@ class FakeKubelet(pb_grpc.RegistrationServicer):  # type: ignore[misc]
                 self.changed.wait(timeout=min(left, 0.5))
 
     def plugin(self, resource: str, timeout_s: float = 20) -> Plugin:
-        found: Plugin = self.wait(f"{resource} to register", lambda: self.plugins.get(resource), timeout_s)
+        found: Plugin = self.wait(
+            f"{resource} to register", lambda: self.plugins.get(resource), timeout_s
+        )
         return found
 
-    def devices(self, resource: str, check: Callable[[dict[str, str]], bool], timeout_s: float = 20) -> dict[str, str]:
+    def devices(
+        self, resource: str, check: Callable[[dict[str, str]], bool], timeout_s: float = 20
+    ) -> dict[str, str]:
         """Wait for a device list of `resource` for which `check` holds; return it."""
 
         def latest() -> tuple[dict[str, str]] | None:
@@ -134,5 +140,7 @@ class FakeKubelet(pb_grpc.RegistrationServicer):  # type: ignore[misc]
             last = plugin.lists[-1]
             return (last,) if check(last) else None
 
-        found: tuple[dict[str, str]] = self.wait(f"a matching {resource} device list", latest, timeout_s)
+        found: tuple[dict[str, str]] = self.wait(
+            f"a matching {resource} device list", latest, timeout_s
+        )
         return found[0]

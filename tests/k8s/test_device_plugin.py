@@ -61,7 +61,9 @@ def test_allocate_gives_the_container_the_claimed_lease(k8s_node: K8sNode) -> No
     # No claim waits on the node: a pod that bypassed the gpupool scheduler gets nothing.
     with pytest.raises(grpc.RpcError) as refused:
         vgpu.stub.Allocate(
-            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[f"{GPU0}-slot0"])]),
+            pb.AllocateRequest(
+                container_requests=[pb.ContainerAllocateRequest(devices_ids=[f"{GPU0}-slot0"])]
+            ),
             timeout=10,
         )
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -111,7 +113,9 @@ def test_allocate_gives_the_container_the_claimed_lease(k8s_node: K8sNode) -> No
     # The claim is taken: a second container asking the same gets nothing.
     with pytest.raises(grpc.RpcError):
         vgpu.stub.Allocate(
-            pb.AllocateRequest(container_requests=[pb.ContainerAllocateRequest(devices_ids=[chosen[0]])]),
+            pb.AllocateRequest(
+                container_requests=[pb.ContainerAllocateRequest(devices_ids=[chosen[0]])]
+            ),
             timeout=10,
         )
 
@@ -143,7 +147,9 @@ def test_plugin_registers_again_after_kubelet_restart(k8s_node: K8sNode) -> None
     kubelet.devices(VGPU, lambda d: len(d) == 8)
     before = len(kubelet.registrations)
     kubelet.restart()
-    kubelet.wait("both resources to register again", lambda: len(kubelet.registrations) >= before + 2)
+    kubelet.wait(
+        "both resources to register again", lambda: len(kubelet.registrations) >= before + 2
+    )
     assert {r.resource_name for r in kubelet.registrations[before:]} == {VGPU, GPU}
     # The new kubelet dialled the fresh sockets and got the full list again.
     devices = kubelet.devices(VGPU, lambda d: len(d) == 8)

@@ -49,7 +49,12 @@ class Cluster:
 
     def bind(self, obj: dict[str, Any], node: str) -> str:
         meta = obj["metadata"]
-        args = {"PodName": meta["name"], "PodNamespace": meta["namespace"], "PodUID": meta["uid"], "Node": node}
+        args = {
+            "PodName": meta["name"],
+            "PodNamespace": meta["namespace"],
+            "PodUID": meta["uid"],
+            "Node": node,
+        }
         response = self.http.post("/extender/bind", json=args)
         assert response.status_code == 200, response.text
         error: str = response.json()["Error"]
@@ -66,7 +71,9 @@ class Cluster:
         asyncio.run(run())
 
 
-def claimed(name: str, claim: str, limits: dict[str, str] | None = None, **kw: Any) -> dict[str, Any]:
+def claimed(
+    name: str, claim: str, limits: dict[str, str] | None = None, **kw: Any
+) -> dict[str, Any]:
     """A pod as the webhook left it: with its claim label."""
     obj = pod(SLICE if limits is None else limits, name=name, **kw)
     obj["metadata"]["labels"] = {"gpupool.io/claim": claim}
@@ -80,7 +87,9 @@ def cluster(start_controller: Any) -> Iterator[Cluster]:
     pool = PoolClient(ctl.url, actor="extender-test")
     for name, count in (("gpu-a", 2), ("gpu-b", 1)):
         gpus = [
-            GpuInventory(uuid=f"GPU-{name}-{i}", index=i, model="H100", memory_mib=81920, simulated=True)
+            GpuInventory(
+                uuid=f"GPU-{name}-{i}", index=i, model="H100", memory_mib=81920, simulated=True
+            )
             for i in range(count)
         ]
         pool.register_node(NodeRegister(name=name, gpus=gpus))
@@ -105,7 +114,11 @@ def test_filter_keeps_the_nodes_where_the_pool_has_room(cluster: Cluster) -> Non
 
 
 def test_filter_answers_with_node_objects_when_given_node_objects(cluster: Cluster) -> None:
-    nodes = {"kind": "NodeList", "apiVersion": "v1", "items": [{"metadata": {"name": n}, "status": {}} for n in NODES]}
+    nodes = {
+        "kind": "NodeList",
+        "apiVersion": "v1",
+        "items": [{"metadata": {"name": n}, "status": {}} for n in NODES],
+    }
     # Lowercase keys, as older schedulers' JSON tags wrote them.
     result = cluster.filter({"pod": pod({"gpupool.io/gpu": "2"}), "nodes": nodes})
     # No GPU is physical yet: whole GPUs fit nowhere now (but might after a mode switch).
@@ -135,7 +148,11 @@ def test_bind_turns_the_claim_into_a_lease_then_binds_the_pod(cluster: Cluster) 
     obj = claimed("nb-1", "c-notebook-000001")
     cluster.api.add_pod(obj)
     assert cluster.bind(obj, "gpu-a") == ""
-    assert cluster.api.bindings[0]["target"] == {"apiVersion": "v1", "kind": "Node", "name": "gpu-a"}
+    assert cluster.api.bindings[0]["target"] == {
+        "apiVersion": "v1",
+        "kind": "Node",
+        "name": "gpu-a",
+    }
     assert cluster.api.bindings[0]["metadata"]["uid"] == "uid-nb-1"
     claim = cluster.pool.claim("c-notebook-000001")
     assert claim.state == "bound" and claim.node == "gpu-a"
@@ -158,7 +175,7 @@ def test_a_node_admits_one_claim_at_a_time(cluster: Cluster) -> None:
 def test_failed_binding_gives_the_lease_back(cluster: Cluster) -> None:
     obj = claimed("nb-1", "c-notebook-000001")
     cluster.api.add_pod(obj)
-    cluster.api.refuse_bindings = "pods \"nb-1\" is being deleted"
+    cluster.api.refuse_bindings = 'pods "nb-1" is being deleted'
     assert "being deleted" in cluster.bind(obj, "gpu-a")
     assert cluster.pool.claims() == []
     assert cluster.pool.leases() == []
@@ -184,7 +201,9 @@ def test_claims_follow_their_pods(cluster: Cluster) -> None:
         cluster.api.add_pod(obj)
         assert cluster.bind(obj, node) == ""
         # Let the node admit it (what the device plugin's Allocate does).
-        cluster.pool.heartbeat_lease(cluster.pool.claim(obj["metadata"]["labels"]["gpupool.io/claim"]).lease.id, active=True)
+        cluster.pool.heartbeat_lease(
+            cluster.pool.claim(obj["metadata"]["labels"]["gpupool.io/claim"]).lease.id, active=True
+        )
     before = cluster.pool.claim("c-claimsweep000000").lease.last_heartbeat_at
     cluster.api.set_phase("team-a", "p1", "Succeeded")
     cluster.api.delete_pod("team-a", "p2")

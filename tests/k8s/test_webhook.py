@@ -86,19 +86,41 @@ def test_whole_gpus_pod_is_direct_with_a_claim() -> None:
 def test_remote_pod_runs_under_gpupool_run_and_needs_no_gpu_node() -> None:
     obj = pod(
         SLICE,
-        annotations={"gpupool.io/access": "remote", "gpupool.io/priority": "40", "gpupool.io/tenant": "team-a"},
+        annotations={
+            "gpupool.io/access": "remote",
+            "gpupool.io/priority": "40",
+            "gpupool.io/tenant": "team-a",
+        },
         command=["python", "train.py"],
     )
     obj["spec"]["containers"][0]["args"] = ["--epochs", "3"]
     after = apply_patch(obj, answer(obj))
     container = after["spec"]["containers"][0]
     assert container["command"] == [
-        "gpupool", "run", "--remote", "--gpus", "1", "--compute", "25%", "--tenant", "team-a",
-        "--priority", "40", "--memory", "20480MiB", "--", "python", "train.py", "--epochs", "3",
+        "gpupool",
+        "run",
+        "--remote",
+        "--gpus",
+        "1",
+        "--compute",
+        "25%",
+        "--tenant",
+        "team-a",
+        "--priority",
+        "40",
+        "--memory",
+        "20480MiB",
+        "--",
+        "python",
+        "train.py",
+        "--epochs",
+        "3",
     ]
     assert "args" not in container
     assert container["resources"]["limits"] == {}
-    assert {"name": "GPUPOOL_URL", "value": "http://gpupool-controller.gpupool:8900"} in container["env"]
+    assert {"name": "GPUPOOL_URL", "value": "http://gpupool-controller.gpupool:8900"} in container[
+        "env"
+    ]
     token = next(e for e in container["env"] if e["name"] == "GPUPOOL_TOKEN")
     assert token["valueFrom"] == {"secretKeyRef": {"name": "gpupool-token", "key": "token"}}
     assert "gpupool.io/claim" not in (after["metadata"].get("labels") or {})
@@ -118,12 +140,24 @@ def test_pod_without_gpus_is_untouched_unless_it_sets_nvidia_variables() -> None
 @pytest.mark.parametrize(
     ("limits", "extra", "reason"),
     [
-        ({"gpupool.io/vgpu": "1", "gpupool.io/gpu": "1", "gpupool.io/vgpu-compute": "25"}, {}, "both"),
+        (
+            {"gpupool.io/vgpu": "1", "gpupool.io/gpu": "1", "gpupool.io/vgpu-compute": "25"},
+            {},
+            "both",
+        ),
         ({"gpupool.io/gpu": "1", "gpupool.io/vgpu-compute": "25"}, {}, "takes whole GPUs"),
         ({"gpupool.io/vgpu-compute": "25"}, {}, "without gpupool.io/vgpu"),
         ({"gpupool.io/vgpu": "1"}, {}, "needs gpupool.io/vgpu-compute"),
         ({"gpupool.io/vgpu": "1", "gpupool.io/vgpu-compute": "150"}, {}, "1..100"),
-        ({"gpupool.io/vgpu": "1", "gpupool.io/vgpu-compute": "25", "gpupool.io/vgpu-memory": "8Gi"}, {}, "8192, not 8Gi"),
+        (
+            {
+                "gpupool.io/vgpu": "1",
+                "gpupool.io/vgpu-compute": "25",
+                "gpupool.io/vgpu-memory": "8Gi",
+            },
+            {},
+            "8192, not 8Gi",
+        ),
         ({"gpupool.io/vgpu": "2", "gpupool.io/vgpu-compute": "25"}, {}, "one MPS daemon per GPU"),
         (SLICE, {"securityContext": {"privileged": True}}, "privileged"),
         (SLICE, {"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}, "SYS_ADMIN"),
@@ -144,9 +178,13 @@ def test_pod_level_escapes_are_refused() -> None:
     devices = pod(SLICE, volumes=[{"name": "dev", "hostPath": {"path": "/dev/nvidia0"}}])
     assert "/dev/nvidia0" in refused(devices)
     two = pod(SLICE)
-    two["spec"]["containers"].append({"name": "side", "image": "x", "resources": {"limits": {"gpupool.io/gpu": "1"}}})
+    two["spec"]["containers"].append(
+        {"name": "side", "image": "x", "resources": {"limits": {"gpupool.io/gpu": "1"}}}
+    )
     assert "only one container" in refused(two)
-    remote_whole = pod({"gpupool.io/gpu": "1"}, annotations={"gpupool.io/access": "remote"}, command=["x"])
+    remote_whole = pod(
+        {"gpupool.io/gpu": "1"}, annotations={"gpupool.io/access": "remote"}, command=["x"]
+    )
     assert "always direct" in refused(remote_whole)
     remote_no_command = pod(SLICE, annotations={"gpupool.io/access": "remote"})
     assert "give the command" in refused(remote_no_command)
