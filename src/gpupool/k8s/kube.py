@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import ssl
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
@@ -32,7 +33,7 @@ class KubeApi:
         self._http = httpx.AsyncClient(
             base_url=self.url,
             headers=headers,
-            verify=ca_file if ca_file else True,
+            verify=ssl.create_default_context(cafile=ca_file) if ca_file else True,
             timeout=TIMEOUT_S,
             transport=transport,
         )
