@@ -15,9 +15,9 @@ from typing import Any
 import httpx
 import pytest
 from admission import admission_review, apply_patch, pod
-from conftest import K8sNode
 from fake_apiserver import FakeApiServer
 
+from conftest import K8sNode
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 
 pytestmark = pytest.mark.slow
@@ -28,9 +28,11 @@ SLICE = {"gpupool.io/vgpu": "1", "gpupool.io/vgpu-compute": "25", "gpupool.io/vg
 def self_signed(directory: Path) -> tuple[Path, Path]:
     cert, key = directory / "tls.crt", directory / "tls.key"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"]
-        + ["-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"]
-        + ["-addext", "subjectAltName=IP:127.0.0.1"],
+        [
+            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
+            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"),
+            *("-addext", "subjectAltName=IP:127.0.0.1"),
+        ],
         check=True,
         capture_output=True,
     )
