@@ -32,8 +32,15 @@ def test_placement_says_where_a_request_fits_and_which_node_the_pool_prefers(
         ).json()
         fits = {f["node"]: f for f in answer["nodes"]}
         assert fits["node-a"]["fits"] is False and "available now" in fits["node-a"]["reason"]
-        assert fits["node-b"] == {"node": "node-b", "fits": True, "reason": None, "score": 10}
-        assert fits["cpu-1"]["reason"] == "no gpupool GPUs on this node"
+        assert fits["node-b"] == {
+            "node": "node-b",
+            "fits": True,
+            "reason": None,
+            "never": False,
+            "score": 10,
+        }
+        assert fits["cpu-1"]["reason"] == "no gpupool GPUs on this node" and fits["cpu-1"]["never"]
+        assert fits["node-a"]["never"] is False  # the 80 % lease may end
         assert answer["best"] == "node-b"
 
 

@@ -128,7 +128,8 @@ def test_filter_answers_with_node_objects_when_given_node_objects(cluster: Clust
         cluster.pool.set_gpu_mode(uuid, "physical")
     result = cluster.filter({"pod": pod({"gpupool.io/gpu": "2"}), "nodes": nodes})
     assert [n["metadata"]["name"] for n in result["Nodes"]["items"]] == ["gpu-a"]
-    assert "can never be granted" in result["FailedNodes"]["gpu-b"]
+    # gpu-b has one GPU: no lease ending or preemption can make room for two there.
+    assert "can never be granted" in result["FailedAndUnresolvableNodes"]["gpu-b"]
 
 
 def test_prioritize_puts_the_pools_own_choice_first(cluster: Cluster) -> None:

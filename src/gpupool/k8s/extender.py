@@ -23,7 +23,6 @@ from gpupool.protocol.v1.k8s import ClaimCreate, PlacementAnswer, PlacementQuery
 
 log = logging.getLogger(__name__)
 
-UNRESOLVABLE = "no gpupool GPUs on this node"
 ENDED_PHASES = frozenset({"Succeeded", "Failed"})
 
 
@@ -64,9 +63,11 @@ class Extender:
         if answer is None:  # not a direct GPU pod: gpupool has no say
             return _filter_result(names, node_objects, {}, {})
         fits = [f.node for f in answer.nodes if f.fits]
-        failed = {f.node: f.reason or "does not fit" for f in answer.nodes if not f.fits}
-        retry = {n: r for n, r in failed.items() if r != UNRESOLVABLE}
-        never = {n: r for n, r in failed.items() if r == UNRESOLVABLE}
+        # Nodes no preemption could help are "unresolvable": the scheduler does not try there.
+        retry = {
+            f.node: f.reason or "does not fit" for f in answer.nodes if not f.fits and not f.never
+        }
+        never = {f.node: f.reason or "does not fit" for f in answer.nodes if f.never}
         return _filter_result(fits, node_objects, retry, never)
 
     async def prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ makes that answer exact instead of a guess between pods admitted together.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from sqlalchemy.orm import Session
@@ -20,7 +21,17 @@ from gpupool.controller.models import LeaseRow
 from gpupool.controller.services import leases
 from gpupool.controller.store import Store
 from gpupool.controller.views import lease_out
-from gpupool.core import Conflict, InvalidRequest, LeaseRequest, LeaseState, NotFound, PoolError
+from gpupool.core import (
+    Conflict,
+    Gpu,
+    GpuMode,
+    InvalidRequest,
+    LeaseRequest,
+    LeaseState,
+    NotFound,
+    Pool,
+    PoolError,
+)
 from gpupool.protocol.v1.api import LeaseCreate
 from gpupool.protocol.v1.k8s import (
     ClaimAllocate,
@@ -34,6 +45,7 @@ from gpupool.protocol.v1.k8s import (
 HOLDER_PREFIX = "k8s-claim:"
 CLAIM_TTL_S = 120.0
 """Default heartbeat timeout of a claim's lease: the extender heartbeats claims of live pods."""
+NO_GPUS = "no gpupool GPUs on this node"
 BEST_SCORE = 10
 OTHER_SCORE = 1
 
@@ -43,35 +55,82 @@ def holder_of(claim_id: str) -> str:
 
 
 def placement(store: Store, _session: Session, query: PlacementQuery) -> PlacementAnswer:
-    """Where the request fits now on each node asked, and which one the pool would choose."""
+    """Where the request fits now on each node asked, and which one the pool would choose.
+
+    One call per pod per scheduling cycle, over every candidate node: each node's answer
+    looks at that node's GPUs only, so the call grows with the nodes asked, not with their
+    square.
+    """
     if query.request.access != "direct":
         raise InvalidRequest("Kubernetes claims are direct leases: the pod runs on the GPU's node")
     fits: list[NodeFit] = []
     with store.lock:
         pool = store.pool
-        best_plan = pool.plan(_request_for(query.request, node=None))
+        base = _request_for(query.request, node=None)
+        try:
+            pool.check_quota_ever(base)
+        except PoolError as exc:
+            nodes = list(dict.fromkeys(query.nodes))
+            return PlacementAnswer(
+                nodes=[NodeFit(node=n, fits=False, reason=exc.message) for n in nodes], best=None
+            )
+        best_plan = pool.plan(base)
         best_nodes = {_node_of(store, s.gpu_uuid) for s in best_plan.slices} if best_plan else set()
         for node in dict.fromkeys(query.nodes):
-            if node not in pool.node_gpus or not pool.node_gpus[node]:
-                fits.append(NodeFit(node=node, fits=False, reason="no gpupool GPUs on this node"))
-                continue
-            if node not in pool.nodes_up:
+            gpus = [pool.gpus[u] for u in pool.node_gpus.get(node, {})]
+            never = _never_fits(pool, base, gpus)
+            if never is not None:
+                fits.append(NodeFit(node=node, fits=False, reason=never, never=True))
+            elif node not in pool.nodes_up:
                 fits.append(NodeFit(node=node, fits=False, reason="its gpupool agent is down"))
-                continue
-            request = _request_for(query.request, node=node)
-            try:
-                pool.check_quota_ever(request)
-                pool.check_can_ever_fit(request)
-            except PoolError as exc:
-                fits.append(NodeFit(node=node, fits=False, reason=exc.message))
-                continue
-            if pool.plan(request) is None:
-                fits.append(NodeFit(node=node, fits=False, reason=pool.shortage(request)))
-                continue
-            score = BEST_SCORE if best_nodes == {node} else OTHER_SCORE
-            fits.append(NodeFit(node=node, fits=True, score=score))
+            elif pool.plan(replace(base, node=node)) is None:
+                fits.append(NodeFit(node=node, fits=False, reason=_short_on(pool, base, gpus)))
+            else:
+                score = BEST_SCORE if best_nodes == {node} else OTHER_SCORE
+                fits.append(NodeFit(node=node, fits=True, score=score))
     ranked = sorted((f for f in fits if f.fits), key=lambda f: -f.score)
     return PlacementAnswer(nodes=fits, best=ranked[0].node if ranked else None)
+
+
+def _never_fits(pool: Pool, request: LeaseRequest, gpus: list[Gpu]) -> str | None:
+    """Why no state of this node could hold the request; None if some state could."""
+    if not gpus:
+        return NO_GPUS
+    cap = pool.ratios.memory
+    suitable = [
+        g
+        for g in gpus
+        if g.healthy
+        and request.model_allowed(g.model)
+        and (request.physical or request.slice_memory_mib(g) <= int(g.memory_mib * cap))
+    ]
+    if len(suitable) < request.gpus:
+        return (
+            f"this node has {len(suitable)} suitable GPU(s), the request needs "
+            f"{request.gpus}: it can never be granted here"
+        )
+    return None
+
+
+def _short_on(pool: Pool, request: LeaseRequest, gpus: list[Gpu]) -> str:
+    """Why the request does not fit on this node now, in the queue's words."""
+    if request.physical:
+        free = [
+            g
+            for g in gpus
+            if g.mode is GpuMode.PHYSICAL and g.healthy and not pool.usage[g.uuid].leases
+        ]
+        kind = "free physical GPUs"
+    else:
+        free = []
+        for g in gpus:
+            if g.mode is not GpuMode.VIRTUAL or not g.healthy:
+                continue
+            compute, memory = pool.free_on(g)
+            if compute >= request.compute_pct and memory >= request.slice_memory_mib(g):
+                free.append(g)
+        kind = "virtual GPUs with room"
+    return f"needs {request.gpus} {kind} on this node, {len(free)} available now"
 
 
 def _request_for(body: LeaseCreate, node: str | None) -> LeaseRequest:

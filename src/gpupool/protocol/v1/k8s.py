@@ -32,6 +32,8 @@ class NodeFit(BaseModel):
     fits: bool
     reason: str | None = None
     """Why the request does not fit on the node now."""
+    never: bool = False
+    """No change of the pool (a lease ending, preemption) would make it fit on this node."""
     score: int = 0
     """0..10 (the kube-scheduler extender's range): 10 where the pool itself would place it."""
 
