@@ -3,7 +3,10 @@ controller and agent behind it."""
 
 from __future__ import annotations
 
+import time
+
 import grpc
+import httpx
 import pytest
 
 from conftest import K8sNode
@@ -157,3 +160,20 @@ def test_plugin_registers_again_after_kubelet_restart(k8s_node: K8sNode) -> None
     # And the plugin still follows changes on the new stream.
     k8s_node.cli("gpu", "mode", GPU0, "physical", "--wait")
     kubelet.devices(GPU, lambda d: d == {GPU0: "Healthy"})
+
+
+def test_a_gpu_fault_turns_its_devices_unhealthy_within_seconds(k8s_node: K8sNode) -> None:
+    kubelet = k8s_node.kubelet
+    kubelet.devices(VGPU, lambda d: len(healthy(d)) == 8)
+    agent_url = k8s_node.client.node(k8s_node.node).agent_url
+    assert agent_url is not None
+    injected = httpx.post(
+        f"{agent_url}/agent/v1/faults", json={"index": 1, "kind": "xid", "value": 79}
+    )
+    assert injected.json()["gpu_uuid"] == GPU1
+    started = time.monotonic()
+    devices = kubelet.devices(VGPU, lambda d: len(healthy(d)) == 4, timeout_s=10)
+    assert time.monotonic() - started < 5
+    assert {d for d, h in devices.items() if h == "Unhealthy"} == {
+        f"{GPU1}-slot{k}" for k in range(4)
+    }
