@@ -228,6 +228,7 @@ class DevicePlugins:
         """Successful Register calls, both resources counted (tests watch it)."""
         self._servers: dict[ResourceKind, grpc.aio.Server] = {}
         self._kubelet_identity: tuple[int, int] | None = None
+        self._last_error: str | None = None
 
     def socket_path(self, kind: ResourceKind) -> Path:
         return self.settings.kubelet_dir / f"gpupool-{kind}.sock"
@@ -236,9 +237,18 @@ class DevicePlugins:
         """Serve and stay registered until `stop` is set."""
         try:
             while not stop.is_set():
-                await self.refresh()
-                if self._needs_registration():
-                    await self._restart()
+                try:
+                    await self.refresh()
+                    if self._needs_registration():
+                        await self._restart()
+                except (OSError, ValueError, grpc.RpcError) as exc:
+                    # A socket that cannot be made, a device id the kubelet would refuse: say
+                    # so (once) and try again; the agent's other duties go on.
+                    if str(exc) != self._last_error:
+                        log.error("device plugin: %s; trying again", exc)
+                        self._last_error = str(exc)
+                else:
+                    self._last_error = None
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), self.settings.watch_interval_s)
         finally:
