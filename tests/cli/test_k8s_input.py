@@ -20,6 +20,7 @@ from gpupool.cli.main import app
         (["k8s", "serve", "--token-secret", "only-a-name"], "--token-secret must be SECRET/KEY"),
         (["k8s", "serve", "--kube-api", "ftp://api"], "--kube-api must be an http"),
         (["k8s", "serve", "--sweep-interval", "0"], "--sweep-interval must be more than 0"),
+        (["k8s", "serve"], "not in a Kubernetes pod"),
         (["agent", "--fake", "1xH100-80GB", "--vgpu-slots", "0"], "--vgpu-slots must be 1..100"),
         (
             ["agent", "--fake", "1xH100-80GB", "--device-plugin", "--kubelet-dir", "{missing}"],
@@ -27,7 +28,10 @@ from gpupool.cli.main import app
         ),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args: list[str], message: str, tmp_path: Path) -> None:
+def test_bad_input_is_one_line_and_exit_2(
+    args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     (tmp_path / "file.pem").write_text("x")
     filled = [a.format(file=tmp_path / "file.pem", missing=tmp_path / "missing") for a in args]
     result = CliRunner().invoke(app, ["--url", "http://127.0.0.1:9", *filled])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Annotated
 
@@ -67,6 +68,8 @@ def serve(
         secret = (name, key)
     if kube_api is not None and not kube_api.startswith(("http://", "https://")):
         raise BadInput(f"--kube-api must be an http:// or https:// URL, got {kube_api!r}")
+    if kube_api is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        raise BadInput("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST): give --kube-api URL")
     from gpupool.k8s.app import ServeSettings
     from gpupool.k8s.app import serve as run
     from gpupool.k8s.webhook import WebhookSettings
