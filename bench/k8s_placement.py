@@ -47,7 +47,7 @@ def start_controller(port: int, data_dir: str) -> subprocess.Popen[bytes]:
 
 def percentile(values: list[float], pct: float) -> float:
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(pct / 100 * (len(ordered) - 1))))]
+    return ordered[min(len(ordered) - 1, round(pct / 100 * (len(ordered) - 1)))]
 
 
 def summary(ms: list[float]) -> dict[str, float]:
