@@ -90,6 +90,9 @@ def test_agent_serves_the_device_plugin_in_the_kubelets_directory() -> None:
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     # MPS pipe paths the plugin hands the kubelet are host paths: same path inside.
     assert mounts["data"] == volumes["data"]["hostPath"]["path"]
+    # The MPS daemons' /dev/shm is a host directory the plugin names to slices' containers.
+    assert mounts["mps-shm"] == "/dev/shm"
+    assert f"--mps-shm-dir={volumes['mps-shm']['hostPath']['path']}" in container["args"]
     assert "privileged" not in container.get("securityContext", {})
 
 

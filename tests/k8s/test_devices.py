@@ -97,7 +97,10 @@ def piece(uuid: str, pct: int = 30, mib: int = 4096, whole: bool = False) -> Sli
 
 
 def test_a_slice_gets_its_mps_daemon_and_limits() -> None:
-    node = view(GpuView("GPU-a", 0, "virtual", mps_pipe_dir="/var/lib/gpupool/mps/GPU-a/pipe"))
+    node = NodeView(
+        gpus=(GpuView("GPU-a", 0, "virtual", mps_pipe_dir="/var/lib/gpupool/mps/GPU-a/pipe"),),
+        mps_shm_dir="/var/lib/gpupool/shm",
+    )
     given = allocation(claim(lease(piece("GPU-a"))), node, ["GPU-a-slot3"])
     assert given.envs["CUDA_VISIBLE_DEVICES"] == "GPU-a"
     assert given.envs["CUDA_MPS_PIPE_DIRECTORY"] == "/run/gpupool/mps/pipe"
@@ -106,6 +109,7 @@ def test_a_slice_gets_its_mps_daemon_and_limits() -> None:
     assert given.mounts == [
         ("/run/gpupool/mps/pipe", "/var/lib/gpupool/mps/GPU-a/pipe", False),
         ("/run/gpupool/mps/log", "/var/lib/gpupool/mps/GPU-a/log", False),
+        ("/dev/shm", "/var/lib/gpupool/shm", False),
     ]
 
 

@@ -74,6 +74,9 @@ class AgentSettings:
     """Serve the kubelet device plugin (gpupool.k8s) in this directory; None: no plugin."""
     device_plugin_slots: int = 10
     """gpupool.io/vgpu devices per virtual GPU: how many pods may share one."""
+    mps_shm_dir: Path | None = None
+    """Host directory that is the MPS daemons' /dev/shm (the agent in a container): slices'
+    containers get it as theirs, since an MPS client shares /dev/shm with its daemon."""
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -439,7 +442,10 @@ class Agent:
                             mps_pipe_dir=self.mps.pipe_dir(gpu.uuid),
                         )
                     )
-            return NodeView(gpus=tuple(gpus), simulated=simulated)
+            shm = self.settings.mps_shm_dir
+            return NodeView(
+                gpus=tuple(gpus), simulated=simulated, mps_shm_dir=str(shm) if shm else None
+            )
 
         settings = PluginSettings(
             kubelet_dir=self.settings.device_plugin_dir,

@@ -342,6 +342,14 @@ def agent(
         int,
         typer.Option("--vgpu-slots", help="gpupool.io/vgpu devices per virtual GPU (1..100)."),
     ] = 10,
+    mps_shm_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--mps-shm-dir",
+            help="Host directory mounted as /dev/shm of this agent (in a container): "
+            "slices' containers share it with the MPS daemons.",
+        ),
+    ] = None,
 ) -> None:
     if interval <= 0:
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
@@ -365,6 +373,7 @@ def agent(
             api_port=api_port,
             device_plugin_dir=kubelet_dir if device_plugin else None,
             device_plugin_slots=vgpu_slots,
+            mps_shm_dir=mps_shm_dir,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None

@@ -40,6 +40,8 @@ class GpuView:
 class NodeView:
     gpus: tuple[GpuView, ...] = ()
     simulated: bool = False
+    mps_shm_dir: str | None = None
+    """Host directory that is /dev/shm of the agent's MPS daemons: MPS clients share it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +176,8 @@ def allocation(claim: ClaimOut, view: NodeView, device_ids: Iterable[str]) -> Co
             envs["CUDA_MPS_LOG_DIRECTORY"] = MPS_LOG_IN_CONTAINER
             mounts.append((MPS_PIPE_IN_CONTAINER, pipe, False))
             mounts.append((MPS_LOG_IN_CONTAINER, _log_dir(pipe), False))
+            if view.mps_shm_dir is not None:
+                mounts.append(("/dev/shm", view.mps_shm_dir, False))
         elif not view.simulated:
             raise AllocationRefused(
                 f"claim {claim.claim}: GPU {piece.gpu_uuid} runs no MPS daemon, so the slice's "
