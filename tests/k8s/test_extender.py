@@ -60,11 +60,11 @@ class Cluster:
         error: str = response.json()["Error"]
         return error
 
-    def sweep(self) -> None:
+    def sweep(self, admit_timeout_s: float = 300.0) -> None:
         async def run() -> None:
             kube = KubeApi(self.api.url)
             try:
-                await Extender(self.pool, kube).sweep()
+                await Extender(self.pool, kube, admit_timeout_s).sweep()
             finally:
                 await kube.close()
 
@@ -213,3 +213,18 @@ def test_claims_follow_their_pods(cluster: Cluster) -> None:
     assert [c.claim for c in claims] == ["c-claimsweep000000"]
     assert claims[0].lease.last_heartbeat_at > before
     assert {lease.holder for lease in cluster.pool.leases()} == {"k8s-claim:c-claimsweep000000"}
+
+
+def test_a_claim_no_container_takes_frees_its_node_after_the_admit_timeout(
+    cluster: Cluster,
+) -> None:
+    stuck, next_pod = claimed("stuck", "c-stuckclaim00001"), claimed("next", "c-nextclaim000001")
+    cluster.api.add_pod(stuck)
+    cluster.api.add_pod(next_pod)
+    assert cluster.bind(stuck, "gpu-a") == ""
+    assert "still admitting" in cluster.bind(next_pod, "gpu-a")
+    cluster.sweep()  # within the timeout: the pod lives, its claim stays
+    assert [c.claim for c in cluster.pool.claims()] == ["c-stuckclaim00001"]
+    cluster.sweep(admit_timeout_s=0.0)
+    assert cluster.pool.claims() == []
+    assert cluster.bind(next_pod, "gpu-a") == ""

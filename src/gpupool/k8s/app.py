@@ -34,11 +34,12 @@ class ServeSettings:
     tls_cert: str | None = None
     tls_key: str | None = None
     sweep_interval_s: float = 10.0
+    admit_timeout_s: float = 300.0
     webhook: WebhookSettings = field(default_factory=WebhookSettings)
 
 
 def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> FastAPI:
-    extender = Extender(pool, kube)
+    extender = Extender(pool, kube, settings.admit_timeout_s)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

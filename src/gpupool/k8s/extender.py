@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
@@ -45,9 +46,12 @@ class SweepResult:
 
 
 class Extender:
-    def __init__(self, pool: PoolClient, kube: KubeApi) -> None:
+    def __init__(self, pool: PoolClient, kube: KubeApi, admit_timeout_s: float = 300.0) -> None:
         self.pool = pool
         self.kube = kube
+        self.admit_timeout_s = admit_timeout_s
+        """A claim bound this long without a container (a node whose kubelet never admits the
+        pod) is released: it would hold its node's one admission slot for ever."""
 
     # ---- filter and prioritize ----------------------------------------------------------
 
@@ -164,15 +168,21 @@ class Extender:
             for p in pods
             if (c := claim_of(p)) and (p.get("status") or {}).get("phase") not in ENDED_PHASES
         }
+        now = datetime.now(UTC)
         for claim in claims:
+            granted = claim.lease.granted_at or claim.lease.created_at
+            stuck = (
+                claim.state == "bound" and (now - granted).total_seconds() > self.admit_timeout_s
+            )
             try:
-                if claim.claim in live:
+                if claim.claim in live and not stuck:
                     await asyncio.to_thread(self.pool.heartbeat_lease, claim.lease.id)
                     result.kept += 1
                 else:
                     await asyncio.to_thread(self.pool.release_claim, claim.claim)
                     result.released += 1
-                    log.info("claim %s: its pod is gone or finished; lease released", claim.claim)
+                    why = "no container took it in time" if stuck else "its pod is gone or ended"
+                    log.info("claim %s: %s; lease released", claim.claim, why)
             except ApiError as exc:
                 log.warning("claim %s: %s", claim.claim, exc)
         return result
