@@ -1,5 +1,6 @@
-"""Fixtures of the Kubernetes tests: a real controller and a fake-GPU agent serving the device
-plugin to a fake kubelet that speaks the real gRPC protocol."""
+"""Fixtures of the Kubernetes tests: a real controller (tests/conftest.py's start_controller)
+and a fake-GPU agent serving the device plugin to a fake kubelet that speaks the real gRPC
+protocol."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import httpx
 import pytest
 from fake_kubelet import FakeKubelet
 
@@ -22,14 +23,6 @@ START_TIMEOUT_S = 60.0
 
 def _gpupool(*args: str) -> list[str]:
     return [sys.executable, "-m", "gpupool.cli", *args]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
@@ -65,7 +58,7 @@ class K8sNode:
 
 
 @pytest.fixture
-def k8s_node(tmp_path: Path) -> Iterator[K8sNode]:
+def k8s_node(start_controller: Any, tmp_path: Path) -> Iterator[K8sNode]:
     """Controller + agent (2 fake H100s, device plugin on) + fake kubelet, all real processes.
 
     The kubelet directory lives in a short /tmp path: Unix socket paths are limited to 107 bytes.
@@ -73,42 +66,25 @@ def k8s_node(tmp_path: Path) -> Iterator[K8sNode]:
     kubelet_dir = Path(tempfile.mkdtemp(prefix="kubelet-"))
     kubelet = FakeKubelet(kubelet_dir)
     kubelet.start()
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    procs: list[subprocess.Popen[bytes]] = []
-    with (tmp_path / "controller.log").open("wb") as log:
-        procs.append(
-            subprocess.Popen(
-                _gpupool("controller", "--port", str(port), "--data-dir", str(tmp_path / "ctl")),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        )
+    ctl = start_controller(None)
+    url = ctl.url
     client = PoolClient(url, actor="k8s-test")
+    agent: subprocess.Popen[bytes] | None = None
     try:
         deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            try:
-                if httpx.get(url + "/api/v1/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert procs[0].poll() is None, (tmp_path / "controller.log").read_text()
-            assert time.monotonic() < deadline, "controller did not start"
-            time.sleep(0.1)
         args = ["agent", "--url", url, "--node", "k8s-node-1", "--fake", "2xH100-80GB"]
         args += ["--interval", "0.3", "--data-dir", str(tmp_path / "agent"), "--no-banner"]
         args += ["--device-plugin", "--kubelet-dir", str(kubelet_dir), "--vgpu-slots", "4"]
         with (tmp_path / "agent.log").open("wb") as log:
-            procs.append(subprocess.Popen(_gpupool(*args), stdout=log, stderr=subprocess.STDOUT))
+            agent = subprocess.Popen(_gpupool(*args), stdout=log, stderr=subprocess.STDOUT)
         while len(client.gpus()) < 2:
-            assert procs[1].poll() is None, (tmp_path / "agent.log").read_text()
+            assert agent.poll() is None, (tmp_path / "agent.log").read_text()
             assert time.monotonic() < deadline, "agent did not register"
             time.sleep(0.1)
         yield K8sNode(url, "k8s-node-1", kubelet, client, tmp_path)
     finally:
-        for proc in reversed(procs):
-            _stop(proc)
+        if agent is not None:
+            _stop(agent)
         client.close()
         kubelet.stop()
         for path in kubelet_dir.glob("*"):
