@@ -43,10 +43,18 @@ class FakeKubelet(pb_grpc.RegistrationServicer):  # type: ignore[misc]
         self.changed = threading.Condition()
         self._server: grpc.Server | None = None
         self._streams: list[Any] = []
+        self.refuse_next = 0
+        """Refuse this many registrations first (as a kubelet does for a taken resource name)."""
+        self.refused = 0
 
     # ---- the Registration service -----------------------------------------------------------
 
     def Register(self, request: pb.RegisterRequest, context: grpc.ServicerContext) -> pb.Empty:
+        with self.changed:
+            if self.refuse_next > 0:
+                self.refuse_next -= 1
+                self.refused += 1
+                context.abort(grpc.StatusCode.ALREADY_EXISTS, f"{request.resource_name} is taken")
         if request.version != "v1beta1":
             context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT, f"unsupported version {request.version}"

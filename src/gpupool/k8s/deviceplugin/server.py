@@ -110,7 +110,6 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         self.listing = listing
         self.view = view
         self.claims = claims
-        self.allocations = 0
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
@@ -182,7 +181,6 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         except (ClaimError, AllocationRefused) as exc:
             log.error("refused %s for devices %s: %s", RESOURCE_OF[self.kind], ids, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
-        self.allocations += 1
         log.info(
             "claim %s: lease %s to a container (%s)", claim.claim, claim.lease.id, ", ".join(ids)
         )
@@ -224,8 +222,6 @@ class DevicePlugins:
             kind: DevicePluginService(kind, listing, view, claims)
             for kind, listing in self.listings.items()
         }
-        self.registrations = 0
-        """Successful Register calls, both resources counted (tests watch it)."""
         self._servers: dict[ResourceKind, grpc.aio.Server] = {}
         self._kubelet_identity: tuple[int, int] | None = None
         self._last_error: str | None = None
@@ -295,12 +291,10 @@ class DevicePlugins:
             server.add_insecure_port(f"unix://{path}")
             await server.start()
             self._servers[kind] = server
-        try:
-            for kind in self.listings:
-                await self._register(kind)
-        except grpc.aio.AioRpcError as exc:
-            log.warning("kubelet refused or missed registration (%s); retrying", exc.details())
-            return  # identity not recorded: the next turn tries again
+        for kind in self.listings:
+            # A refusal raises to run(), which says so once; the identity stays unrecorded,
+            # so the next turn serves and registers again.
+            await self._register(kind)
         self._kubelet_identity = identity
 
     async def _register(self, kind: ResourceKind) -> None:
@@ -316,7 +310,6 @@ class DevicePlugins:
                 ),
                 timeout=REGISTER_TIMEOUT_S,
             )
-        self.registrations += 1
         log.info("registered %s with the kubelet (%s)", RESOURCE_OF[kind], kubelet)
 
     async def _stop_server(self) -> None:
