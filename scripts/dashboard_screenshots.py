@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import os
 import random
 import socket
 import subprocess
@@ -26,6 +27,7 @@ import httpx
 from gpupool.agent.backends import FakeBackend
 from gpupool.agent.service import Agent, AgentSettings
 from gpupool.controller.services.history import History, save
+from gpupool.protocol.v1.tokens import new_token
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -38,7 +40,8 @@ CHROMIUM_ARGS = [
     "--no-first-run",
 ]
 SERVERS = {"gpu-a100-01": "8xA100-80GB", "gpu-h100-01": "8xH100-80GB", "gpu-h100-02": "4xH100-80GB"}
-ACTOR = {"X-Gpupool-Actor": "maria (ops)"}
+ADMIN = new_token()[2]
+ACTOR = {"Authorization": f"Bearer {ADMIN}"}
 
 
 def free_port() -> int:
@@ -97,6 +100,7 @@ class Agents:
                     node_name=name,
                     fake_spec=spec,
                     heartbeat_interval_s=1.0,
+                    token=ADMIN,
                 ),
                 backend=self.backends[name],
             )
@@ -119,7 +123,9 @@ class Agents:
     async def _drive(self) -> None:
         """Make the simulated GPUs look used in proportion to what is granted on them."""
         rng = random.Random(3)
-        async with httpx.AsyncClient(base_url=self.url + "/api/v1", timeout=5) as client:
+        async with httpx.AsyncClient(
+            base_url=self.url + "/api/v1", timeout=5, headers=ACTOR
+        ) as client:
             while not self.stop.is_set():
                 try:
                     gpus = (await client.get("/gpus")).json()
@@ -224,7 +230,18 @@ def shoot(url: str, out: Path) -> list[Path]:
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1440, "height": 900}, device_scale_factor=1)
-        page.add_init_script("localStorage.setItem('gpupool.actor', 'maria (ops)')")
+        page.goto(f"{url}/")
+        page.wait_for_selector("#signin:not([hidden])")
+        page.wait_for_timeout(300)
+        path = out / "dashboard-signin.png"
+        page.screenshot(path=str(path))
+        shots.append(path)
+        maria = httpx.post(
+            f"{url}/api/v1/tokens", json={"name": "maria", "role": "admin"}, headers=ACTOR
+        ).json()["token"]
+        page.fill("[data-testid=signin-token]", maria)
+        page.click("#signin-ok")
+        page.wait_for_selector("#signin", state="hidden")
 
         def snap(
             name: str, hash_: str, ready: str, full: bool = True, click: str | None = None
@@ -240,7 +257,7 @@ def shoot(url: str, out: Path) -> list[Path]:
 
         snap("overview", "/", "[data-testid=gpu-tile]", click="[data-range='86400']")
         snap("servers", "/servers", "[data-testid=server]")
-        gpus = httpx.get(url + "/api/v1/gpus").json()
+        gpus = httpx.get(url + "/api/v1/gpus", headers=ACTOR).json()
         busiest = max(gpus, key=lambda g: (len(g["leases"]), g["uuid"]))["uuid"]
         snap("gpu", f"/gpus/{busiest}", "[data-testid=holder-row]", click="[data-range='900']")
         snap("leases", "/leases", "[data-testid=lease-row]")
@@ -278,6 +295,7 @@ def main() -> int:
         argv,
         stdout=log,
         stderr=subprocess.STDOUT,
+        env={**os.environ, "GPUPOOL_ADMIN_TOKEN": ADMIN},
     )
     agents = Agents(url, work / "agents")
     try:
@@ -292,7 +310,7 @@ def main() -> int:
                 raise SystemExit(f"controller did not start; see {work / 'controller.log'}")
             time.sleep(0.2)
         agents.start()
-        while len(httpx.get(url + "/api/v1/gpus").json()) < 20:
+        while len(httpx.get(url + "/api/v1/gpus", headers=ACTOR).json()) < 20:
             time.sleep(0.2)
         populate(url)
         time.sleep(args.warmup)

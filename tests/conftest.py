@@ -16,7 +16,16 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpupool.protocol.v1.tokens import new_token
+
 PG_ADMIN = os.environ.get("GPUPOOL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
+
+# Every controller the tests start installs this admin token ($GPUPOOL_ADMIN_TOKEN), and every
+# CLI, SDK client and agent they start sends it ($GPUPOOL_TOKEN). Tests of the roles make
+# tokens of their own.
+ADMIN_TOKEN = os.environ.setdefault("GPUPOOL_ADMIN_TOKEN", new_token()[2])
+os.environ.setdefault("GPUPOOL_TOKEN", ADMIN_TOKEN)
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
 def free_port() -> int:
@@ -76,7 +85,7 @@ class ControllerProcess:
     extra: dict[str, object]
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url + "/api/v1", timeout=30)
+        return httpx.Client(base_url=self.url + "/api/v1", timeout=30, headers=AUTH)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)

@@ -12,6 +12,7 @@ from starlette.exceptions import StarletteDeprecationWarning
 
 from gpupool.controller.app import create_app
 from gpupool.controller.settings import ControllerSettings
+from tests.conftest import ADMIN_TOKEN, AUTH
 
 with warnings.catch_warnings():
     # Starlette asks for httpx2 in a future version; the client works the same today.
@@ -23,8 +24,9 @@ API = "/api/v1"
 
 @contextmanager
 def controller(tmp_path: Path, **settings: object) -> Iterator[TestClient]:
+    settings.setdefault("admin_token", ADMIN_TOKEN)
     app = create_app(ControllerSettings(data_dir=tmp_path, **settings))  # type: ignore[arg-type]
-    with TestClient(app) as client:
+    with TestClient(app, headers=AUTH) as client:
         yield client
 
 

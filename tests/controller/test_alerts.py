@@ -27,6 +27,7 @@ from gpupool.agent.backends import FakeBackend
 from gpupool.agent.service import Agent, AgentSettings
 from gpupool.controller.services.alerts import RULES, Alerts, Notice, rules_document, webhook_body
 from gpupool.controller.services.snapshot import GpuReading, NodeReading, PoolSnapshot
+from tests.conftest import AUTH
 from tests.controller.inprocess import API, controller, register
 
 RULES_FILE = Path(__file__).parents[2] / "deploy" / "prometheus" / "gpupool-rules.yml"
@@ -329,8 +330,10 @@ def test_gpupool_controller_alert_webhook_option_reaches_the_receiver(
             except httpx.HTTPError:
                 time.sleep(0.1)
         node = {"name": "n1", "gpus": [{"uuid": "GPU-n1-0", "model": "H100", "memory_mib": 1024}]}
-        httpx.post(f"{api}/nodes", json=node).raise_for_status()
-        httpx.post(f"{api}/gpus/GPU-n1-0/isolate", json={"reason": "xid 79"}).raise_for_status()
+        httpx.post(f"{api}/nodes", json=node, headers=AUTH).raise_for_status()
+        httpx.post(
+            f"{api}/gpus/GPU-n1-0/isolate", json={"reason": "xid 79"}, headers=AUTH
+        ).raise_for_status()
         fired = receiver.wait_for("firing", "GpupoolGpuIsolated")
         assert fired["generatorURL"] == f"http://127.0.0.1:{port}/#/alerts"
     finally:

@@ -6,11 +6,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from tests.conftest import register_fake_node
+from tests.conftest import AUTH, register_fake_node
 
 
 def _create(url: str) -> dict[str, object]:
-    with httpx.Client(base_url=url + "/api/v1", timeout=60) as client:
+    with httpx.Client(base_url=url + "/api/v1", timeout=60, headers=AUTH) as client:
         response = client.post("/leases", json={"compute_pct": 10, "memory": "1GiB"})
         assert response.status_code == 201, response.text
         return dict(response.json())

@@ -159,9 +159,12 @@ def test_history_refuses_unbounded_queries(client: TestClient, params: dict, pro
 
 def test_operator_actions_from_the_dashboard_name_their_actor(client: TestClient) -> None:
     [uuid] = register(client, gpus=1)
-    client.post(f"{API}/gpus/{uuid}/drain", headers={"X-Gpupool-Actor": "maria (ops)"})
+    maria = client.post(f"{API}/tokens", json={"name": "maria", "role": "admin"}).json()["token"]
+    # A header cannot claim another name: the event names the token that acted.
+    headers = {"Authorization": f"Bearer {maria}", "X-Gpupool-Actor": "somebody-else"}
+    client.post(f"{API}/gpus/{uuid}/drain", headers=headers)
     [event] = client.get(f"{API}/events", params={"kind": "gpu.drain"}).json()
-    assert (event["actor"], event["subject"]) == ("maria (ops)", uuid)
+    assert (event["actor"], event["subject"]) == ("admin:maria", uuid)
 
 
 # ---- the history's bounded rings ------------------------------------------------------------

@@ -17,6 +17,8 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.conftest import AUTH
+
 pytestmark = pytest.mark.slow
 
 CHROMIUM = os.environ.get("GPUPOOL_CHROMIUM", "/usr/bin/chromium")
@@ -58,6 +60,8 @@ def _free_port() -> int:
 class LivePool:
     url: str
     api: httpx.Client
+    tokens: dict[str, str]
+    """Tokens by role, made for the browser: admin (named browser-test) and viewer."""
 
     def gpus(self) -> list[dict[str, Any]]:
         return list(self.api.get("/gpus").json())
@@ -120,11 +124,13 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePool]:
             stdout=logs[1],
             stderr=subprocess.STDOUT,
         )
-        with httpx.Client(
-            base_url=f"{url}/api/v1", timeout=10, headers={"X-Gpupool-Actor": "test-setup"}
-        ) as api:
+        with httpx.Client(base_url=f"{url}/api/v1", timeout=10, headers=AUTH) as api:
             _wait(lambda: len(api.get("/gpus").json()) == 2, "the agent's GPUs", proc=agent)
-            yield LivePool(url, api)
+            tokens = {
+                role: api.post("/tokens", json={"name": name, "role": role}).json()["token"]
+                for role, name in (("admin", "browser-test"), ("viewer", "watcher"))
+            }
+            yield LivePool(url, api, tokens)
     finally:
         for proc in (agent, controller):
             if proc is not None and proc.poll() is None:
@@ -145,9 +151,39 @@ def browser() -> Iterator[Browser]:
         browser.close()
 
 
+def sign_in(page: Page, pool: LivePool, role: str) -> None:
+    """What an operator does: open the dashboard, paste a token, sign in."""
+    page.goto(pool.url + "/")
+    page.locator("[data-testid=signin-token]").fill(pool.tokens[role])
+    page.locator("#signin-ok").click()
+    expect(page.locator("#signin")).to_be_hidden()
+
+
 @pytest.fixture
-def page(browser: Browser) -> Iterator[Page]:
+def anonymous_page(browser: Browser) -> Iterator[Page]:
     page = browser.new_page(viewport={"width": 1400, "height": 900})
+    page.set_default_timeout(15_000)
+    yield page
+    page.close()
+
+
+@pytest.fixture
+def page(browser: Browser, pool: LivePool) -> Iterator[Page]:
+    """A page signed in with the admin token named browser-test."""
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    host = pool.url.split("//", 1)[1].split(":")[0]
+    page.context.add_cookies(
+        [
+            {
+                "name": "gpupool_session",
+                "value": pool.tokens["admin"],
+                "domain": host,
+                "path": "/",
+                "httpOnly": True,
+                "sameSite": "Strict",
+            }
+        ]
+    )
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.set_default_timeout(15_000)
@@ -215,13 +251,13 @@ def test_switching_a_gpu_mode_asks_first_and_records_the_operator(
 
     waiting = pool.lease(physical=True, holder="profiler-run")
     switch.click()
-    page.locator("#dialog-actor").fill("browser-test")
+    expect(page.locator("#dialog-actor")).to_have_text("admin:browser-test")
     page.locator("#dialog-ok").click()
     expect(page.locator("#dialog")).to_be_hidden()
     expect(page.locator("#gpu-name")).to_contain_text("physical", timeout=10_000)
     assert pool.api.get(f"/gpus/{gpu['uuid']}").json()["mode"] == "physical"
     events = pool.api.get("/events", params={"subject": gpu["uuid"], "kind": "gpu.mode"}).json()
-    assert events[-1]["actor"] == "browser-test"
+    assert events[-1]["actor"] == "admin:browser-test"
     # The waiting whole-GPU request gets the GPU at once.
     assert pool.api.get(f"/leases/{waiting['id']}").json()["state"] == "granted"
     pool.api.post(f"/leases/{waiting['id']}/release")
@@ -230,13 +266,12 @@ def test_switching_a_gpu_mode_asks_first_and_records_the_operator(
 
 def test_releasing_a_lease_from_the_leases_page(pool: LivePool, page: Page) -> None:
     lease = pool.lease(compute_pct=20, memory="2GiB", holder="forgotten-notebook")
-    page.add_init_script("localStorage.setItem('gpupool.actor', 'browser-test')")
     page.goto(pool.url + "/#/leases")
     row = page.locator("[data-testid=lease-row]", has_text=lease["id"])
     expect(row).to_contain_text("forgotten-notebook")
     row.locator("[data-release]").click()
     expect(page.locator("#dialog-title")).to_contain_text(lease["id"])
-    expect(page.locator("#dialog-actor")).to_have_value("browser-test")
+    expect(page.locator("#dialog-actor")).to_have_text("admin:browser-test")
     page.locator("#dialog-ok").click()
     expect(page.locator(".toast")).to_contain_text("released")
     after = pool.api.get(f"/leases/{lease['id']}").json()
@@ -247,12 +282,11 @@ def test_releasing_a_lease_from_the_leases_page(pool: LivePool, page: Page) -> N
         for e in pool.api.get("/events", params={"subject": lease["id"]}).json()
         if e["kind"] == "lease.released"
     ]
-    assert event["actor"] == "browser-test"
+    assert event["actor"] == "admin:browser-test"
 
 
 def test_editing_a_quota_asks_first_and_saves_it(pool: LivePool, page: Page) -> None:
     pool.api.post("/tenants", json={"name": "ui-team"})
-    page.add_init_script("localStorage.setItem('gpupool.actor', 'browser-test')")
     page.goto(pool.url + "/#/tenants")
     page.locator("[data-quota='ui-team']").click()
     page.locator("input[name=max_compute_pct]").fill("150")
@@ -261,3 +295,41 @@ def test_editing_a_quota_asks_first_and_saves_it(pool: LivePool, page: Page) -> 
     expect(page.locator("[data-testid=tenant-row]", has_text="ui-team")).to_contain_text("150%")
     tenant = pool.api.get("/tenants/ui-team").json()
     assert (tenant["max_compute_pct"], tenant["max_memory_mib"]) == (150, 40 * 1024)
+
+
+def test_signing_in_takes_a_valid_token_only(pool: LivePool, anonymous_page: Page) -> None:
+    page = anonymous_page
+    page.goto(pool.url + "/")
+    expect(page.locator("#signin")).to_be_visible()
+    page.locator("[data-testid=signin-token]").fill("gpp_000000000000_not-a-real-secret")
+    page.locator("#signin-ok").click()
+    expect(page.locator("#signin-error")).to_contain_text("not valid")
+    sign_in(page, pool, "admin")
+    expect(page.locator("#actor-name")).to_have_text("browser-test")
+    expect(page.locator("[data-testid=gpu-tile]")).to_have_count(2)
+    # The token is in an HttpOnly cookie: page scripts cannot read it.
+    assert page.evaluate("document.cookie") == ""
+
+
+def test_a_viewer_sees_the_pool_but_cannot_change_it(pool: LivePool, anonymous_page: Page) -> None:
+    page = anonymous_page
+    gpu = free_gpu(pool)
+    sign_in(page, pool, "viewer")
+    expect(page.locator("#actor-role")).to_contain_text("viewer")
+    page.goto(f"{pool.url}/#/gpus/{gpu['uuid']}")
+    expect(page.locator("#gpu-name")).to_contain_text("virtual")
+    page.locator("[data-action=mode-physical]").click()
+    expect(page.locator(".toast.bad")).to_contain_text("need an admin token")
+    expect(page.locator("#dialog")).to_be_hidden()
+    # The controller is the real check: the viewer's cookie cannot switch the mode either.
+    answer = page.evaluate(
+        """async (uuid) => {
+            const r = await fetch(`/api/v1/gpus/${uuid}/mode`, {method: "POST",
+              headers: {"Content-Type": "application/json", "X-Gpupool-Csrf": "1"},
+              body: JSON.stringify({mode: "physical"})});
+            return [r.status, (await r.json()).detail];
+        }""",
+        gpu["uuid"],
+    )
+    assert answer[0] == 403 and "viewer" in answer[1]
+    assert pool.api.get(f"/gpus/{gpu['uuid']}").json()["mode"] == "virtual"

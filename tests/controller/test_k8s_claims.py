@@ -129,3 +129,33 @@ def test_claims_survive_a_controller_restart(start_controller: Any, db_url: str 
         assert after.json()["state"] == "bound"
         busy = client.post("/k8s/claims", json=claim_body("c-restart0002"))
         assert busy.status_code == 409  # the gate holds across restarts too
+
+
+def test_only_agent_and_admin_tokens_reach_the_k8s_endpoints(tmp_path: Path) -> None:
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=1)
+        tokens = {
+            role: client.post(
+                f"{API}/tokens",
+                json={
+                    "name": f"k8s-{role}",
+                    "role": role,
+                    **({"tenant": "default"} if role == "tenant" else {}),
+                },
+            ).json()["token"]
+            for role in ("agent", "viewer", "tenant")
+        }
+        body = claim_body("c-auth00000001")
+        none = client.post(f"{API}/k8s/claims", json=body, headers={"Authorization": ""})
+        assert none.status_code == 401
+        for role in ("viewer", "tenant"):
+            refused = client.post(
+                f"{API}/k8s/claims", json=body, headers={"Authorization": f"Bearer {tokens[role]}"}
+            )
+            assert refused.status_code == 403 and "cannot do this" in refused.json()["detail"]
+        agent = {"Authorization": f"Bearer {tokens['agent']}"}
+        assert client.post(f"{API}/k8s/claims", json=body, headers=agent).status_code == 201
+        beat = client.post(f"{API}/k8s/claims/c-auth00000001/heartbeat", headers=agent)
+        assert beat.status_code == 200 and beat.json()["state"] == "bound"
+        events = client.get(f"{API}/events", params={"kind": "lease.created"}).json()
+        assert events[-1]["actor"] == "agent:k8s-agent"

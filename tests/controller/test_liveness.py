@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from tests.conftest import register_fake_node
+from tests.conftest import AUTH, register_fake_node
 
 
 def _wait(predicate, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
@@ -73,13 +73,17 @@ def test_queued_request_with_wait_false_is_refused_and_not_kept(start_controller
 
 def test_events_record_who_did_what(start_controller) -> None:
     ctl = start_controller(None)
-    with httpx.Client(base_url=ctl.url + "/api/v1", headers={"X-Gpupool-Actor": "alice"}) as client:
-        register_fake_node(client, gpus=1)
-        lease = client.post("/leases", json={"compute_pct": 10, "memory": "1GiB"}).json()
-        client.delete(f"/leases/{lease['id']}")
-        events = client.get("/events", params={"subject": lease["id"]}).json()
+    with httpx.Client(base_url=ctl.url + "/api/v1", headers=AUTH) as admin:
+        register_fake_node(admin, gpus=1)
+        alice = admin.post("/tokens", json={"name": "alice", "role": "tenant", "tenant": "default"})
+        alice_auth = {"Authorization": f"Bearer {alice.json()['token']}"}
+        with httpx.Client(base_url=ctl.url + "/api/v1", headers=alice_auth) as client:
+            lease = client.post("/leases", json={"compute_pct": 10, "memory": "1GiB"}).json()
+            client.delete(f"/leases/{lease['id']}")
+        events = admin.get("/events", params={"subject": lease["id"]}).json()
+        # The actor is who the token says, not what a header claims.
         assert [(e["kind"], e["actor"]) for e in events] == [
-            ("lease.created", "alice"),
+            ("lease.created", "tenant:default/alice"),
             ("lease.granted", "controller"),
-            ("lease.released", "alice"),
+            ("lease.released", "tenant:default/alice"),
         ]

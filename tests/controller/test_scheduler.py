@@ -127,7 +127,9 @@ def test_dual_pool_switches_an_idle_gpu_for_a_waiting_physical_request(start_con
 
 
 def test_preempted_lease_survives_a_restart_and_is_released_after_grace(start_controller) -> None:
-    ctl = start_controller(None, preempt_grace_s=3.0, reconcile_interval_s=0.2)
+    # The grace outlasts a restart on a busy machine, so the restarted controller must find
+    # the preemption still running, and end it on time.
+    ctl = start_controller(None, preempt_grace_s=12.0, reconcile_interval_s=0.2)
     with ctl.client() as client:
         register_fake_node(client, gpus=1)
         low = client.post("/leases", json={"compute_pct": 100, "ttl_s": 600}).json()
@@ -137,5 +139,5 @@ def test_preempted_lease_survives_a_restart_and_is_released_after_grace(start_co
     with ctl.client() as client:
         register_fake_node(client, gpus=1)
         assert client.get(f"/leases/{high['id']}").json()["state"] == "queued"
-        _wait(lambda: client.get(f"/leases/{high['id']}").json()["state"] == "granted")
+        _wait(lambda: client.get(f"/leases/{high['id']}").json()["state"] == "granted", 30.0)
         assert client.get(f"/leases/{low['id']}").json()["state"] == "released"

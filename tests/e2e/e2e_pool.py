@@ -14,8 +14,11 @@ from typing import Any
 
 import httpx
 
+from tests.conftest import AUTH
+
 FAKE_SPEC = "2xH100-80GB"
-ACTOR = "e2e-tester"
+ACTOR = "admin:bootstrap"
+"""Who the e2e commands act as: the admin token every test controller installs."""
 START_TIMEOUT_S = 60.0
 
 
@@ -37,10 +40,10 @@ class Pool:
     agent: subprocess.Popen[bytes]
 
     def cli(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        """Run `gpupool --url URL --as ACTOR ARGS` as a user would, in a shell of its own."""
+        """Run `gpupool --url URL ARGS` as a user would, in a shell of its own."""
         env = {k: v for k, v in os.environ.items() if k != "GPUPOOL_URL"}
         return subprocess.run(
-            gpupool_argv("--url", self.url, "--as", ACTOR, *args),
+            gpupool_argv("--url", self.url, *args),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -57,7 +60,7 @@ class Pool:
 
     def spawn(self, *args: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            gpupool_argv("--url", self.url, "--as", ACTOR, *args),
+            gpupool_argv("--url", self.url, *args),
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -92,7 +95,7 @@ def healthy(url: str) -> bool:
 
 def gpu_count(url: str) -> int:
     try:
-        return len(httpx.get(url + "/api/v1/gpus", timeout=2).json())
+        return len(httpx.get(url + "/api/v1/gpus", timeout=2, headers=AUTH).json())
     except (httpx.HTTPError, ValueError):
         return 0
 

@@ -12,6 +12,8 @@ import psutil
 import pytest
 from e2e_pool import free_port, gpu_count, gpupool_argv
 
+from tests.conftest import AUTH
+
 pytestmark = pytest.mark.slow
 
 
@@ -28,7 +30,7 @@ def test_up_starts_a_local_agent_and_stops_it_on_ctrl_c(tmp_path: Path) -> None:
             assert up.poll() is None, up.communicate()[0]
             assert time.monotonic() < deadline, "no GPUs registered"
             time.sleep(0.2)
-        gpus = httpx.get(url + "/api/v1/gpus", timeout=5).json()
+        gpus = httpx.get(url + "/api/v1/gpus", timeout=5, headers=AUTH).json()
         assert {g["simulated"] for g in gpus} == {True}
         agents = psutil.Process(up.pid).children()
         assert agents, "the agent runs as a child of `gpupool up`"

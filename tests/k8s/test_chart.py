@@ -16,6 +16,7 @@ import yaml
 from admission import admission_review
 
 from gpupool.k8s.webhook import WebhookSettings, review
+from gpupool.protocol.v1.tokens import split
 
 helm = pytest.importorskip(
     "helm_python", reason="helm-python-sdk (dev extra) bundles Helm's renderer"
@@ -60,7 +61,7 @@ def test_helm_lint_finds_no_error() -> None:
         {"examples": {"enabled": True}},
         {"postgresql": {"enabled": False}, "externalDatabase": {"existingSecret": "pg-url"}},
         {"scheduler": {"enabled": False}, "agent": {"fake": "2xH100-80GB"}},
-        {"auth": {"tokenSecret": "gpupool-token"}},
+        {"auth": {"tokenSecret": "gpupool-agent-token"}, "k8s": {"remoteTokenSecret": "t"}},
     ],
 )
 def test_every_object_is_well_formed(values: dict[str, Any]) -> None:
@@ -99,7 +100,7 @@ def test_agent_serves_the_device_plugin_in_the_kubelets_directory() -> None:
 def test_chart_commands_are_accepted_by_the_gpupool_cli() -> None:
     """Each container's arguments, with --help added: click parses every option first, so an
     option the CLI does not know fails with exit 2 before the eager --help prints."""
-    docs = render({"agent": {"fake": "2xH100-80GB"}, "auth": {"tokenSecret": "t"}})
+    docs = render({"agent": {"fake": "2xH100-80GB"}, "k8s": {"remoteTokenSecret": "t"}})
     for kind, name in (
         ("Deployment", "gpupool-controller"),
         ("DaemonSet", "gpupool-agent"),
@@ -224,3 +225,24 @@ def test_example_pods_are_admitted_by_the_webhook_as_documented() -> None:
     assert containers(examples["train-resnet"]["spec"]["template"])[0]["resources"]["limits"] == {
         "gpupool.io/gpu": 2
     }
+
+
+def test_the_admin_token_is_well_formed_and_reaches_every_component() -> None:
+    docs = render()
+    token = find(docs, "Secret", "gpupool-admin-token")["stringData"]["token"]
+    assert split(token) is not None, token
+    for kind, name, var in (
+        ("Deployment", "gpupool-controller", "GPUPOOL_ADMIN_TOKEN"),
+        ("DaemonSet", "gpupool-agent", "GPUPOOL_TOKEN"),
+        ("Deployment", "gpupool-k8s", "GPUPOOL_TOKEN"),
+    ):
+        (container,) = containers(find(docs, kind, name))
+        env = {e["name"]: e for e in container["env"]}
+        assert env[var]["valueFrom"]["secretKeyRef"] == {
+            "name": "gpupool-admin-token",
+            "key": "token",
+        }
+    agent_token = render({"auth": {"tokenSecret": "gpupool-agent-token"}})
+    (agent,) = containers(find(agent_token, "DaemonSet", "gpupool-agent"))
+    ref = next(e for e in agent["env"] if e["name"] == "GPUPOOL_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "gpupool-agent-token", "key": "token"}

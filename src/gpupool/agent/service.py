@@ -24,6 +24,7 @@ from gpupool.agent.health import is_fault, isolation_reason
 from gpupool.agent.metrics import HealthCounts
 from gpupool.agent.mps import MpsSupervisor
 from gpupool.agent.workers import WorkerSupervisor
+from gpupool.client.sdk import tls_verify
 from gpupool.protocol.v1.api import (
     GpuDesired,
     GpuInventory,
@@ -77,6 +78,8 @@ class AgentSettings:
     mps_shm_dir: Path | None = None
     """Host directory that is the MPS daemons' /dev/shm (the agent in a container): slices'
     containers get it as theirs, since an MPS client shares /dev/shm with its daemon."""
+    token: str | None = field(default_factory=lambda: os.environ.get("GPUPOOL_TOKEN") or None)
+    """The agent's API token (role agent): the controller refuses agents without one."""
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -198,7 +201,8 @@ class Agent:
                 timeout=HTTP_TIMEOUT_S,
                 transport=self._transport,
                 # The event log names who acted: here, this node's agent (it isolates GPUs).
-                headers={"X-Gpupool-Actor": f"agent/{self.settings.node_name}"},
+                headers=self._headers(),
+                verify=tls_verify(),
             ) as client:
                 reporter = asyncio.create_task(self._report_faults(client), name="agent-faults")
                 try:
@@ -451,7 +455,11 @@ class Agent:
             kubelet_dir=self.settings.device_plugin_dir,
             slots_per_gpu=self.settings.device_plugin_slots,
         )
-        client = PoolClient(self.settings.controller_url, actor=f"agent/{self.settings.node_name}")
+        client = PoolClient(
+            self.settings.controller_url,
+            actor=f"agent/{self.settings.node_name}",
+            token=self.settings.token,
+        )
         self.device_plugins = DevicePlugins(
             settings, view, ControllerClaims(client, self.settings.node_name)
         )
@@ -502,6 +510,13 @@ class Agent:
         if self.controller_reachable is False:
             log.warning("controller %s reachable again", self.settings.controller_url)
         self.controller_reachable = True
+
+    def _headers(self) -> dict[str, str]:
+        # The event log names who acted from the token; the header says which node it was.
+        headers = {"X-Gpupool-Actor": f"agent/{self.settings.node_name}"}
+        if self.settings.token:
+            headers["Authorization"] = f"Bearer {self.settings.token}"
+        return headers
 
     def _log_refusal(self, exc: ControllerRefused) -> None:
         text = str(exc)

@@ -26,9 +26,10 @@ def default_actor() -> str:
 class CliContext:
     url: str
     actor: str
+    token: str | None = None
 
     def client(self, timeout: float = 10) -> PoolClient:
-        return PoolClient(self.url, actor=self.actor, timeout=timeout)
+        return PoolClient(self.url, actor=self.actor, timeout=timeout, token=self.token)
 
 
 def cli_context(ctx: typer.Context) -> CliContext:

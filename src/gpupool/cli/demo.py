@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import socket
@@ -37,7 +38,8 @@ from gpupool.cli.pool import (
     wait_until_healthy,
 )
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
-from gpupool.protocol.v1.api import GpuOut, LeaseOut
+from gpupool.protocol.v1.api import GpuOut, LeaseOut, TokenCreate, TokenCreated
+from gpupool.protocol.v1.tokens import new_token
 
 DEMO_FAKE_SPEC = "1xH100-80GB"
 START_TIMEOUT_S = 60.0
@@ -89,7 +91,7 @@ class Job:
     ended_at: float | None = None
     reader: threading.Thread | None = None
 
-    def start(self, url: str, seconds: float, console: Console) -> None:
+    def start(self, url: str, seconds: float, console: Console, token: str) -> None:
         cmd = [
             sys.executable, "-m", "gpupool.cli", "--url", url, "run",
             "--compute", self.compute, "--memory", self.memory, "--",
@@ -97,7 +99,12 @@ class Job:
         ]  # fmt: skip
         self.started_at = time.monotonic()
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            bufsize=1,
+            env={**os.environ, "GPUPOOL_TOKEN": token},
         )
         assert self.proc.stdout is not None
         self.reader = threading.Thread(
@@ -141,11 +148,20 @@ class Pool:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.procs: list[tuple[str, subprocess.Popen[bytes], Path]] = []
+        # The demo plays the operator: it hands the controller its admin token, then gives the
+        # agent and the jobs tokens of their own roles, as a real deployment would.
+        self.admin = new_token()[2]
+        self.job_token = ""
+        self.agent_token: TokenCreated | None = None
 
-    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen[bytes]:
+    def _spawn(
+        self, name: str, cmd: list[str], env: dict[str, str] | None = None
+    ) -> subprocess.Popen[bytes]:
         log = self.workdir / f"{name}.log"
         with log.open("wb") as sink:
-            proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                cmd, stdout=sink, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}
+            )
         self.procs.append((name, proc, log))
         return proc
 
@@ -158,16 +174,26 @@ class Pool:
             sys.executable, "-m", "gpupool.cli", "controller", "--host", "127.0.0.1",
             "--port", str(self.port), "--data-dir", str(self.workdir / "controller"),
         ]  # fmt: skip
-        proc = self._spawn("controller", cmd)
+        proc = self._spawn("controller", cmd, {"GPUPOOL_ADMIN_TOKEN": self.admin})
         if not wait_until_healthy(self.url, START_TIMEOUT_S, proc):
             raise self._failed(f"the controller did not come up on {self.url}", "controller")
+        with self.client() as client:
+            self.agent_token = client.create_token(TokenCreate(name="demo-agent", role="agent"))
+            self.job_token = client.create_token(
+                TokenCreate(name="demo-jobs", role="tenant", tenant="default")
+            ).token
+
+    def client(self) -> PoolClient:
+        return PoolClient(self.url, token=self.admin)
 
     def start_agent(self, fake_spec: str | None) -> list[GpuOut]:
         proc = self._spawn(
-            "agent", agent_command(self.url, self.workdir / "agent", fake_spec, interval_s=0.5)
+            "agent",
+            agent_command(self.url, self.workdir / "agent", fake_spec, interval_s=0.5),
+            {"GPUPOOL_TOKEN": self.agent_token.token if self.agent_token else ""},
         )
         deadline = time.monotonic() + START_TIMEOUT_S
-        with PoolClient(self.url) as client:
+        with self.client() as client:
             while time.monotonic() < deadline:
                 gpus = [g for g in client.gpus() if g.mode == "virtual" and g.healthy]
                 if gpus:
@@ -297,9 +323,9 @@ def _demo(console: Console, workdir: Path, keep: bool, job_seconds: float) -> No
             "--compute 30% --memory 8GiB and --compute 70% --memory 8GiB"
         )
         for job in jobs:
-            job.start(pool.url, job_seconds, console)
+            job.start(pool.url, job_seconds, console, pool.job_token)
         try:
-            with PoolClient(pool.url) as client:
+            with pool.client() as client:
                 watch = _watch(client, jobs, console, time.monotonic() + job_seconds + JOB_SLACK_S)
                 for job in jobs:
                     job.stop()
@@ -321,8 +347,9 @@ def _demo(console: Console, workdir: Path, keep: bool, job_seconds: float) -> No
         )
         if keep:
             console.print(
-                f"the pool stays up: try `gpupool --url {pool.url} gpus` or "
-                f"`GPUPOOL_URL={pool.url} gpupool run -c 50% -- nvidia-smi`; Ctrl-C stops it"
+                f"the pool stays up: try `export GPUPOOL_URL={pool.url} "
+                f"GPUPOOL_TOKEN={pool.admin}`, then `gpupool gpus` or "
+                "`gpupool run -c 50% -- nvidia-smi`; Ctrl-C stops it"
             )
             with suppress(KeyboardInterrupt):
                 while all(proc.poll() is None for _n, proc, _l in pool.procs):

@@ -40,7 +40,7 @@ def build_request(
     memory: str | None,
     physical: bool,
     priority: int,
-    tenant: str,
+    tenant: str | None,
     node: str | None,
     gpu_models: str | None,
     holder: str,
@@ -68,8 +68,10 @@ def build_request(
     memory_text = None if memory is None else f"{parse_memory_mib(memory)}MiB"
     models = [m.strip() for m in (gpu_models or "").split(",") if m.strip()]
     try:
+        # Left out, the controller charges the token's tenant (or 'default' for operators).
+        chosen = {"tenant": tenant} if tenant is not None else {}
         return LeaseCreate(
-            tenant=tenant,
+            **chosen,
             gpus=gpus,
             compute_pct=compute_pct,
             memory=memory_text,
@@ -219,7 +221,12 @@ def create(
         bool, typer.Option("--physical", help="Whole, exclusive GPUs from the physical pool.")
     ] = False,
     priority: Annotated[int, typer.Option("--priority", "-p", help="0..1000, higher first.")] = 0,
-    tenant: Annotated[str, typer.Option("--tenant", "-t", help="Tenant to charge.")] = "default",
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            "--tenant", "-t", help="Tenant to charge (default: the token's, else 'default')."
+        ),
+    ] = None,
     node: Annotated[str | None, typer.Option("--node", help="Only GPUs of this node.")] = None,
     gpu_model: Annotated[
         str | None, typer.Option("--gpu-model", help="Allowed models, e.g. H100,A100.")

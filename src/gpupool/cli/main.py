@@ -9,10 +9,10 @@ import typer
 from typer.core import TyperGroup
 
 from gpupool import __version__
-from gpupool.cli import events, gpus, k8s, leases, nodes, pool, run, sim, tenants
+from gpupool.cli import events, gpus, k8s, leases, nodes, pool, run, sim, tenants, tokens
 from gpupool.cli.context import CliContext, default_actor
-from gpupool.cli.errors import describe
-from gpupool.client.sdk import URL_ENV, resolve_url
+from gpupool.cli.errors import BadInput, describe
+from gpupool.client.sdk import TOKEN_ENV, URL_ENV, resolve_url
 
 DEBUG_ENV = "GPUPOOL_DEBUG"
 
@@ -78,16 +78,28 @@ def root(
             show_default=False,
         ),
     ] = None,
-    actor: Annotated[
+    token: Annotated[
         str | None,
-        typer.Option("--as", help="Who acts, as recorded in events (default: $USER)."),
+        typer.Option(
+            "--token",
+            envvar=TOKEN_ENV,
+            help="API token (gpp_...); default: ~/.config/gpupool/token, or ./.gpupool/admin.token "
+            "for a controller on this machine.",
+            show_default=False,
+        ),
     ] = None,
     version: Annotated[
         bool,
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
     ] = False,
 ) -> None:
-    ctx.obj = CliContext(url=resolve_url(url), actor=actor or default_actor())
+    if token is not None:
+        token = token.strip()
+        if not token:
+            raise BadInput("--token is empty")
+        # Commands this one starts (gpupool run's program, agents) act with the same token.
+        os.environ[TOKEN_ENV] = token
+    ctx.obj = CliContext(url=resolve_url(url), actor=default_actor(), token=token)
 
 
 app.add_typer(leases.app, name="lease", help="Ask for GPU slices or whole GPUs and give them back.")
@@ -97,6 +109,8 @@ app.add_typer(nodes.app, name="node", help="Look at or remove one GPU server.")
 app.command("gpus", help="List the GPUs of the pool.")(gpus.list_gpus)
 app.add_typer(gpus.app, name="gpu", help="Look at one GPU, switch its mode, drain or isolate it.")
 app.add_typer(tenants.app, name="tenant", help="Tenants, their quotas and fair-share weights.")
+app.add_typer(tokens.app, name="token", help="API tokens: admin, viewer, agent and tenant.")
+app.command("whoami", help="Who the CLI acts as, with its token.")(tokens.whoami)
 app.command("events", help="What happened in the pool, newest last.")(events.list_events)
 app.command("pool", help="The pool at a glance: capacity, grants, queue.")(pool.show_pool)
 app.command(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import subprocess
 import sys
@@ -17,7 +18,13 @@ from rich.panel import Panel
 from gpupool.cli.context import cli_context
 from gpupool.cli.errors import BadInput, CommandFailed
 from gpupool.cli.output import OutputFormat, OutputOption, pool_panel, show, stderr_console
-from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient, resolve_url
+from gpupool.client.sdk import (
+    ApiError,
+    ControllerUnreachable,
+    PoolClient,
+    resolve_token,
+    resolve_url,
+)
 
 DEFAULT_FAKE_SPEC = "4xH100-80GB"
 DEFAULT_PORT = 8900
@@ -33,6 +40,21 @@ DbOption = Annotated[
     str | None,
     typer.Option("--db", help="Database URL, e.g. postgresql://...; default SQLite in --data-dir."),
 ]
+AdminTokenFileOption = Annotated[
+    Path | None,
+    typer.Option(
+        "--admin-token-file",
+        help="Install the admin token in this file at start (else $GPUPOOL_ADMIN_TOKEN; "
+        "else the first start writes a new one to <data-dir>/admin.token).",
+    ),
+]
+TlsCertOption = Annotated[
+    Path | None, typer.Option("--tls-cert", help="Serve HTTPS with this certificate (PEM).")
+]
+TlsKeyOption = Annotated[
+    Path | None, typer.Option("--tls-key", help="The certificate's private key (PEM).")
+]
+ADMIN_TOKEN_ENV = "GPUPOOL_ADMIN_TOKEN"
 FakeOption = Annotated[
     str | None,
     typer.Option("--fake", help="Simulate GPUs instead of using real ones, e.g. 4xH100-80GB."),
@@ -88,13 +110,42 @@ def choose_fake_spec(fake: str | None, default: str = DEFAULT_FAKE_SPEC) -> tupl
     return default, "no NVIDIA GPU found on this machine"
 
 
-def local_url(host: str, port: int) -> str:
+def local_url(host: str, port: int, tls: bool = False) -> str:
     """Where a process on this machine reaches a controller listening on host:port."""
     if host in ("0.0.0.0", "::", ""):
         host = "127.0.0.1"
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
-    return f"http://{host}:{port}"
+    return f"{'https' if tls else 'http'}://{host}:{port}"
+
+
+def admin_token(path: Path | None) -> str | None:
+    """The admin token to install at start: from --admin-token-file or $GPUPOOL_ADMIN_TOKEN."""
+    from gpupool.protocol.v1.tokens import split
+
+    if path is not None:
+        try:
+            text = path.read_text().strip()
+        except OSError as exc:
+            raise BadInput(f"cannot read --admin-token-file {path}: {exc.strerror}") from None
+        where = f"--admin-token-file {path}"
+    else:
+        text = os.environ.get(ADMIN_TOKEN_ENV, "").strip()
+        where = f"${ADMIN_TOKEN_ENV}"
+        if not text:
+            return None
+    if split(text) is None:
+        raise BadInput(f"{where} holds no valid token (make one with `gpupool token new`)")
+    return text
+
+
+def tls_files(cert: Path | None, key: Path | None) -> tuple[Path | None, Path | None]:
+    if (cert is None) != (key is None):
+        raise BadInput("--tls-cert and --tls-key go together")
+    for option, path in (("--tls-cert", cert), ("--tls-key", key)):
+        if path is not None and not path.is_file():
+            raise BadInput(f"{option} {path}: no such file")
+    return cert, key
 
 
 def quiet_http_logs() -> None:
@@ -154,11 +205,14 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> 
 
 
 class LocalAgent:
-    """The agent `gpupool up` starts as a child, once the controller answers."""
+    """The agent `gpupool up` starts as a child, once the controller answers, with an agent
+    token of its own (kept in its data dir, made with the admin token on the first start)."""
 
-    def __init__(self, url: str, cmd: list[str]) -> None:
+    def __init__(self, url: str, cmd: list[str], data_dir: Path, admin: str | None) -> None:
         self.url = url
         self.cmd = cmd
+        self.data_dir = data_dir
+        self.admin = admin
         self.proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._start_when_ready, daemon=True)
@@ -170,9 +224,38 @@ class LocalAgent:
         while not self._stopping.is_set():
             if controller_healthy(self.url):
                 if not self._stopping.is_set():
-                    self.proc = subprocess.Popen(self.cmd)
+                    env = dict(os.environ)
+                    try:
+                        env["GPUPOOL_TOKEN"] = self._agent_token()
+                    except (ApiError, ControllerUnreachable, OSError) as exc:
+                        stderr_console().print(f"[red]cannot start the local agent: {exc}[/red]")
+                        return
+                    self.proc = subprocess.Popen(self.cmd, env=env)
                 return
             self._stopping.wait(0.2)
+
+    def _agent_token(self) -> str:
+        from gpupool.protocol.v1.api import TokenCreate
+
+        kept = self.data_dir / "agent" / "agent.token"
+        if kept.exists():
+            token = kept.read_text().strip()
+            with PoolClient(self.url, token=token, timeout=5) as client:
+                try:
+                    if client.whoami().role == "agent":
+                        return token
+                except ApiError:
+                    pass  # revoked, or another database: make a new one
+        admin = self.admin or (self.data_dir / "admin.token").read_text().strip()
+        with PoolClient(self.url, token=admin, timeout=5) as client:
+            made = client.create_token(
+                TokenCreate(name=f"agent-{socket.gethostname()}"[:128], role="agent")
+            )
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as out:
+            out.write(made.token + "\n")
+        return made.token
 
     def stop(self) -> None:
         self._stopping.set()
@@ -187,24 +270,44 @@ def up(
     data_dir: DataDirOption = DEFAULT_DATA_DIR,
     db: DbOption = None,
     fake: FakeOption = None,
+    admin_token_file: AdminTokenFileOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
 ) -> None:
     """Controller in the foreground, plus an agent for this machine's GPUs as a child."""
     from gpupool.controller.server import serve
     from gpupool.controller.settings import ControllerSettings
 
+    admin = admin_token(admin_token_file)
+    cert, key = tls_files(tls_cert, tls_key)
     fake_spec, why = choose_fake_spec(fake)
     console = stderr_console()
     if fake_spec is not None:
         console.print(simulated_banner(fake_spec, why))
-    url = local_url(host, port)
-    agent = LocalAgent(url, agent_command(url, data_dir / "agent", fake_spec))
+    url = local_url(host, port, tls=cert is not None)
+    agent = LocalAgent(url, agent_command(url, data_dir / "agent", fake_spec), data_dir, admin)
     agent.start()
     console.print(
         f"gpupool controller on {url} (dashboard {url}/); Ctrl-C stops the pool", soft_wrap=True
     )
+    if admin is None:
+        console.print(
+            f"API token: {data_dir / 'admin.token'} (the CLI here finds it by itself)",
+            soft_wrap=True,
+        )
     quiet_http_logs()
     try:
-        serve(ControllerSettings(host=host, port=port, data_dir=data_dir, db_url=db))
+        serve(
+            ControllerSettings(
+                host=host,
+                port=port,
+                data_dir=data_dir,
+                db_url=db,
+                admin_token=admin,
+                tls_cert=cert,
+                tls_key=key,
+            )
+        )
     finally:
         agent.stop()
 
@@ -255,6 +358,9 @@ def controller(
             help="Dual pool: keep this many idle GPUs physical while whole-GPU requests come.",
         ),
     ] = None,
+    admin_token_file: AdminTokenFileOption = None,
+    tls_cert: TlsCertOption = None,
+    tls_key: TlsKeyOption = None,
 ) -> None:
     if lease_ttl <= 0 or node_timeout <= 0:
         raise BadInput("--lease-ttl and --node-timeout must be more than 0")
@@ -277,11 +383,16 @@ def controller(
         raise BadInput(f"--preempt-grace must not be negative, got {preempt_grace:g}")
     if physical_ready is not None and physical_ready < 0:
         raise BadInput(f"--physical-ready must not be negative, got {physical_ready}")
+    admin = admin_token(admin_token_file)
+    cert, key = tls_files(tls_cert, tls_key)
     from gpupool.controller.server import serve
     from gpupool.controller.settings import ControllerSettings
 
     serve(
         ControllerSettings(
+            admin_token=admin,
+            tls_cert=cert,
+            tls_key=key,
             host=host,
             port=port,
             data_dir=data_dir,
@@ -361,9 +472,17 @@ def agent(
         raise BadInput(f"--api-port must be 0..65535, got {api_port}")
     from gpupool.agent.service import AgentSettings, run_agent
 
+    controller_url = resolve_url(url) if url else cli_context(ctx).url
+    token = resolve_token(controller_url, cli_context(ctx).token)
+    if token is None:
+        raise BadInput(
+            "the agent needs an API token: make one with "
+            "`gpupool token create NODE --role agent` and give it with --token or GPUPOOL_TOKEN"
+        )
     try:
         settings = AgentSettings(
-            controller_url=resolve_url(url) if url else cli_context(ctx).url,
+            controller_url=controller_url,
+            token=token,
             node_name=node or socket.gethostname(),
             fake_spec=fake,
             heartbeat_interval_s=interval,

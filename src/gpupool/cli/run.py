@@ -248,6 +248,7 @@ def _supervise(
         lease.id,
         interval_s=max(lease.ttl_s / 3, 0.2),
         actor=context.actor,
+        token=context.token,
         on_end=supervisor.lease_lost,
         on_error=_Warner(lease.id),
     )
@@ -284,7 +285,12 @@ def run(
         bool, typer.Option("--physical", help="Whole, exclusive GPUs from the physical pool.")
     ] = False,
     priority: Annotated[int, typer.Option("--priority", "-p", help="0..1000, higher first.")] = 0,
-    tenant: Annotated[str, typer.Option("--tenant", "-t", help="Tenant to charge.")] = "default",
+    tenant: Annotated[
+        str | None,
+        typer.Option(
+            "--tenant", "-t", help="Tenant to charge (default: the token's, else 'default')."
+        ),
+    ] = None,
     wait: Annotated[
         bool,
         typer.Option("--wait/--no-wait", help="Queue until GPUs are free, or fail at once."),

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import os
+import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlsplit
 
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from gpupool.core.errors import InvalidRequest
 from gpupool.protocol.v1.api import (
     EventOut,
     GpuIsolate,
@@ -29,6 +32,10 @@ from gpupool.protocol.v1.api import (
     TenantCreate,
     TenantOut,
     TenantUpdate,
+    TokenCreate,
+    TokenCreated,
+    TokenOut,
+    WhoAmI,
 )
 from gpupool.protocol.v1.k8s import (
     ClaimAllocate,
@@ -42,6 +49,12 @@ DEFAULT_URL = "http://127.0.0.1:8900"
 URL_ENV = "GPUPOOL_URL"
 API_PREFIX = "/api/v1"
 ACTOR_HEADER = "X-Gpupool-Actor"
+TOKEN_ENV = "GPUPOOL_TOKEN"
+TOKEN_FILE_ENV = "GPUPOOL_TOKEN_FILE"
+CA_ENV = "GPUPOOL_CA"
+"""A CA bundle (PEM) to verify the controller's certificate with, for private CAs."""
+LOCAL_ADMIN_TOKEN = Path(".gpupool") / "admin.token"
+USER_TOKEN = Path("~/.config/gpupool/token")
 
 _Model = TypeVar("_Model", bound=BaseModel)
 _Params = Mapping[str, str | int | float | None]
@@ -81,6 +94,42 @@ def resolve_url(url: str | None = None) -> str:
     return chosen.rstrip("/")
 
 
+def resolve_token(url: str, token: str | None = None) -> str | None:
+    """The API token to send: the argument, else $GPUPOOL_TOKEN, else the file named by
+    $GPUPOOL_TOKEN_FILE, else ~/.config/gpupool/token, else, for a controller on this
+    machine, the admin token `gpupool up` wrote to ./.gpupool/admin.token."""
+    if token:
+        return token.strip()
+    if os.environ.get(TOKEN_ENV):
+        return os.environ[TOKEN_ENV].strip()
+    candidates = []
+    if os.environ.get(TOKEN_FILE_ENV):
+        candidates.append(Path(os.environ[TOKEN_FILE_ENV]))
+    candidates.append(USER_TOKEN.expanduser())
+    host = urlsplit(url).hostname or ""
+    if host in ("127.0.0.1", "localhost", "::1"):
+        candidates.append(LOCAL_ADMIN_TOKEN)
+    for path in candidates:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text:
+            return text
+    return None
+
+
+def tls_verify() -> ssl.SSLContext | bool:
+    """httpx's `verify`: the CA bundle named by $GPUPOOL_CA, else the system's trust store."""
+    ca = os.environ.get(CA_ENV)
+    if not ca:
+        return True
+    try:
+        return ssl.create_default_context(cafile=ca)
+    except (OSError, ssl.SSLError) as exc:
+        raise InvalidRequest(f"{CA_ENV}={ca}: cannot load a CA bundle from it ({exc})") from None
+
+
 def _q(segment: str) -> str:
     """Quote one path segment: names and ids are user input."""
     return quote(segment, safe="")
@@ -114,6 +163,8 @@ def _unreachable_reason(exc: httpx.TransportError) -> str:
         return "no answer in time"
     if isinstance(exc, httpx.ConnectError):
         text = str(exc)
+        if "CERTIFICATE_VERIFY_FAILED" in text:
+            return f"its TLS certificate is not trusted here; give its CA with {CA_ENV}=ca.pem"
         if "refused" in text.lower() or not text:
             return "connection refused"
         return text
@@ -133,15 +184,20 @@ class PoolClient:
         actor: str | None = None,
         timeout: float = 10,
         transport: httpx.BaseTransport | None = None,
+        token: str | None = None,
     ) -> None:
         self.url = resolve_url(url)
         self.actor = actor
         headers = {ACTOR_HEADER: actor} if actor else {}
+        self.token = resolve_token(self.url, token)
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         self._http = httpx.Client(
             base_url=self.url + API_PREFIX,
             headers=headers,
             timeout=timeout,
             transport=transport,
+            verify=tls_verify(),
         )
 
     # ---- plumbing ------------------------------------------------------------------------
@@ -267,8 +323,10 @@ class PoolClient:
     # ---- leases --------------------------------------------------------------------------
 
     def create_lease(self, request: LeaseCreate) -> LeaseOut:
-        """Ask for a lease; it comes back `granted`, or `queued` with its queue position."""
-        return self._one(LeaseOut, self._request("POST", "/leases", request))
+        """Ask for a lease; it comes back `granted`, or `queued` with its queue position.
+
+        Only the fields the caller set are sent: a tenant left out means "my token's tenant"."""
+        return self._one(LeaseOut, self._request("POST", "/leases", request, only_set=True))
 
     def leases(
         self,
@@ -356,6 +414,21 @@ class PoolClient:
     def delete_tenant(self, name: str) -> None:
         self._request("DELETE", f"/tenants/{_q(name)}")
 
+    # ---- tokens --------------------------------------------------------------------------
+
+    def create_token(self, request: TokenCreate) -> TokenCreated:
+        return self._one(TokenCreated, self._request("POST", "/tokens", request))
+
+    def tokens(self, include_revoked: bool = False) -> list[TokenOut]:
+        params = {"all": "true"} if include_revoked else None
+        return self._many(TokenOut, self._request("GET", "/tokens", params=params))
+
+    def revoke_token(self, token_id: str) -> TokenOut:
+        return self._one(TokenOut, self._request("DELETE", f"/tokens/{_q(token_id)}"))
+
+    def whoami(self) -> WhoAmI:
+        return self._one(WhoAmI, self._request("GET", "/whoami"))
+
     # ---- events --------------------------------------------------------------------------
 
     def events(
@@ -383,6 +456,11 @@ class PoolClient:
 
     def claim(self, claim_id: str) -> ClaimOut:
         return self._one(ClaimOut, self._request("GET", f"/k8s/claims/{_q(claim_id)}"))
+
+    def heartbeat_claim(self, claim_id: str) -> ClaimOut:
+        """The claim's pod lives: keep its lease for another ttl."""
+        data = self._request("POST", f"/k8s/claims/{_q(claim_id)}/heartbeat")
+        return self._one(ClaimOut, data)
 
     def release_claim(self, claim_id: str) -> ClaimOut:
         return self._one(ClaimOut, self._request("DELETE", f"/k8s/claims/{_q(claim_id)}"))
@@ -413,10 +491,13 @@ class LeaseKeeper:
         actor: str | None = None,
         on_end: Callable[[LeaseOut | None, str], None] | None = None,
         on_error: Callable[[Exception], None] | None = None,
+        token: str | None = None,
     ) -> None:
         self.lease_id = lease_id
         self.interval_s = interval_s
-        self._client = PoolClient(url, actor=actor, timeout=max(1.0, min(10.0, interval_s)))
+        self._client = PoolClient(
+            url, actor=actor, timeout=max(1.0, min(10.0, interval_s)), token=token
+        )
         self._on_end = on_end
         self._on_error = on_error
         self._stop = threading.Event()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,7 +25,9 @@ from gpupool.controller.routers import (
     nodes,
     pool,
     tenants,
+    tokens,
 )
+from gpupool.controller.services import auth
 from gpupool.controller.services.metrics import SchedulingTimer
 from gpupool.controller.services.tenants import ensure_default
 from gpupool.controller.services.watch import open_watch
@@ -33,6 +36,8 @@ from gpupool.controller.store import Store
 from gpupool.core import PoolError
 from gpupool.protocol.v1 import API_PREFIX
 
+log = logging.getLogger(__name__)
+
 
 def open_store(settings: ControllerSettings) -> Store:
     engine = make_engine(settings.database_url())
@@ -40,6 +45,11 @@ def open_store(settings: ControllerSettings) -> Store:
     store = Store(engine, settings)
     store.start()
     store.write_sync(lambda s: ensure_default(store, s))
+    written = store.write_sync(
+        lambda s: auth.bootstrap(s, settings.data_dir, settings.admin_token)
+    )
+    if written:
+        log.warning("first admin token written to %s (readable by its owner only)", written)
     return store
 
 
@@ -48,6 +58,7 @@ def create_app(settings: ControllerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await asyncio.to_thread(open_store, settings)
         app.state.store = store
+        app.state.tokens = auth.TokenCache()
         stop = asyncio.Event()
         loop_task = asyncio.create_task(reconcile.run(store, stop))
         app.state.watch = watch = await asyncio.to_thread(open_watch, store, settings)
@@ -69,7 +80,7 @@ def create_app(settings: ControllerSettings) -> FastAPI:
         openapi_url=f"{API_PREFIX}/openapi.json",
         docs_url=f"{API_PREFIX}/docs",
     )
-    for module in (leases, gpus, nodes, tenants, pool, dashboard, k8s):
+    for module in (leases, gpus, nodes, tenants, pool, dashboard, tokens, k8s):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(metrics.router)
     app.include_router(dashboard.pages)
@@ -81,7 +92,10 @@ def create_app(settings: ControllerSettings) -> FastAPI:
 
 async def _pool_error(_request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, PoolError)
-    return JSONResponse({"error": exc.code, "detail": exc.message}, status_code=exc.http_status)
+    headers = {"WWW-Authenticate": 'Bearer realm="gpupool"'} if exc.http_status == 401 else None
+    return JSONResponse(
+        {"error": exc.code, "detail": exc.message}, status_code=exc.http_status, headers=headers
+    )
 
 
 async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:

@@ -95,6 +95,22 @@ class TenantRow(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
+class TokenRow(Base):
+    """An API token. Only a hash of its secret is kept: a leaked database grants nothing."""
+
+    __tablename__ = "tokens"
+
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    tenant: Mapped[str | None] = mapped_column(ForeignKey("tenants.name"))
+    secret_sha256: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_by: Mapped[str] = mapped_column(String(128))
+    expires_at: Mapped[datetime | None] = mapped_column()
+    revoked_at: Mapped[datetime | None] = mapped_column()
+
+
 class LeaseRow(Base):
     __tablename__ = "leases"
 

@@ -28,4 +28,6 @@ def serve(settings: ControllerSettings) -> None:
         log_level="warning",
         access_log=False,
         timeout_graceful_shutdown=5,
+        ssl_certfile=str(settings.tls_cert) if settings.tls_cert else None,
+        ssl_keyfile=str(settings.tls_key) if settings.tls_key else None,
     )

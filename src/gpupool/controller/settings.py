@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,15 @@ class ControllerSettings:
     physical_ready: int | None = None
     """Dual pool: move idle GPUs between the pools to follow demand, keeping this many idle
     physical GPUs while physical requests queue (None: only operators switch modes)."""
+
+    admin_token: str | None = field(
+        default_factory=lambda: os.environ.get("GPUPOOL_ADMIN_TOKEN", "").strip() or None
+    )
+    """An admin token to install at start ($GPUPOOL_ADMIN_TOKEN); None: on the first start the
+    controller makes one and writes it to `data_dir/admin.token`."""
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    """With both, the API and the dashboard are served over HTTPS only."""
 
     def database_url(self) -> str:
         if self.db_url:

@@ -2,12 +2,14 @@
 
 from gpupool.core.errors import (
     Conflict,
+    Forbidden,
     InvalidRequest,
     InvalidTransition,
     NoCapacity,
     NotFound,
     PoolError,
     QuotaExceeded,
+    Unauthenticated,
 )
 from gpupool.core.lease import HOLDING, LIVE, transition
 from gpupool.core.model import (
@@ -34,6 +36,7 @@ __all__ = [
     "LIVE",
     "Access",
     "Conflict",
+    "Forbidden",
     "Gpu",
     "GpuMode",
     "Grant",
@@ -55,6 +58,7 @@ __all__ = [
     "Ratios",
     "ReleaseReason",
     "Slice",
+    "Unauthenticated",
     "Usage",
     "transition",
 ]

@@ -44,3 +44,17 @@ class NoCapacity(PoolError):
 class InvalidTransition(PoolError):
     code = "invalid_transition"
     http_status = 409
+
+
+class Unauthenticated(PoolError):
+    """No token, or one the controller does not accept (unknown, revoked, expired)."""
+
+    code = "unauthenticated"
+    http_status = 401
+
+
+class Forbidden(PoolError):
+    """A valid token whose role or tenant does not allow this action."""
+
+    code = "forbidden"
+    http_status = 403

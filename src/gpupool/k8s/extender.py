@@ -176,7 +176,7 @@ class Extender:
             )
             try:
                 if claim.claim in live and not stuck:
-                    await asyncio.to_thread(self.pool.heartbeat_lease, claim.lease.id)
+                    await asyncio.to_thread(self.pool.heartbeat_claim, claim.claim)
                     result.kept += 1
                 else:
                     await asyncio.to_thread(self.pool.release_claim, claim.claim)

@@ -32,15 +32,18 @@ http://{{ include "gpupool.fullname" . }}-controller.{{ .Release.Namespace }}.sv
 {{ include "gpupool.fullname" . }}-k8s
 {{- end -}}
 
-{{/* GPUPOOL_TOKEN from the auth Secret, when one is named. */}}
+{{/* GPUPOOL_TOKEN of gpupool's components: the named Secret, else the admin token. */}}
 {{- define "gpupool.tokenEnv" -}}
-{{- if .Values.auth.tokenSecret }}
 - name: GPUPOOL_TOKEN
   valueFrom:
     secretKeyRef:
+      {{- if .Values.auth.tokenSecret }}
       name: {{ .Values.auth.tokenSecret }}
       key: {{ .Values.auth.tokenKey }}
-{{- end }}
+      {{- else }}
+      name: {{ include "gpupool.fullname" . }}-admin-token
+      key: token
+      {{- end }}
 {{- end -}}
 
 {{/*

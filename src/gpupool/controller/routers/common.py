@@ -1,10 +1,26 @@
-"""What every router needs: the store and who is acting."""
+"""What every router needs: the store, and who is calling with which rights."""
 
 from __future__ import annotations
 
-from fastapi import Header, Request
+from collections.abc import Awaitable, Callable
 
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+from gpupool.controller.services import auth
+from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
+from gpupool.core import Forbidden, Unauthenticated
+from gpupool.protocol.v1.api import Role
+from gpupool.protocol.v1.tokens import split
+
+SESSION_COOKIE = "gpupool_session"
+CSRF_HEADER = "X-Gpupool-Csrf"
+"""Writes authenticated by the dashboard's cookie must carry this header: a page of another
+site can make a browser send the cookie, but cannot add a header without CORS consent."""
+
+_bearer = HTTPBearer(auto_error=False, description="an API token: gpp_<id>_<secret>")
+_SAFE = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 async def get_store(request: Request) -> Store:
@@ -12,5 +28,60 @@ async def get_store(request: Request) -> Store:
     return store
 
 
-async def get_actor(x_gpupool_actor: str | None = Header(default=None, max_length=128)) -> str:
-    return x_gpupool_actor or "anonymous"
+async def authenticate(
+    request: Request, credentials: HTTPAuthorizationCredentials | None = Depends(_bearer)
+) -> Principal:
+    """The caller of this request, from its bearer token or the dashboard's session cookie."""
+    cached = request.scope.get("gpupool.principal")
+    if isinstance(cached, Principal):
+        return cached
+    if credentials is not None:
+        token = credentials.credentials
+    else:
+        token = request.cookies.get(SESSION_COOKIE, "")
+        if not token:
+            raise Unauthenticated(
+                "this call needs a token: send 'Authorization: Bearer <token>' "
+                "(CLI: --token or GPUPOOL_TOKEN)"
+            )
+        if request.method not in _SAFE and CSRF_HEADER.lower() not in request.headers:
+            raise Forbidden(f"a write signed in by cookie needs the {CSRF_HEADER} header")
+    principal = await verify(request, token)
+    request.scope["gpupool.principal"] = principal
+    return principal
+
+
+async def verify(request: Request, token: str) -> Principal:
+    parts = split(token)
+    if parts is None:
+        raise Unauthenticated("the token is malformed: it reads gpp_<id>_<secret>")
+    token_id, secret = parts
+    cache: auth.TokenCache = request.app.state.tokens
+    entry = cache.get(token_id)
+    if entry is None:
+        store: Store = request.app.state.store
+        row = await store.read(lambda s: auth.lookup(s, token_id))
+        entry = cache.put(row) if row is not None else None
+    return auth.check(entry, secret)
+
+
+def allow(*roles: Role) -> Callable[..., Awaitable[Principal]]:
+    """A dependency that admits the given roles and refuses the others with a reason."""
+    allowed = frozenset(roles)
+    names = ", ".join(sorted(allowed))
+
+    async def dependency(principal: Principal = Depends(authenticate)) -> Principal:
+        if principal.role not in allowed:
+            raise Forbidden(f"a {principal.role} token cannot do this (needs: {names})")
+        return principal
+
+    return dependency
+
+
+ANYONE = allow("admin", "viewer", "agent", "tenant")
+READERS = allow("admin", "viewer", "tenant")
+OPERATORS = allow("admin", "viewer")
+"""Pool-wide views (events, dashboard, history): operators' business, not tenants'."""
+ADMIN = allow("admin")
+AGENTS = allow("admin", "agent")
+HOLDERS = allow("admin", "tenant")

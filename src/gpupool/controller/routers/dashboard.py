@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from gpupool.controller.dashboard import Asset, asset, index
-from gpupool.controller.routers.common import get_store
+from gpupool.controller.routers.common import OPERATORS, get_store
 from gpupool.controller.services import dashboard
 from gpupool.controller.services.watch import PoolWatch
 from gpupool.controller.store import Store
@@ -20,7 +20,7 @@ from gpupool.protocol.v1.dashboard import (
     ServerOut,
 )
 
-router = APIRouter(tags=["dashboard"])
+router = APIRouter(tags=["dashboard"], dependencies=[Depends(OPERATORS)])
 pages = APIRouter(include_in_schema=False)
 
 

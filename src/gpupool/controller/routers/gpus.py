@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from gpupool.controller.routers.common import get_actor, get_store
+from gpupool.controller.routers.common import ADMIN, AGENTS, ANYONE, get_store
 from gpupool.controller.services import gpus
+from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
 from gpupool.protocol.v1.api import GpuIsolate, GpuModeSet, GpuOut
 
-router = APIRouter(tags=["gpus"])
+router = APIRouter(tags=["gpus"], dependencies=[Depends(ANYONE)])
 
 
 @router.get("/gpus", response_model=list[GpuOut])
@@ -26,27 +27,32 @@ async def get_gpu(uuid: str, store: Store = Depends(get_store)) -> GpuOut:
 
 @router.post("/gpus/{uuid}/mode", response_model=GpuOut)
 async def set_mode(
-    uuid: str, body: GpuModeSet, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    uuid: str, body: GpuModeSet, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> GpuOut:
-    return await store.write(lambda s: gpus.set_mode(store, s, uuid, body.mode, actor))
+    return await store.write(lambda s: gpus.set_mode(store, s, uuid, body.mode, who.actor))
 
 
 @router.post("/gpus/{uuid}/drain", response_model=GpuOut)
 async def drain(
-    uuid: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    uuid: str, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> GpuOut:
-    return await store.write(lambda s: gpus.drain(store, s, uuid, actor))
+    return await store.write(lambda s: gpus.drain(store, s, uuid, who.actor))
 
 
 @router.post("/gpus/{uuid}/isolate", response_model=GpuOut)
 async def isolate(
-    uuid: str, body: GpuIsolate, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    uuid: str,
+    body: GpuIsolate,
+    store: Store = Depends(get_store),
+    who: Principal = Depends(AGENTS),
 ) -> GpuOut:
-    return await store.write(lambda s: gpus.isolate(store, s, uuid, body.reason, actor, body.fault))
+    return await store.write(
+        lambda s: gpus.isolate(store, s, uuid, body.reason, who.actor, body.fault)
+    )
 
 
 @router.post("/gpus/{uuid}/clear", response_model=GpuOut)
 async def clear(
-    uuid: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    uuid: str, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> GpuOut:
-    return await store.write(lambda s: gpus.clear(store, s, uuid, actor))
+    return await store.write(lambda s: gpus.clear(store, s, uuid, who.actor))

@@ -1,23 +1,38 @@
-"""Routes of /leases and /queue."""
+"""Routes of /leases and /queue. A tenant's token sees and acts on its tenant's leases only;
+other tenants' leases answer 404, as if they did not exist."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Query, status
 
-from gpupool.controller.routers.common import get_actor, get_store
+from gpupool.controller.routers.common import ADMIN, HOLDERS, READERS, get_store
 from gpupool.controller.services import leases
+from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
-from gpupool.core import ReleaseReason
+from gpupool.core import Forbidden, ReleaseReason
 from gpupool.protocol.v1.api import LeaseCreate, LeaseHeartbeat, LeaseOut, QueueEntryOut
 
 router = APIRouter(tags=["leases"])
 
 
+def _scope(who: Principal) -> str | None:
+    """The one tenant whose leases this caller may touch; None for every tenant."""
+    return who.tenant if who.role == "tenant" else None
+
+
 @router.post("/leases", status_code=status.HTTP_201_CREATED, response_model=LeaseOut)
 async def create_lease(
-    body: LeaseCreate, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    body: LeaseCreate, store: Store = Depends(get_store), who: Principal = Depends(HOLDERS)
 ) -> LeaseOut:
-    return await store.write(lambda s: leases.create(store, s, body, actor))
+    mine = _scope(who)
+    if mine is not None:
+        if "tenant" not in body.model_fields_set:
+            body = body.model_copy(update={"tenant": mine})
+        elif body.tenant != mine:
+            raise Forbidden(
+                f"this token acts for tenant {mine!r}: it cannot ask for tenant {body.tenant!r}"
+            )
+    return await store.write(lambda s: leases.create(store, s, body, who.actor))
 
 
 @router.get("/leases", response_model=list[LeaseOut])
@@ -28,42 +43,62 @@ async def list_leases(
     node: str | None = None,
     limit: int = Query(default=1000, ge=1, le=10000),
     store: Store = Depends(get_store),
+    who: Principal = Depends(READERS),
 ) -> list[LeaseOut]:
+    mine = _scope(who)
+    if mine is not None:
+        if tenant is not None and tenant != mine:
+            raise Forbidden(f"this token acts for tenant {mine!r}: it cannot list {tenant!r}")
+        tenant = mine
     return await store.read(lambda s: leases.list_leases(store, s, state, tenant, gpu, node, limit))
 
 
 @router.get("/leases/{lease_id}", response_model=LeaseOut)
-async def get_lease(lease_id: str, store: Store = Depends(get_store)) -> LeaseOut:
-    return await store.read(lambda s: leases.get(store, s, lease_id))
+async def get_lease(
+    lease_id: str, store: Store = Depends(get_store), who: Principal = Depends(READERS)
+) -> LeaseOut:
+    return await store.read(lambda s: leases.get(store, s, lease_id, _scope(who)))
 
 
 @router.post("/leases/{lease_id}/heartbeat", response_model=LeaseOut)
 async def heartbeat(
-    lease_id: str, body: LeaseHeartbeat | None = None, store: Store = Depends(get_store)
+    lease_id: str,
+    body: LeaseHeartbeat | None = None,
+    store: Store = Depends(get_store),
+    who: Principal = Depends(HOLDERS),
 ) -> LeaseOut:
     active = body.active if body is not None else None
-    return await store.write(lambda s: leases.heartbeat(store, s, lease_id, active))
+    mine = _scope(who)
+    return await store.write(lambda s: leases.heartbeat(store, s, lease_id, active, mine))
 
 
 @router.delete("/leases/{lease_id}", response_model=LeaseOut)
 async def release_lease(
-    lease_id: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    lease_id: str, store: Store = Depends(get_store), who: Principal = Depends(HOLDERS)
 ) -> LeaseOut:
+    mine = _scope(who)
     return await store.write(
-        lambda s: leases.release(store, s, lease_id, actor, ReleaseReason.HOLDER)
+        lambda s: leases.release(
+            store, s, lease_id, who.actor, ReleaseReason.HOLDER, only_tenant=mine
+        )
     )
 
 
 @router.post("/leases/{lease_id}/release", response_model=LeaseOut)
 async def release_by_operator(
-    lease_id: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    lease_id: str, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> LeaseOut:
     return await store.write(
-        lambda s: leases.release(store, s, lease_id, actor, ReleaseReason.ADMIN)
+        lambda s: leases.release(store, s, lease_id, who.actor, ReleaseReason.ADMIN)
     )
 
 
 @router.get("/queue", response_model=list[QueueEntryOut])
-async def get_queue(store: Store = Depends(get_store)) -> list[QueueEntryOut]:
+async def get_queue(
+    store: Store = Depends(get_store), who: Principal = Depends(READERS)
+) -> list[QueueEntryOut]:
+    """The whole queue in order; a tenant sees its own entries, with their real positions."""
     entries = await store.read(lambda s: leases.queue(store, s))
-    return [QueueEntryOut(position=p, lease=lease) for p, lease in entries]
+    return [
+        QueueEntryOut(position=p, lease=lease) for p, lease in entries if who.owns(lease.tenant)
+    ]

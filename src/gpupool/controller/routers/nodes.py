@@ -4,24 +4,28 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response, status
 
-from gpupool.controller.routers.common import get_actor, get_store
+from gpupool.controller.routers.common import ADMIN, AGENTS, ANYONE, get_store
 from gpupool.controller.services import nodes
+from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
 from gpupool.protocol.v1.api import NodeHeartbeat, NodeHeartbeatReply, NodeOut, NodeRegister
 
-router = APIRouter(tags=["nodes"])
+router = APIRouter(tags=["nodes"], dependencies=[Depends(ANYONE)])
 
 
 @router.post("/nodes", status_code=status.HTTP_201_CREATED, response_model=NodeOut)
 async def register(
-    body: NodeRegister, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    body: NodeRegister, store: Store = Depends(get_store), who: Principal = Depends(AGENTS)
 ) -> NodeOut:
-    return await store.write(lambda s: nodes.register(store, s, body, actor))
+    return await store.write(lambda s: nodes.register(store, s, body, who.actor))
 
 
 @router.post("/nodes/{name}/heartbeat", response_model=NodeHeartbeatReply)
 async def heartbeat(
-    name: str, body: NodeHeartbeat, store: Store = Depends(get_store)
+    name: str,
+    body: NodeHeartbeat,
+    store: Store = Depends(get_store),
+    _who: Principal = Depends(AGENTS),
 ) -> NodeHeartbeatReply:
     return await store.write(lambda s: nodes.heartbeat(store, s, name, body))
 
@@ -38,7 +42,7 @@ async def get_node(name: str, store: Store = Depends(get_store)) -> NodeOut:
 
 @router.delete("/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT)
 async def remove_node(
-    name: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    name: str, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> Response:
-    await store.write(lambda s: nodes.remove(store, s, name, actor))
+    await store.write(lambda s: nodes.remove(store, s, name, who.actor))
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query
 
 from gpupool import __version__
-from gpupool.controller.routers.common import get_store
+from gpupool.controller.routers.common import ANYONE, OPERATORS, get_store
 from gpupool.controller.services import events, pool
 from gpupool.controller.store import Store
 from gpupool.protocol.v1.api import EventOut, PoolSummary
@@ -17,6 +17,7 @@ router = APIRouter(tags=["pool"])
 
 @router.get("/health")
 async def health(store: Store = Depends(get_store)) -> dict[str, Any]:
+    """Open to all, for load balancers and probes: it tells nothing about leases."""
     return {
         "status": "ok",
         "version": __version__,
@@ -26,7 +27,9 @@ async def health(store: Store = Depends(get_store)) -> dict[str, Any]:
 
 
 @router.get("/pool", response_model=PoolSummary)
-async def get_pool(store: Store = Depends(get_store)) -> PoolSummary:
+async def get_pool(
+    store: Store = Depends(get_store), _who: object = Depends(ANYONE)
+) -> PoolSummary:
     return await store.read(lambda s: pool.summary(store, s))
 
 
@@ -37,5 +40,6 @@ async def list_events(
     kind: str | None = None,
     subject: str | None = None,
     store: Store = Depends(get_store),
+    _who: object = Depends(OPERATORS),
 ) -> list[EventOut]:
     return await store.read(lambda s: events.list_events(s, since_id, limit, kind, subject))

@@ -218,6 +218,14 @@ def list_claims(store: Store, _session: Session, node: str | None) -> list[Claim
     return [_claim_out(r) for r in sorted(rows, key=lambda r: r.created_at)]
 
 
+def heartbeat_claim(store: Store, session: Session, claim_id: str) -> ClaimOut:
+    row = _live_claim_row(store, claim_id)
+    if row is None:
+        raise NotFound(f"no live claim {claim_id!r}")
+    leases.heartbeat(store, session, row.id, active=None)
+    return _claim_out(row)
+
+
 def release_claim(store: Store, session: Session, claim_id: str, actor: str) -> ClaimOut:
     row = _live_claim_row(store, claim_id)
     if row is None:

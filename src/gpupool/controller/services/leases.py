@@ -218,9 +218,11 @@ def release(
     actor: str,
     reason: ReleaseReason = ReleaseReason.HOLDER,
     detail: str | None = None,
+    only_tenant: str | None = None,
 ) -> LeaseOut:
+    """End a lease; `only_tenant` limits the caller to that tenant's leases."""
     row = store.lease_row(session, lease_id)
-    if row is None:
+    if row is None or (only_tenant is not None and row.tenant != only_tenant):
         raise NotFound(f"no lease {lease_id!r}")
     if row.state == LeaseState.RELEASED.value:
         return lease_out(row)
@@ -247,9 +249,15 @@ def release(
     return lease_out(row)
 
 
-def heartbeat(store: Store, session: Session, lease_id: str, active: bool | None) -> LeaseOut:
+def heartbeat(
+    store: Store,
+    session: Session,
+    lease_id: str,
+    active: bool | None,
+    only_tenant: str | None = None,
+) -> LeaseOut:
     row = store.lease_row(session, lease_id)
-    if row is None:
+    if row is None or (only_tenant is not None and row.tenant != only_tenant):
         raise NotFound(f"no lease {lease_id!r}")
     state = LeaseState(row.state)
     if state in LIVE:
@@ -387,9 +395,11 @@ def list_leases(
         return [lease_out(r, store.pool, store.live.lease_activity.get(r.id)) for r in rows]
 
 
-def get(store: Store, session: Session, lease_id: str) -> LeaseOut:
+def get(
+    store: Store, session: Session, lease_id: str, only_tenant: str | None = None
+) -> LeaseOut:
     row = session.get(LeaseRow, lease_id)
-    if row is None:
+    if row is None or (only_tenant is not None and row.tenant != only_tenant):
         raise NotFound(f"no lease {lease_id!r}")
     with store.lock:
         return lease_out(row, store.pool, store.live.lease_activity.get(row.id))

@@ -6,6 +6,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpupool.controller.models import LeaseRow, TenantRow, utcnow
+from gpupool.controller.services import auth
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants
 from gpupool.controller.store import Store, quota_of
@@ -94,6 +95,8 @@ def delete(store: Store, session: Session, name: str, actor: str) -> None:
         raise Conflict(
             f"tenant {name} has {total} lease(s) in its history; set its quota to 0 instead"
         )
+    auth.drop_tenant_tokens(session, name, actor)
+    session.flush()
     session.delete(row)
     store.pool.quotas.pop(name, None)
     record(session, actor, "tenant.deleted", name, "deleted")

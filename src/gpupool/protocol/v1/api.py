@@ -344,3 +344,49 @@ class PoolSummary(BaseModel):
 class ErrorOut(BaseModel):
     error: str
     detail: str
+
+
+# ---- tokens -----------------------------------------------------------------------------
+
+Role = Literal["admin", "viewer", "agent", "tenant"]
+
+
+class TokenCreate(Strict):
+    """A new API token. A tenant token acts for its tenant only; the other roles are global:
+    `admin` may do everything, `viewer` reads everything, `agent` registers nodes."""
+
+    name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@:-]+$")]
+    role: Role
+    tenant: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    expires_in_s: Annotated[float, Field(gt=0, le=10 * 365 * 86400)] | None = None
+
+
+class TokenOut(BaseModel):
+    id: str
+    name: str
+    role: Role
+    tenant: str | None
+    created_at: datetime
+    created_by: str
+    expires_at: datetime | None
+    revoked_at: datetime | None
+
+
+class TokenCreated(TokenOut):
+    token: str
+    """The secret, shown this once: the controller keeps only its hash."""
+
+
+class WhoAmI(BaseModel):
+    token_id: str
+    name: str
+    role: Role
+    tenant: str | None
+    actor: str
+    """How this caller appears in the event log."""
+
+
+class SessionCreate(Strict):
+    """The dashboard's sign-in: the token goes into an HttpOnly cookie, not into scripts."""
+
+    token: Annotated[str, Field(min_length=1, max_length=256)]

@@ -94,23 +94,56 @@
   }
 
   // ---- the API ----------------------------------------------------------------------------
-  const actor = {
-    get: () => localStorage.getItem("gpupool.actor") || "",
-    set(name) {
-      localStorage.setItem("gpupool.actor", name);
-      $("#actor-name").textContent = name || "not set";
+  // Who is signed in (GET /whoami). The token itself lives in an HttpOnly cookie set by
+  // POST /session; scripts never see it. Writes carry the CSRF header the controller asks for.
+  const session = {
+    who: null,
+    set(who) {
+      session.who = who;
+      $("#actor-name").textContent = who ? who.name : "–";
+      $("#actor-role").textContent = who ? ` ${who.role}${who.tenant ? " · " + who.tenant : ""}` : "";
+      document.body.classList.toggle("readonly", !who || who.role !== "admin");
     },
+    canAct: () => Boolean(session.who && session.who.role === "admin"),
   };
 
   async function api(path, { method = "GET", body } = {}) {
     const headers = { Accept: "application/json" };
     if (body !== undefined) headers["Content-Type"] = "application/json";
-    if (method !== "GET") headers["X-Gpupool-Actor"] = actor.get() || "dashboard";
-    const res = await fetch(API + path, { method, headers, body: body === undefined ? undefined : JSON.stringify(body) });
+    if (method !== "GET") headers["X-Gpupool-Csrf"] = "1";
+    const res = await fetch(API + path, { method, headers, credentials: "same-origin", body: body === undefined ? undefined : JSON.stringify(body) });
     let data = null;
     try { data = await res.json(); } catch { data = null; }
+    if (res.status === 401 && path !== "/session") showSignIn((data && data.detail) || "Sign in again.");
     if (!res.ok) throw new Error((data && (data.detail || data.error)) || `HTTP ${res.status}`);
     return data;
+  }
+
+  function showSignIn(reason) {
+    const box = $("#signin");
+    if (!box.hidden) return;
+    session.set(null);
+    box.hidden = false;
+    const err = $("#signin-error");
+    err.textContent = reason || "";
+    err.hidden = !reason;
+    $("#signin-token").value = "";
+    $("#signin-token").focus();
+  }
+
+  async function signIn(event) {
+    event.preventDefault();
+    const token = $("#signin-token").value.trim();
+    try {
+      const who = await api("/session", { method: "POST", body: { token } });
+      session.set(who);
+      $("#signin").hidden = true;
+      boot();
+    } catch (err) {
+      const el = $("#signin-error");
+      el.textContent = err.message;
+      el.hidden = false;
+    }
   }
 
   function toast(text, bad = false) {
@@ -127,7 +160,12 @@
     const dialog = $("#dialog");
     $("#dialog-title").textContent = title;
     $("#dialog-body").innerHTML = `<p>${body}</p>${fields}`;
-    $("#dialog-actor").value = actor.get();
+    if (!session.canAct()) {
+      const role = session.who ? session.who.role : "signed-out";
+      toast(`Not allowed: a ${role} token only looks; changes need an admin token.`, true);
+      return;
+    }
+    $("#dialog-actor").textContent = session.who.actor;
     const ok = $("#dialog-ok");
     ok.textContent = okLabel;
     ok.className = `btn ${danger ? "danger" : "primary"}`;
@@ -136,9 +174,6 @@
     const form = $("#dialog-form");
     form.onsubmit = async (event) => {
       event.preventDefault();
-      const who = $("#dialog-actor").value.trim();
-      if (!who) { showDialogError("Give your name: it is recorded with the action."); return; }
-      actor.set(who);
       ok.disabled = true;
       try {
         const message = await run(new FormData(form));
@@ -153,7 +188,7 @@
     $("#dialog-cancel").onclick = () => dialog.close();
     dialog.showModal();
     const first = $("#dialog-body input, #dialog-body select");
-    (first || (actor.get() ? ok : $("#dialog-actor"))).focus();
+    (first || ok).focus();
   }
 
   function showDialogError(text) {
@@ -1018,14 +1053,17 @@
       state.view = null;
       return;
     }
+    const mine = generation;
     const view = factory(match, query);
     state.view = view;
     setTitle(view.title, view.crumbs || "");
     root.innerHTML = '<div class="empty">Loading…</div>';
     try {
       await view.mount(root);
-      setLive(true, `Live · updated ${new Date().toLocaleTimeString()}`);
+      if (mine === generation) setLive(true, `Live · updated ${new Date().toLocaleTimeString()}`);
     } catch (err) {
+      // A page left while it was loading may fail on its missing parts: not news.
+      if (mine !== generation) return;
       root.innerHTML = `<div class="notice bad">Could not load this page: ${esc(err.message)}</div>`;
       setLive(false, "Disconnected · retrying");
     }
@@ -1057,22 +1095,36 @@
 
   function tick() {
     // A hidden tab or an open dialog is not refreshed: nothing changes under the operator's hand.
-    if (document.hidden || $("#dialog").open) return;
+    if (document.hidden || $("#dialog").open || !$("#signin").hidden) return;
     refreshNow();
   }
 
-  function start() {
-    actor.set(actor.get());
-    $("#actor").addEventListener("click", () => {
-      const name = prompt("Your name, recorded in the event log with each action:", actor.get());
-      if (name !== null) actor.set(name.trim());
-    });
-    api("/health").then((h) => { $("#version").textContent = `gpupool ${h.version} · ${h.db}`; }).catch(() => {});
+  let booted = false;
+
+  function boot() {
+    refreshChrome().catch(() => {}).finally(route);
+    if (booted) return;
+    booted = true;
     window.addEventListener("hashchange", route);
     let resize = null;
     window.addEventListener("resize", () => { clearTimeout(resize); resize = setTimeout(refreshNow, 250); });
-    refreshChrome().catch(() => {}).finally(route);
     setInterval(tick, REFRESH_MS);
+  }
+
+  async function start() {
+    $("#signin-form").addEventListener("submit", signIn);
+    $("#actor").addEventListener("click", async () => {
+      if (!confirm("Sign out of the dashboard?")) return;
+      await api("/session", { method: "DELETE" }).catch(() => {});
+      showSignIn("Signed out.");
+    });
+    api("/health").then((h) => { $("#version").textContent = `gpupool ${h.version} · ${h.db}`; }).catch(() => {});
+    try {
+      session.set(await api("/whoami"));
+    } catch {
+      return; // the sign-in form is up (401) and boots the page once a token is accepted
+    }
+    boot();
   }
 
   start();
