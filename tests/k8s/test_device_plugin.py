@@ -8,8 +8,8 @@ import time
 import grpc
 import httpx
 import pytest
+from k8s_node import K8sNode
 
-from conftest import K8sNode
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from gpupool.protocol.v1.api import LeaseCreate
 from gpupool.protocol.v1.k8s import ClaimCreate

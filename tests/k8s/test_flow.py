@@ -16,8 +16,8 @@ import httpx
 import pytest
 from admission import admission_review, apply_patch, pod
 from fake_apiserver import FakeApiServer
+from k8s_node import K8sNode
 
-from conftest import K8sNode
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 
 pytestmark = pytest.mark.slow
