@@ -42,6 +42,8 @@ def test_direct_slice_gets_a_claim_the_gpupool_scheduler_and_loses_escape_variab
         {"name": "LD_PRELOAD", "value": "/tmp/unlimit.so"},
         {"name": "LD_LIBRARY_PATH", "value": "/tmp/fake-cuda"},
         {"name": "GPUPOOL_CLAIM", "value": "c-someoneelses0001"},
+        {"name": "GPUPOOL_LEASE", "value": "l-someoneelses"},
+        {"name": "GPUPOOL_URL", "value": "http://gpupool-controller.gpupool:8900"},
         {"name": "EPOCHS", "value": "3"},
     ]
     obj = pod(SLICE, env=env)
@@ -52,6 +54,7 @@ def test_direct_slice_gets_a_claim_the_gpupool_scheduler_and_loses_escape_variab
     assert after["spec"]["schedulerName"] == "gpupool-scheduler"
     container = after["spec"]["containers"][0]
     assert container["env"] == [
+        {"name": "GPUPOOL_URL", "value": "http://gpupool-controller.gpupool:8900"},  # their own
         {"name": "EPOCHS", "value": "3"},
         {"name": "GPUPOOL_CLAIM", "value": "c-fixedclaim0001"},
     ]
@@ -201,3 +204,10 @@ def test_priority_comes_from_the_priority_class_when_not_annotated() -> None:
     assert gpu_ask(pod(SLICE, priority=100)).priority == 100
     assert gpu_ask(pod(SLICE, priority=2000000000)).priority == 1000
     assert gpu_ask(pod(SLICE, priority=5, annotations={"gpupool.io/priority": "7"})).priority == 7
+
+
+def test_a_remote_pod_keeps_its_own_tenant_token() -> None:
+    mine = {"name": "GPUPOOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": "mine", "key": "t"}}}
+    obj = pod(SLICE, annotations={"gpupool.io/access": "remote"}, command=["python"], env=[mine])
+    container = apply_patch(obj, answer(obj))["spec"]["containers"][0]
+    assert [e for e in container["env"] if e["name"] == "GPUPOOL_TOKEN"] == [mine]

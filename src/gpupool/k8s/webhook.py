@@ -4,13 +4,14 @@ For a pod that asks for gpupool GPUs it
 - refuses what would let it escape or confuse the pool: privileged containers, host PID,
   device host paths, `envFrom` (it could set any variable), contradictory requests;
 - strips variables a tenant could use to get around its limits (CUDA_MPS_*,
-  CUDA_VISIBLE_DEVICES, NVIDIA_*, LD_PRELOAD, LD_LIBRARY_PATH, GPUPOOL_*);
+  CUDA_VISIBLE_DEVICES, NVIDIA_*, LD_PRELOAD, LD_LIBRARY_PATH, and the GPUPOOL_* variables
+  gpupool itself sets: claim, lease, devices);
 - direct access: gives the pod a fresh claim id (label + GPUPOOL_CLAIM), which the
   scheduler extender's bind turns into the pod's lease, and the gpupool scheduler's name;
 - remote access: takes our resources off (the pod may run on any node) and runs the
   container's command under `gpupool run --remote` with the pod's request.
-Every other pod only loses the NVIDIA_* / CUDA_MPS_* / GPUPOOL_* variables, which could
-otherwise expose GPUs outside the pool.
+Every other pod loses the same variables: NVIDIA_VISIBLE_DEVICES=all, under the NVIDIA
+runtime, would otherwise expose every GPU of its node outside the pool.
 """
 
 from __future__ import annotations
@@ -34,9 +35,25 @@ from gpupool.k8s.pods import (
 )
 from gpupool.k8s.resources import CLAIM_ENV, CLAIM_LABEL
 
-ESCAPE_VARIABLES = frozenset({"CUDA_VISIBLE_DEVICES", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT"})
-ESCAPE_PREFIXES = ("CUDA_MPS_", "NVIDIA_", "GPUPOOL_")
-"""Stripped from every container of every pod the webhook sees."""
+ESCAPE_VARIABLES = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "LD_AUDIT",
+        # What gpupool itself gives a container (a forged claim or lease must not pass).
+        "GPUPOOL_CLAIM",
+        "GPUPOOL_ALLOCATED_CLAIM",
+        "GPUPOOL_LEASE",
+        "GPUPOOL_LEASE_ID",
+        "GPUPOOL_DEVICE_IDS",
+        "GPUPOOL_SIMULATED",
+        "GPUPOOL_WORKERS",
+    }
+)
+ESCAPE_PREFIXES = ("CUDA_MPS_", "NVIDIA_")
+"""Stripped from every container of every pod the webhook sees. GPUPOOL_URL and
+GPUPOOL_TOKEN stay: a pod may use the pool's API with its own tenant's token."""
 DANGEROUS_CAPABILITIES = frozenset({"SYS_ADMIN", "ALL", "CAP_SYS_ADMIN"})
 
 
@@ -190,8 +207,10 @@ def _make_remote(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
     container["command"] = [*wrapper, "--", *command, *(container.get("args") or [])]
     container.pop("args", None)
     env = container.setdefault("env", [])
-    env.append({"name": "GPUPOOL_URL", "value": settings.controller_url})
-    if settings.token_secret is not None:
+    own = {str(e.get("name")) for e in env}
+    if "GPUPOOL_URL" not in own:
+        env.append({"name": "GPUPOOL_URL", "value": settings.controller_url})
+    if settings.token_secret is not None and "GPUPOOL_TOKEN" not in own:
         name, key = settings.token_secret
         env.append(
             {"name": "GPUPOOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
