@@ -72,6 +72,13 @@ class AgentSettings:
     api_host: str = "127.0.0.1"
     api_port: int | None = 0
     """The agent's own HTTP API: 0 picks a free port, None turns it off."""
+    device_plugin_dir: Path | None = None
+    """Serve the kubelet device plugin (gpupool.k8s) in this directory; None: no plugin."""
+    device_plugin_slots: int = 10
+    """gpupool.io/vgpu devices per virtual GPU: how many pods may share one."""
+    mps_shm_dir: Path | None = None
+    """Host directory that is the MPS daemons' /dev/shm (the agent in a container): slices'
+    containers get it as theirs, since an MPS client shares /dev/shm with its daemon."""
     token: str | None = field(default_factory=lambda: os.environ.get("GPUPOOL_TOKEN") or None)
     """The agent's API token (role agent): the controller refuses agents without one."""
     tls_cert: Path | None = None
@@ -165,6 +172,8 @@ class Agent:
         self.agent_url: str | None = None
         self.faults_reported = 0
         self._faults: asyncio.Queue[GpuEvent] = asyncio.Queue()
+        self.device_plugins: Any = None
+        """The kubelet device plugin (gpupool.k8s), when the agent serves it."""
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register, then heartbeat until `stop` is set; a missing controller never ends it."""
@@ -191,6 +200,9 @@ class Agent:
         done = asyncio.Event()
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")
         keeper = asyncio.create_task(self._keep_workers(done), name="agent-workers")
+        plugin = None
+        if self.settings.device_plugin_dir is not None:
+            plugin = asyncio.create_task(self._serve_device_plugin(done), name="agent-k8s")
         try:
             urls = split_urls(self.settings.controller_url)
             transport = self._transport
@@ -216,6 +228,8 @@ class Agent:
         finally:
             done.set()
             await watcher
+            if plugin is not None:
+                await plugin
             if api is not None:
                 api.should_exit = True
                 await self._api_task
@@ -421,6 +435,52 @@ class Agent:
                 await asyncio.to_thread(self.workers.reconcile, dict(self._remote_leases or {}))
             except Exception:
                 log.exception("managing workers failed; retrying with the next heartbeat")
+
+    async def _serve_device_plugin(self, done: asyncio.Event) -> None:
+        """The kubelet device plugin, fed with this agent's GPUs and the controller's modes."""
+        from gpupool.client.sdk import PoolClient
+        from gpupool.k8s.deviceplugin.claims import ControllerClaims
+        from gpupool.k8s.deviceplugin.server import DevicePlugins, PluginSettings
+        from gpupool.k8s.devices import GpuView, NodeView
+
+        assert self.settings.device_plugin_dir is not None and self.backend is not None
+        simulated = self.backend.simulated
+
+        def view() -> NodeView:
+            gpus = []
+            for gpu in self._sent_gpus or []:
+                desired = self.desired.get(gpu.uuid)
+                if desired is not None:  # not yet told its mode: not offered yet
+                    gpus.append(
+                        GpuView(
+                            uuid=gpu.uuid,
+                            index=gpu.index,
+                            mode=desired.mode,
+                            target_mode=desired.target_mode,
+                            mps_pipe_dir=self.mps.pipe_dir(gpu.uuid),
+                        )
+                    )
+            shm = self.settings.mps_shm_dir
+            return NodeView(
+                gpus=tuple(gpus), simulated=simulated, mps_shm_dir=str(shm) if shm else None
+            )
+
+        settings = PluginSettings(
+            kubelet_dir=self.settings.device_plugin_dir,
+            slots_per_gpu=self.settings.device_plugin_slots,
+        )
+        client = PoolClient(
+            self.settings.controller_url,
+            actor=f"agent/{self.settings.node_name}",
+            token=self.settings.token,
+        )
+        self.device_plugins = DevicePlugins(
+            settings, view, ControllerClaims(client, self.settings.node_name)
+        )
+        try:
+            await self.device_plugins.run(done)
+        finally:
+            client.close()
 
     # ---- what people see --------------------------------------------------------------------
 

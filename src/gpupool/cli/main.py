@@ -9,7 +9,7 @@ import typer
 from typer.core import TyperGroup
 
 from gpupool import __version__
-from gpupool.cli import events, gpus, leases, nodes, pool, run, sim, tenants, tokens
+from gpupool.cli import events, gpus, k8s, leases, nodes, pool, run, sim, tenants, tokens
 from gpupool.cli.context import CliContext, default_actor
 from gpupool.cli.errors import BadInput, describe
 from gpupool.client.sdk import TOKEN_ENV, URL_ENV, resolve_url
@@ -128,6 +128,7 @@ app.command("controller", help="Run the controller in the foreground.")(pool.con
 app.command("agent", help="Run the agent of this GPU server in the foreground.")(pool.agent)
 app.command("demo", help="Start a throw-away pool and run two jobs sharing one GPU.")(pool.demo)
 app.add_typer(sim.app, name="sim", help="Replay GPU-cluster traces through the scheduler.")
+app.add_typer(k8s.app, name="k8s", help="Kubernetes: the scheduler extender and admission webhook.")
 
 
 def main() -> None:

@@ -489,9 +489,36 @@ def agent(
         typer.Option("--tls-cert", help="Workers serve remote clients over TLS with this cert."),
     ] = None,
     tls_key: TlsKeyOption = None,
+    device_plugin: Annotated[
+        bool,
+        typer.Option(
+            "--device-plugin",
+            help="Serve the kubelet device plugin (gpupool.io/vgpu, gpupool.io/gpu).",
+        ),
+    ] = False,
+    kubelet_dir: Annotated[
+        Path,
+        typer.Option("--kubelet-dir", help="The kubelet's device-plugins directory."),
+    ] = Path("/var/lib/kubelet/device-plugins"),
+    vgpu_slots: Annotated[
+        int,
+        typer.Option("--vgpu-slots", help="gpupool.io/vgpu devices per virtual GPU (1..100)."),
+    ] = 10,
+    mps_shm_dir: Annotated[
+        Path | None,
+        typer.Option(
+            "--mps-shm-dir",
+            help="Host directory mounted as /dev/shm of this agent (in a container): "
+            "slices' containers share it with the MPS daemons.",
+        ),
+    ] = None,
 ) -> None:
     if interval <= 0:
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
+    if not 1 <= vgpu_slots <= 100:
+        raise BadInput(f"--vgpu-slots must be 1..100, got {vgpu_slots}")
+    if device_plugin and not kubelet_dir.is_dir():
+        raise BadInput(f"--kubelet-dir {kubelet_dir} is not a directory (is the kubelet here?)")
     if not 0 <= api_port <= 65535:
         raise BadInput(f"--api-port must be 0..65535, got {api_port}")
     from gpupool.agent.service import AgentSettings, run_agent
@@ -517,6 +544,9 @@ def agent(
             address=address,
             api_host=api_host,
             api_port=api_port,
+            device_plugin_dir=kubelet_dir if device_plugin else None,
+            device_plugin_slots=vgpu_slots,
+            mps_shm_dir=mps_shm_dir,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None

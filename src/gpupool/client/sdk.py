@@ -41,6 +41,13 @@ from gpupool.protocol.v1.api import (
     TokenOut,
     WhoAmI,
 )
+from gpupool.protocol.v1.k8s import (
+    ClaimAllocate,
+    ClaimCreate,
+    ClaimOut,
+    PlacementAnswer,
+    PlacementQuery,
+)
 
 DEFAULT_URL = "http://127.0.0.1:8900"
 URL_ENV = "GPUPOOL_URL"
@@ -456,6 +463,39 @@ class PoolClient:
     ) -> list[EventOut]:
         params = {"since_id": since_id, "limit": limit, "kind": kind, "subject": subject}
         return self._many(EventOut, self._request("GET", "/events", params=params))
+
+    # ---- Kubernetes (scheduler extender, device plugin) ------------------------------------
+
+    def k8s_placement(self, query: PlacementQuery) -> PlacementAnswer:
+        """Where a pod's request fits now among some nodes, and the node the pool prefers."""
+        return self._one(PlacementAnswer, self._request("POST", "/k8s/placement", query))
+
+    def create_claim(self, claim: ClaimCreate) -> ClaimOut:
+        """Grant a pod's request on the node the scheduler chose, as the pod's claim."""
+        return self._one(ClaimOut, self._request("POST", "/k8s/claims", claim))
+
+    def claims(self, node: str | None = None) -> list[ClaimOut]:
+        return self._many(ClaimOut, self._request("GET", "/k8s/claims", params={"node": node}))
+
+    def claim(self, claim_id: str) -> ClaimOut:
+        return self._one(ClaimOut, self._request("GET", f"/k8s/claims/{_q(claim_id)}"))
+
+    def heartbeat_claim(self, claim_id: str) -> ClaimOut:
+        """The claim's pod lives: keep its lease for another ttl."""
+        data = self._request("POST", f"/k8s/claims/{_q(claim_id)}/heartbeat")
+        return self._one(ClaimOut, data)
+
+    def release_claim(self, claim_id: str) -> ClaimOut:
+        return self._one(ClaimOut, self._request("DELETE", f"/k8s/claims/{_q(claim_id)}"))
+
+    def pending_claim(self, node: str) -> ClaimOut:
+        """The claim bound to `node` that no container got yet (ApiError 404 when none)."""
+        return self._one(ClaimOut, self._request("GET", f"/k8s/nodes/{_q(node)}/pending"))
+
+    def allocate_claim(self, node: str, request: ClaimAllocate) -> ClaimOut:
+        """The claim waiting on `node` goes to the container the kubelet admits now."""
+        data = self._request("POST", f"/k8s/nodes/{_q(node)}/allocate", request)
+        return self._one(ClaimOut, data)
 
 
 class LeaseKeeper:

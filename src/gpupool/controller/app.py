@@ -20,6 +20,7 @@ from gpupool.controller.db import make_engine, migrate
 from gpupool.controller.routers import (
     dashboard,
     gpus,
+    k8s,
     leases,
     metrics,
     nodes,
@@ -94,7 +95,7 @@ def create_app(settings: ControllerSettings) -> FastAPI:
         openapi_url=f"{API_PREFIX}/openapi.json",
         docs_url=f"{API_PREFIX}/docs",
     )
-    for module in (leases, gpus, nodes, tenants, pool, dashboard, tokens, ha_routes):
+    for module in (leases, gpus, nodes, tenants, pool, dashboard, tokens, ha_routes, k8s):
         app.include_router(module.router, prefix=API_PREFIX)
     app.include_router(metrics.router)
     app.include_router(dashboard.pages)

@@ -1,1 +1,1 @@
-"""gpupool k8s."""
+"""gpupool inside Kubernetes: device plugin, scheduler extender, admission webhook."""

@@ -1,0 +1,1 @@
+"""The kubelet device plugin (device-plugin API v1beta1) that the agent serves."""

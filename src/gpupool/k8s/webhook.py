@@ -1,0 +1,232 @@
+"""The mutating admission webhook (AdmissionReview v1): GPU pods made safe and schedulable.
+
+For a pod that asks for gpupool GPUs it
+- refuses what would let it escape or confuse the pool: privileged containers, host PID,
+  device host paths, `envFrom` (it could set any variable), contradictory requests;
+- strips variables a tenant could use to get around its limits (CUDA_MPS_*,
+  CUDA_VISIBLE_DEVICES, NVIDIA_*, LD_PRELOAD, LD_LIBRARY_PATH, and the GPUPOOL_* variables
+  gpupool itself sets: claim, lease, devices);
+- direct access: gives the pod a fresh claim id (label + GPUPOOL_CLAIM), which the
+  scheduler extender's bind turns into the pod's lease, and the gpupool scheduler's name;
+- remote access: takes our resources off (the pod may run on any node) and runs the
+  container's command under `gpupool run --remote` with the pod's request.
+Every other pod loses the same variables: NVIDIA_VISIBLE_DEVICES=all, under the NVIDIA
+runtime, would otherwise expose every GPU of its node outside the pool.
+"""
+
+from __future__ import annotations
+
+import base64
+import copy
+import json
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpupool.k8s.pods import (
+    OUR_RESOURCES,
+    GpuAsk,
+    Pod,
+    PodRefused,
+    asks_for_gpus,
+    claim_of,
+    gpu_ask,
+)
+from gpupool.k8s.resources import CLAIM_ENV, CLAIM_LABEL
+
+ESCAPE_VARIABLES = frozenset(
+    {
+        "CUDA_VISIBLE_DEVICES",
+        "LD_PRELOAD",
+        "LD_LIBRARY_PATH",
+        "LD_AUDIT",
+        # What gpupool itself gives a container (a forged claim or lease must not pass).
+        "GPUPOOL_CLAIM",
+        "GPUPOOL_ALLOCATED_CLAIM",
+        "GPUPOOL_LEASE",
+        "GPUPOOL_LEASE_ID",
+        "GPUPOOL_DEVICE_IDS",
+        "GPUPOOL_SIMULATED",
+        "GPUPOOL_WORKERS",
+    }
+)
+ESCAPE_PREFIXES = ("CUDA_MPS_", "NVIDIA_")
+"""Stripped from every container of every pod the webhook sees. GPUPOOL_URL and
+GPUPOOL_TOKEN stay: a pod may use the pool's API with its own tenant's token."""
+DANGEROUS_CAPABILITIES = frozenset({"SYS_ADMIN", "ALL", "CAP_SYS_ADMIN"})
+
+
+@dataclass(frozen=True, slots=True)
+class WebhookSettings:
+    scheduler_name: str | None = "gpupool-scheduler"
+    """Set on direct GPU pods, so the scheduler with gpupool's extender places them."""
+    controller_url: str = "http://gpupool-controller:8900"
+    """What remote-access pods use as GPUPOOL_URL."""
+    token_secret: tuple[str, str] | None = None
+    """(Secret name, key) whose value remote-access pods get as GPUPOOL_TOKEN."""
+    new_claim: Callable[[], str] = field(default=lambda: "c-" + uuid.uuid4().hex[:20])
+
+
+def review(body: dict[str, Any], settings: WebhookSettings) -> dict[str, Any]:
+    """Answer one AdmissionReview (v1) with an AdmissionReview carrying the response."""
+    request = body.get("request") or {}
+    uid = request.get("uid", "")
+    try:
+        patch = admit(request, settings)
+    except PodRefused as exc:
+        response: dict[str, Any] = {
+            "uid": uid,
+            "allowed": False,
+            "status": {"code": 403, "reason": "Forbidden", "message": f"gpupool: {exc}"},
+        }
+    else:
+        response = {"uid": uid, "allowed": True}
+        if patch:
+            response["patchType"] = "JSONPatch"
+            response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": response}
+
+
+def admit(request: dict[str, Any], settings: WebhookSettings) -> list[dict[str, Any]]:
+    """The JSONPatch for one admission request (empty: unchanged); PodRefused to deny."""
+    kind = (request.get("kind") or {}).get("kind")
+    if kind != "Pod" or request.get("subResource"):
+        return []
+    pod: Pod = request.get("object") or {}
+    operation = request.get("operation")
+    if operation == "UPDATE":
+        old = request.get("oldObject") or {}
+        if claim_of(old) != claim_of(pod):
+            raise PodRefused(f"the {CLAIM_LABEL} label is set by gpupool and cannot change")
+        return []
+    if operation != "CREATE":
+        return []
+    new = copy.deepcopy(pod)
+    stripped = _strip_escapes(new)
+    if asks_for_gpus(pod):
+        ask = gpu_ask(pod)
+        _refuse_unsafe(pod)
+        if ask.access == "remote":
+            _make_remote(new, ask, settings)
+        else:
+            _make_direct(new, ask, settings)
+    elif not stripped:
+        return []
+    return _patch(pod, new)
+
+
+# ---- checks ----------------------------------------------------------------------------------
+
+
+def _all_containers(pod: Pod) -> list[dict[str, Any]]:
+    spec = pod.get("spec", {})
+    return list(spec.get("containers") or []) + list(spec.get("initContainers") or [])
+
+
+def _refuse_unsafe(pod: Pod) -> None:
+    spec = pod.get("spec", {})
+    for container in _all_containers(pod):
+        name = container.get("name", "?")
+        security = container.get("securityContext") or {}
+        if security.get("privileged"):
+            raise PodRefused(
+                f"container {name} is privileged: a privileged container sees every GPU of "
+                "its node, so GPU pods may not be privileged"
+            )
+        added = set((security.get("capabilities") or {}).get("add") or [])
+        if added & DANGEROUS_CAPABILITIES:
+            raise PodRefused(f"container {name} adds {sorted(added & DANGEROUS_CAPABILITIES)}")
+        if container.get("envFrom"):
+            raise PodRefused(
+                f"container {name} uses envFrom, which could set CUDA_MPS_*, LD_PRELOAD and "
+                "the like; list the variables in env instead"
+            )
+    if spec.get("hostPID"):
+        raise PodRefused("GPU pods may not use hostPID (they could reach other tenants' GPUs)")
+    for volume in spec.get("volumes") or []:
+        path = str((volume.get("hostPath") or {}).get("path", ""))
+        if path == "/dev" or path.startswith(("/dev/", "/var/lib/kubelet", "/run/nvidia")):
+            raise PodRefused(f"volume {volume.get('name', '?')} mounts host path {path}")
+    if spec.get("nodeName"):
+        raise PodRefused(
+            "GPU pods are placed by the gpupool scheduler: remove spec.nodeName "
+            "(use a nodeSelector to restrict the nodes)"
+        )
+
+
+def _strip_escapes(pod: Pod) -> bool:
+    """Remove the variables of ESCAPE_*; True when any was there."""
+    changed = False
+    for container in _all_containers(pod):
+        env = container.get("env")
+        if not env:
+            continue
+        kept = [e for e in env if not _escapes(str(e.get("name", "")))]
+        if len(kept) != len(env):
+            container["env"] = kept
+            changed = True
+    return changed
+
+
+def _escapes(name: str) -> bool:
+    return name in ESCAPE_VARIABLES or name.startswith(ESCAPE_PREFIXES)
+
+
+# ---- mutations -------------------------------------------------------------------------------
+
+
+def _make_direct(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
+    claim = settings.new_claim()
+    labels = pod.setdefault("metadata", {}).setdefault("labels", {})
+    labels[CLAIM_LABEL] = claim
+    container = pod["spec"]["containers"][ask.container]
+    container.setdefault("env", []).append({"name": CLAIM_ENV, "value": claim})
+    if settings.scheduler_name:
+        pod["spec"]["schedulerName"] = settings.scheduler_name
+
+
+def _make_remote(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
+    container = pod["spec"]["containers"][ask.container]
+    command = list(container.get("command") or [])
+    if not command:
+        raise PodRefused(
+            f"container {container.get('name', '?')}: a remote-access pod runs its command "
+            "under `gpupool run --remote`, so give the command (spec.containers[].command)"
+        )
+    for section in ("limits", "requests"):
+        values = (container.get("resources") or {}).get(section)
+        if values:
+            for key in OUR_RESOURCES:
+                values.pop(key, None)
+    wrapper = ["gpupool", "run", "--remote", "--gpus", str(ask.gpus)]
+    wrapper += ["--compute", f"{ask.compute_pct}%", "--tenant", ask.tenant]
+    wrapper += ["--priority", str(ask.priority)]
+    if ask.memory_mib is not None:
+        wrapper += ["--memory", f"{ask.memory_mib}MiB"]
+    container["command"] = [*wrapper, "--", *command, *(container.get("args") or [])]
+    container.pop("args", None)
+    env = container.setdefault("env", [])
+    own = {str(e.get("name")) for e in env}
+    if "GPUPOOL_URL" not in own:
+        env.append({"name": "GPUPOOL_URL", "value": settings.controller_url})
+    if settings.token_secret is not None and "GPUPOOL_TOKEN" not in own:
+        name, key = settings.token_secret
+        env.append(
+            {"name": "GPUPOOL_TOKEN", "valueFrom": {"secretKeyRef": {"name": name, "key": key}}}
+        )
+
+
+def _patch(old: Pod, new: Pod) -> list[dict[str, Any]]:
+    """JSONPatch ops that turn `old` into `new`, one per changed part ("add" replaces)."""
+    ops: list[dict[str, Any]] = []
+    for section, keys in (
+        ("metadata", ("labels",)),
+        ("spec", ("containers", "initContainers", "schedulerName")),
+    ):
+        for key in keys:
+            before = (old.get(section) or {}).get(key)
+            after = (new.get(section) or {}).get(key)
+            if before != after:
+                ops.append({"op": "add", "path": f"/{section}/{key}", "value": after})
+    return ops

@@ -1,0 +1,41 @@
+"""`gpupool k8s serve` and `gpupool agent --device-plugin` refuse bad input with one line and
+exit 2, before serving anything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from gpupool.cli.main import app
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["k8s", "serve", "--tls-cert", "{file}"], "give both --tls-cert and --tls-key"),
+        (["k8s", "serve", "--tls-cert", "{missing}", "--tls-key", "{file}"], "no file"),
+        (["k8s", "serve", "--port", "0"], "--port must be 1..65535"),
+        (["k8s", "serve", "--token-secret", "only-a-name"], "--token-secret must be SECRET/KEY"),
+        (["k8s", "serve", "--kube-api", "ftp://api"], "--kube-api must be an http"),
+        (["k8s", "serve", "--sweep-interval", "0"], "--sweep-interval must be more than 0"),
+        (["k8s", "serve"], "not in a Kubernetes pod"),
+        (["agent", "--fake", "1xH100-80GB", "--vgpu-slots", "0"], "--vgpu-slots must be 1..100"),
+        (
+            ["agent", "--fake", "1xH100-80GB", "--device-plugin", "--kubelet-dir", "{missing}"],
+            "is not a directory",
+        ),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(
+    args: list[str], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    (tmp_path / "file.pem").write_text("x")
+    filled = [a.format(file=tmp_path / "file.pem", missing=tmp_path / "missing") for a in args]
+    result = CliRunner().invoke(app, ["--url", "http://127.0.0.1:9", *filled])
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert message in lines[0]

@@ -1,0 +1,161 @@
+"""The controller's /k8s endpoints: placement per node, claims as leases, the one-claim gate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tests.conftest import register_fake_node
+from tests.controller.inprocess import API, controller, register
+
+SLICE = {"compute_pct": 25, "memory": "8GiB"}
+
+
+def claim_body(claim: str, node: str = "node-a", **request: Any) -> dict[str, Any]:
+    return {"claim": claim, "node": node, "pod": "ns/pod", "request": request or SLICE}
+
+
+def test_placement_says_where_a_request_fits_and_which_node_the_pool_prefers(
+    tmp_path: Path,
+) -> None:
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=1)
+        register(client, "node-b", gpus=2)
+        # node-a is nearly full: a 25 % slice fits only on node-b.
+        assert (
+            client.post(f"{API}/leases", json={"compute_pct": 80, "node": "node-a"}).status_code
+            == 201
+        )
+        answer = client.post(
+            f"{API}/k8s/placement",
+            json={"request": SLICE, "nodes": ["node-a", "node-b", "cpu-1"]},
+        ).json()
+        fits = {f["node"]: f for f in answer["nodes"]}
+        assert fits["node-a"]["fits"] is False and "available now" in fits["node-a"]["reason"]
+        assert fits["node-b"] == {
+            "node": "node-b",
+            "fits": True,
+            "reason": None,
+            "never": False,
+            "score": 10,
+        }
+        assert fits["cpu-1"]["reason"] == "no gpupool GPUs on this node" and fits["cpu-1"]["never"]
+        assert fits["node-a"]["never"] is False  # the 80 % lease may end
+        assert answer["best"] == "node-b"
+
+
+def test_claim_is_a_lease_on_the_chosen_node_and_binding_twice_is_harmless(tmp_path: Path) -> None:
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=2)
+        first = client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01"))
+        assert first.status_code == 201, first.text
+        again = client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01"))
+        assert (
+            again.status_code == 201 and again.json()["lease"]["id"] == first.json()["lease"]["id"]
+        )
+        elsewhere = client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01", node="node-b"))
+        assert (
+            elsewhere.status_code == 409
+            and "already bound to node node-a" in elsewhere.json()["detail"]
+        )
+        lease = first.json()["lease"]
+        assert lease["holder"] == "k8s-claim:c-aaaaaaaa01"
+        assert lease["node"] == "node-a" and lease["state"] == "granted"
+
+
+def test_one_claim_waits_per_node_until_a_container_gets_it(tmp_path: Path) -> None:
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=2)
+        assert client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01")).status_code == 201
+        busy = client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa02"))
+        assert (
+            busy.status_code == 409
+            and "still admitting claim c-aaaaaaaa01" in busy.json()["detail"]
+        )
+        pending = client.get(f"{API}/k8s/nodes/node-a/pending").json()
+        assert pending["claim"] == "c-aaaaaaaa01"
+
+        wrong = client.post(
+            f"{API}/k8s/nodes/node-a/allocate", json={"resource": "gpu", "devices": 1}
+        )
+        assert wrong.status_code == 404 and "no claim is waiting" in wrong.json()["detail"]
+        got = client.post(
+            f"{API}/k8s/nodes/node-a/allocate", json={"resource": "vgpu", "devices": 1}
+        )
+        assert got.status_code == 200
+        assert got.json()["state"] == "allocated" and got.json()["lease"]["state"] == "active"
+        assert client.get(f"{API}/k8s/nodes/node-a/pending").status_code == 404
+
+        assert client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa02")).status_code == 201
+        released = client.delete(f"{API}/k8s/claims/c-aaaaaaaa01")
+        assert released.json()["lease"]["state"] == "released"
+        assert [c["claim"] for c in client.get(f"{API}/k8s/claims").json()] == ["c-aaaaaaaa02"]
+        assert client.get(f"{API}/k8s/claims/c-aaaaaaaa01").status_code == 404
+
+
+def test_bad_claims_are_refused_with_a_reason_and_change_nothing(tmp_path: Path) -> None:
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=1)
+        bad_id = client.post(f"{API}/k8s/claims", json=claim_body("Not_A_Label"))
+        assert bad_id.status_code == 422 and "claim" in bad_id.json()["detail"]
+        remote = client.post(
+            f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01", compute_pct=25, access="remote")
+        )
+        assert remote.status_code == 422 and "direct leases" in remote.json()["detail"]
+        too_big = client.post(
+            f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01", gpus=4, physical=True)
+        )
+        assert too_big.status_code == 409 and "never be granted" in too_big.json()["detail"]
+        full = client.post(f"{API}/leases", json={"compute_pct": 90, "memory": "70GiB"})
+        assert full.status_code == 201
+        no_room = client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01"))
+        assert no_room.status_code == 409 and "wait=false" in no_room.json()["detail"]
+        assert client.get(f"{API}/k8s/claims").json() == []
+        assert len(client.get(f"{API}/leases").json()) == 1
+
+
+def test_claims_survive_a_controller_restart(start_controller: Any, db_url: str | None) -> None:
+    ctl = start_controller(db_url, lease_ttl_s=600.0)
+    with ctl.client() as client:
+        register_fake_node(client, name="node-a", gpus=1)
+        made = client.post("/k8s/claims", json=claim_body("c-restart0001"))
+        assert made.status_code == 201, made.text
+    ctl.kill9()
+    ctl.restart()
+    with ctl.client() as client:
+        after = client.get("/k8s/claims/c-restart0001")
+        assert after.status_code == 200
+        assert after.json()["lease"]["id"] == made.json()["lease"]["id"]
+        assert after.json()["state"] == "bound"
+        busy = client.post("/k8s/claims", json=claim_body("c-restart0002"))
+        assert busy.status_code == 409  # the gate holds across restarts too
+
+
+def test_only_agent_and_admin_tokens_reach_the_k8s_endpoints(tmp_path: Path) -> None:
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=1)
+        tokens = {
+            role: client.post(
+                f"{API}/tokens",
+                json={
+                    "name": f"k8s-{role}",
+                    "role": role,
+                    **({"tenant": "default"} if role == "tenant" else {}),
+                },
+            ).json()["token"]
+            for role in ("agent", "viewer", "tenant")
+        }
+        body = claim_body("c-auth00000001")
+        none = client.post(f"{API}/k8s/claims", json=body, headers={"Authorization": ""})
+        assert none.status_code == 401
+        for role in ("viewer", "tenant"):
+            refused = client.post(
+                f"{API}/k8s/claims", json=body, headers={"Authorization": f"Bearer {tokens[role]}"}
+            )
+            assert refused.status_code == 403 and "cannot do this" in refused.json()["detail"]
+        agent = {"Authorization": f"Bearer {tokens['agent']}"}
+        assert client.post(f"{API}/k8s/claims", json=body, headers=agent).status_code == 201
+        beat = client.post(f"{API}/k8s/claims/c-auth00000001/heartbeat", headers=agent)
+        assert beat.status_code == 200 and beat.json()["state"] == "bound"
+        events = client.get(f"{API}/events", params={"kind": "lease.created"}).json()
+        assert events[-1]["actor"] == "agent:k8s-agent"
