@@ -4,49 +4,49 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from gpupool.controller.routers.common import get_actor, get_store
+from gpupool.controller.routers.common import Filter, Key, get_actor, get_store
 from gpupool.controller.services import gpus
 from gpupool.controller.store import Store
-from gpupool.protocol.v1.api import GpuIsolate, GpuModeSet, GpuOut
+from gpupool.protocol.v1.api import GpuIsolate, GpuModeSet, GpuOut, Mode
 
 router = APIRouter(tags=["gpus"])
 
 
 @router.get("/gpus", response_model=list[GpuOut])
 async def list_gpus(
-    node: str | None = None, mode: str | None = None, store: Store = Depends(get_store)
+    node: Filter = None, mode: Mode | None = None, store: Store = Depends(get_store)
 ) -> list[GpuOut]:
     return await store.read(lambda s: gpus.list_gpus(store, s, node, mode))
 
 
 @router.get("/gpus/{uuid}", response_model=GpuOut)
-async def get_gpu(uuid: str, store: Store = Depends(get_store)) -> GpuOut:
+async def get_gpu(uuid: Key, store: Store = Depends(get_store)) -> GpuOut:
     return await store.read(lambda s: gpus.get(store, s, uuid))
 
 
 @router.post("/gpus/{uuid}/mode", response_model=GpuOut)
 async def set_mode(
-    uuid: str, body: GpuModeSet, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    uuid: Key, body: GpuModeSet, store: Store = Depends(get_store), actor: str = Depends(get_actor)
 ) -> GpuOut:
     return await store.write(lambda s: gpus.set_mode(store, s, uuid, body.mode, actor))
 
 
 @router.post("/gpus/{uuid}/drain", response_model=GpuOut)
 async def drain(
-    uuid: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    uuid: Key, store: Store = Depends(get_store), actor: str = Depends(get_actor)
 ) -> GpuOut:
     return await store.write(lambda s: gpus.drain(store, s, uuid, actor))
 
 
 @router.post("/gpus/{uuid}/isolate", response_model=GpuOut)
 async def isolate(
-    uuid: str, body: GpuIsolate, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    uuid: Key, body: GpuIsolate, store: Store = Depends(get_store), actor: str = Depends(get_actor)
 ) -> GpuOut:
     return await store.write(lambda s: gpus.isolate(store, s, uuid, body.reason, actor, body.fault))
 
 
 @router.post("/gpus/{uuid}/clear", response_model=GpuOut)
 async def clear(
-    uuid: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    uuid: Key, store: Store = Depends(get_store), actor: str = Depends(get_actor)
 ) -> GpuOut:
     return await store.write(lambda s: gpus.clear(store, s, uuid, actor))

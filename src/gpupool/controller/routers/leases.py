@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Query, status
 
-from gpupool.controller.routers.common import get_actor, get_store
+from gpupool.controller.routers.common import Filter, Key, get_actor, get_store
 from gpupool.controller.services import leases
 from gpupool.controller.store import Store
-from gpupool.core import ReleaseReason
+from gpupool.core import LeaseState, ReleaseReason
 from gpupool.protocol.v1.api import LeaseCreate, LeaseHeartbeat, LeaseOut, QueueEntryOut
 
 router = APIRouter(tags=["leases"])
+
+_STATE = "|".join(s.value for s in LeaseState)
+STATES = rf"^\s*(all|({_STATE})\s*(,\s*({_STATE})\s*)*)$"
+"""`all`, or lease states separated by commas."""
 
 
 @router.post("/leases", status_code=status.HTTP_201_CREATED, response_model=LeaseOut)
@@ -22,10 +26,12 @@ async def create_lease(
 
 @router.get("/leases", response_model=list[LeaseOut])
 async def list_leases(
-    state: str | None = Query(default=None, description="comma-separated states, or 'all'"),
-    tenant: str | None = None,
-    gpu: str | None = None,
-    node: str | None = None,
+    state: str | None = Query(
+        default=None, description="comma-separated states, or 'all'", pattern=STATES
+    ),
+    tenant: Filter = None,
+    gpu: Filter = None,
+    node: Filter = None,
     limit: int = Query(default=1000, ge=1, le=10000),
     store: Store = Depends(get_store),
 ) -> list[LeaseOut]:
@@ -33,13 +39,13 @@ async def list_leases(
 
 
 @router.get("/leases/{lease_id}", response_model=LeaseOut)
-async def get_lease(lease_id: str, store: Store = Depends(get_store)) -> LeaseOut:
+async def get_lease(lease_id: Key, store: Store = Depends(get_store)) -> LeaseOut:
     return await store.read(lambda s: leases.get(store, s, lease_id))
 
 
 @router.post("/leases/{lease_id}/heartbeat", response_model=LeaseOut)
 async def heartbeat(
-    lease_id: str, body: LeaseHeartbeat | None = None, store: Store = Depends(get_store)
+    lease_id: Key, body: LeaseHeartbeat | None = None, store: Store = Depends(get_store)
 ) -> LeaseOut:
     active = body.active if body is not None else None
     return await store.write(lambda s: leases.heartbeat(store, s, lease_id, active))
@@ -47,7 +53,7 @@ async def heartbeat(
 
 @router.delete("/leases/{lease_id}", response_model=LeaseOut)
 async def release_lease(
-    lease_id: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    lease_id: Key, store: Store = Depends(get_store), actor: str = Depends(get_actor)
 ) -> LeaseOut:
     return await store.write(
         lambda s: leases.release(store, s, lease_id, actor, ReleaseReason.HOLDER)
@@ -56,7 +62,7 @@ async def release_lease(
 
 @router.post("/leases/{lease_id}/release", response_model=LeaseOut)
 async def release_by_operator(
-    lease_id: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    lease_id: Key, store: Store = Depends(get_store), actor: str = Depends(get_actor)
 ) -> LeaseOut:
     return await store.write(
         lambda s: leases.release(store, s, lease_id, actor, ReleaseReason.ADMIN)

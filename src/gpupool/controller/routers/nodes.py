@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response, status
 
-from gpupool.controller.routers.common import get_actor, get_store
+from gpupool.controller.routers.common import Key, get_actor, get_store
 from gpupool.controller.services import nodes
 from gpupool.controller.store import Store
 from gpupool.protocol.v1.api import NodeHeartbeat, NodeHeartbeatReply, NodeOut, NodeRegister
@@ -21,7 +21,7 @@ async def register(
 
 @router.post("/nodes/{name}/heartbeat", response_model=NodeHeartbeatReply)
 async def heartbeat(
-    name: str, body: NodeHeartbeat, store: Store = Depends(get_store)
+    name: Key, body: NodeHeartbeat, store: Store = Depends(get_store)
 ) -> NodeHeartbeatReply:
     return await store.write(lambda s: nodes.heartbeat(store, s, name, body))
 
@@ -32,13 +32,13 @@ async def list_nodes(store: Store = Depends(get_store)) -> list[NodeOut]:
 
 
 @router.get("/nodes/{name}", response_model=NodeOut)
-async def get_node(name: str, store: Store = Depends(get_store)) -> NodeOut:
+async def get_node(name: Key, store: Store = Depends(get_store)) -> NodeOut:
     return await store.read(lambda s: nodes.get(store, s, name))
 
 
 @router.delete("/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT)
 async def remove_node(
-    name: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    name: Key, store: Store = Depends(get_store), actor: str = Depends(get_actor)
 ) -> Response:
     await store.write(lambda s: nodes.remove(store, s, name, actor))
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -7,7 +7,7 @@ from typing import Any
 from fastapi import APIRouter, Depends, Query
 
 from gpupool import __version__
-from gpupool.controller.routers.common import get_store
+from gpupool.controller.routers.common import Filter, get_store
 from gpupool.controller.services import events, pool
 from gpupool.controller.store import Store
 from gpupool.protocol.v1.api import EventOut, PoolSummary
@@ -34,8 +34,8 @@ async def get_pool(store: Store = Depends(get_store)) -> PoolSummary:
 async def list_events(
     since_id: int | None = Query(default=None, ge=0),
     limit: int = Query(default=100, ge=1, le=10000),
-    kind: str | None = None,
-    subject: str | None = None,
+    kind: Filter = None,
+    subject: Filter = None,
     store: Store = Depends(get_store),
 ) -> list[EventOut]:
     return await store.read(lambda s: events.list_events(s, since_id, limit, kind, subject))

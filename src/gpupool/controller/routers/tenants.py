@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response, status
 
-from gpupool.controller.routers.common import get_actor, get_store
+from gpupool.controller.routers.common import Key, get_actor, get_store
 from gpupool.controller.services import tenants
 from gpupool.controller.store import Store
 from gpupool.protocol.v1.api import TenantCreate, TenantOut, TenantUpdate
@@ -25,13 +25,13 @@ async def create_tenant(
 
 
 @router.get("/tenants/{name}", response_model=TenantOut)
-async def get_tenant(name: str, store: Store = Depends(get_store)) -> TenantOut:
+async def get_tenant(name: Key, store: Store = Depends(get_store)) -> TenantOut:
     return await store.read(lambda s: tenants.get(store, s, name))
 
 
 @router.patch("/tenants/{name}", response_model=TenantOut)
 async def update_tenant(
-    name: str,
+    name: Key,
     body: TenantUpdate,
     store: Store = Depends(get_store),
     actor: str = Depends(get_actor),
@@ -41,7 +41,7 @@ async def update_tenant(
 
 @router.delete("/tenants/{name}", status_code=status.HTTP_204_NO_CONTENT)
 async def delete_tenant(
-    name: str, store: Store = Depends(get_store), actor: str = Depends(get_actor)
+    name: Key, store: Store = Depends(get_store), actor: str = Depends(get_actor)
 ) -> Response:
     await store.write(lambda s: tenants.delete(store, s, name, actor))
     return Response(status_code=status.HTTP_204_NO_CONTENT)
