@@ -316,6 +316,7 @@ async def run(args: argparse.Namespace, url: str, token: str | None) -> dict[str
         "clients": args.clients,
         "leases_held": holding,
         "heartbeat_s": args.heartbeat_s,
+        "connections": args.connections,
         "asked": {"heartbeat_per_s": asked_heartbeats, "lease_requests_per_s": args.rate},
         "started_lease_requests_per_s": round(load.arrived / elapsed, 1),
         "achieved": {
