@@ -12,9 +12,11 @@ from typing import Any
 
 
 class HttpConnection:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, headers: dict[str, str] | None = None) -> None:
         self.host = host
         self.port = port
+        # Sent with every request (credentials, for one): the head is built per request.
+        self.extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
         self.reader: asyncio.StreamReader | None = None
         self.writer: asyncio.StreamWriter | None = None
 
@@ -27,7 +29,7 @@ class HttpConnection:
         head = (
             f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n"
-            "X-Gpupool-Actor: bench\r\n\r\n"
+            f"X-Gpupool-Actor: bench\r\n{self.extra}\r\n"
         )
         self.writer.write(head.encode() + payload)
         status_line = await self.reader.readline()

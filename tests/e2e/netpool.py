@@ -123,12 +123,12 @@ class NetPool:
     def cli(self, *args: str, host: Host | None = None, timeout: float = 120) -> Any:
         """Run `gpupool ARGS` in the client host (or `host`), as a user would."""
         return (host or self.client).run(
-            gpupool_argv("--url", self.url, "--as", ACTOR, *args), timeout=timeout, env=self.env()
+            gpupool_argv("--url", self.url, *args), timeout=timeout, env=self.env()
         )
 
     def spawn(self, *args: str, log: str, host: Host | None = None) -> subprocess.Popen[bytes]:
         return (host or self.client).popen(
-            gpupool_argv("--url", self.url, "--as", ACTOR, *args), self.workdir / log, self.env()
+            gpupool_argv("--url", self.url, *args), self.workdir / log, self.env()
         )
 
     def python(self, script: Path, *args: str, log: str, host: Host | None = None) -> Any:

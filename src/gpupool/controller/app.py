@@ -6,12 +6,14 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException
 
 from gpupool import __version__
 from gpupool.controller import ha
@@ -37,6 +39,17 @@ from gpupool.controller.settings import ControllerSettings
 from gpupool.controller.store import Store
 from gpupool.core import PoolError
 from gpupool.protocol.v1 import API_PREFIX
+from gpupool.protocol.v1.api import ErrorOut, ValidationErrorOut
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorOut, "description": "Malformed request (the body is not JSON)"},
+    401: {"model": ErrorOut, "description": "No token, or one that is not valid"},
+    403: {"model": ErrorOut, "description": "Not allowed for this token, or by the quota"},
+    404: {"model": ErrorOut, "description": "No such object"},
+    409: {"model": ErrorOut, "description": "Conflicts with the pool's state"},
+    422: {"model": ValidationErrorOut, "description": "Invalid request"},
+}
+"""What any route may answer besides its success, so the OpenAPI document says all of it."""
 
 log = logging.getLogger(__name__)
 
@@ -96,15 +109,49 @@ def create_app(settings: ControllerSettings) -> FastAPI:
         docs_url=f"{API_PREFIX}/docs",
     )
     for module in (leases, gpus, nodes, tenants, pool, dashboard, tokens, ha_routes, k8s):
-        app.include_router(module.router, prefix=API_PREFIX)
-    app.include_router(metrics.router)
+        app.include_router(module.router, prefix=API_PREFIX, responses=ERROR_RESPONSES)
+    app.include_router(metrics.router, responses=ERROR_RESPONSES)
     app.include_router(dashboard.pages)
     app.add_middleware(SchedulingTimer)
     # Outermost: a standby forwards a write before anything else of it runs.
     app.add_middleware(ha.Standby, group=lambda: getattr(app.state, "ha", None))
     app.add_exception_handler(PoolError, _pool_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
     return app
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own refusals (unknown path, wrong method, unreadable body) in our format."""
+    assert isinstance(exc, HTTPException)
+    code = {400: "bad_request", 404: "not_found", 405: "method_not_allowed"}.get(
+        exc.status_code, "http_error"
+    )
+    headers = dict(exc.headers or {})
+    if exc.status_code == 405:
+        # Starlette names only the first route that matched the path; a client told to use
+        # another method must see every method the path has (GET and DELETE on a lease).
+        headers["Allow"] = ", ".join(_methods_of(request))
+    return JSONResponse(
+        {"error": code, "detail": str(exc.detail)}, status_code=exc.status_code, headers=headers
+    )
+
+
+def _methods_of(request: Request) -> list[str]:
+    """Every method the OpenAPI document lists for the request's path."""
+    app: FastAPI = request.app
+    table: list[tuple[re.Pattern[str], list[str]]] | None = getattr(app.state, "methods", None)
+    if table is None:
+        table = [
+            (
+                re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(path)) + "$"),
+                [method.upper() for method in operations],
+            )
+            for path, operations in app.openapi()["paths"].items()
+        ]
+        app.state.methods = table
+    path = request.url.path
+    return sorted({m for pattern, methods in table if pattern.match(path) for m in methods})
 
 
 async def _pool_error(_request: Request, exc: Exception) -> JSONResponse:
@@ -115,7 +162,7 @@ async def _pool_error(_request: Request, exc: Exception) -> JSONResponse:
     )
 
 
-async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(_request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestValidationError)
     errors = exc.errors()
     first: dict[str, Any] = errors[0] if errors else {}
@@ -128,11 +175,7 @@ async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
     detail = f"{where}: {message}" if where else message
     if len(errors) > 1:
         detail += f" (and {len(errors) - 1} more problem(s))"
-    return JSONResponse(
-        {
-            "error": "invalid_request",
-            "detail": detail,
-            "problems": json.loads(json.dumps(errors, default=str)),
-        },
-        status_code=422,
-    )
+    body = {"error": "invalid_request", "detail": detail, "problems": errors}
+    # ASCII JSON (json.dumps escapes): the problems echo the input, which may hold text that is
+    # not UTF-8 (a lone surrogate sent as `\\udXXX`); escaped, it answers instead of a 500.
+    return Response(json.dumps(body, default=str), status_code=422, media_type="application/json")

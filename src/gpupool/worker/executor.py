@@ -40,6 +40,9 @@ DENIED_OPS = frozenset({"aten::from_file"})
 SHM_READ_MIN_BYTES = 1 << 20
 """Smaller reads ride in the reply frame; larger ones go through the shared arena."""
 
+_MALFORMED = (IndexError, ValueError, TypeError, KeyError, AttributeError, OverflowError)
+"""What a record of the wrong shape or with values of the wrong type raises in its handler."""
+
 _BUILTIN_ERRORS = frozenset(
     {"RuntimeError", "ValueError", "TypeError", "IndexError", "NotImplementedError", "KeyError"}
 )
@@ -57,6 +60,9 @@ class Link(Protocol):
 
     def read_put(self, handle: int, dest: memoryview) -> None:
         """Fill dest from the PUT frames that follow the current batch."""
+
+    def skip_put(self, handle: int, nbytes: int) -> None:
+        """Read and drop the PUT frames of a put that has nowhere to go."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +167,7 @@ class Executor:
                 raise ProtocolError(f"unknown record type {record[0]}")
             try:
                 handler(record, link)
-            except (IndexError, ValueError, TypeError, KeyError) as exc:
+            except _MALFORMED as exc:
                 raise ProtocolError(f"malformed record {Rec(record[0]).name}: {exc}") from exc
             count += 1
         self.activity.ran(count)
@@ -250,9 +256,17 @@ class Executor:
     def _put(self, rec: list[Any], link: Link) -> None:
         _, handle, dtype, shape, payload, nbytes, shm_offset = rec
         dtype = dtype_from_name(dtype)
-        _check_put_size(dtype, shape, nbytes, self.tensors.get(handle))
+        target = self.tensors.get(handle)
+        _check_put_size(dtype, shape, nbytes, target)
         if payload is None and shm_offset is None:
             # The bytes follow in PUT frames; they must be consumed even when the put is skipped.
+            if target is None or self.error is not None:
+                # Nowhere to copy them: drop them as they come rather than hold a buffer of
+                # whatever size the record claims (a hostile one claims terabytes).
+                link.skip_put(handle, nbytes)
+                if self.error is None:
+                    self._fail(_put_without_target(handle), "copy_ (host to device)", [], None)
+                return
             buffer = bytearray(nbytes)
             link.read_put(handle, memoryview(buffer))
             payload = buffer
@@ -280,6 +294,8 @@ class Executor:
         if isinstance(tensor, Missing):
             link.reply([Kind.ERROR, req, _missing_error(tensor).to_wire()])
             return
+        if not isinstance(tensor, torch.Tensor):
+            raise ProtocolError(f"READ of {type(tensor).__name__}, not of a tensor handle")
         head: list[Any] = [
             Kind.DATA,
             req,
@@ -424,6 +440,9 @@ class Executor:
         link.reply([Kind.RESULT, rec[1], bytes(host_bytes(state))])
 
     def _set_rng_state(self, rec: list[Any], link: Link) -> None:
+        if not isinstance(rec[1], bytes):
+            # bytearray(n) of an int would allocate n bytes: a generator state is bytes.
+            raise ProtocolError("SET_RNG_STATE needs the state as bytes")
         if self.error is not None:
             return
         state = torch.frombuffer(bytearray(rec[1]), dtype=torch.uint8)
@@ -488,6 +507,10 @@ def _check_put_size(dtype: torch.dtype, shape: Any, nbytes: Any, target: Any) ->
         raise ProtocolError(f"PUT of {nbytes!r} bytes for {shape} {dtype}")
     if isinstance(target, torch.Tensor) and numel > max(target.numel(), 1):
         raise ProtocolError(f"PUT of {numel} elements into a tensor of {target.numel()}")
+
+
+def _put_without_target(handle: int) -> RuntimeError:
+    return RuntimeError(f"copy into tensor {handle}, which the worker does not hold")
 
 
 def _missing_error(missing: Missing, op: str | None = None) -> ErrorBody:

@@ -219,8 +219,10 @@ class Worker:
             raise ProtocolError(problem.message)
         sock.settimeout(None)
         assert isinstance(body, dict)
-        if body.get("shm"):
-            return hello.fds  # the client's memfd arena
+        if body.get("shm") and hello.fds:
+            for fd in hello.fds[1:]:
+                os.close(fd)  # one arena per client; more descriptors would only leak
+            return hello.fds[:1]  # the client's memfd arena
         for fd in hello.fds:
             os.close(fd)
         return []
@@ -235,10 +237,16 @@ class Worker:
         """Run the client's stream until it leaves; a protocol error ends it with that error."""
         sock = link.conn.sock
         if fds and sock.family == socket.AF_UNIX:
-            link.client_arena = SharedArena.adopt(fds[0])
+            try:
+                link.client_arena = SharedArena.adopt(fds[0])
+            except (OSError, ValueError) as exc:
+                os.close(fds[0])
+                return ErrorBody(ErrorKind.PROTOCOL, f"the shared memory sent is not usable: {exc}")
             link.worker_arena = SharedArena.create(self.config.read_arena_mib * MiB)
             if self.device.type == "cuda":
                 link.pin(self.device)
+        elif fds:
+            os.close(fds[0])
         self._active = link.conn
         self.activity.client_connected, self.activity.client_peer = True, peer
         try:
@@ -255,6 +263,14 @@ class Worker:
         except ProtocolError as exc:
             log.warning("closing the client connection: %s", exc)
             return ErrorBody(ErrorKind.PROTOCOL, str(exc))
+        except Exception as exc:
+            # Whatever a hostile stream makes the worker do (a value of the wrong type reaching
+            # torch, an allocation that fails) ends this connection with an error, and only it.
+            log.warning("closing the client connection after %s: %s", type(exc).__name__, exc)
+            return ErrorBody(
+                ErrorKind.PROTOCOL,
+                f"the worker could not run the stream: {type(exc).__name__}: {exc}",
+            )
         return None
 
     def _loop(self, link: _Link) -> None:
@@ -321,14 +337,26 @@ class _Link:
     def read_put(self, handle: int, dest: memoryview) -> None:
         filled = 0
         while filled < len(dest):
-            frame = self.conn.recv()
-            head = frame.head()
-            if head[0] != Kind.PUT or len(head) != 3 or head[1] != handle or head[2] != filled:
-                raise ProtocolError(f"expected PUT of tensor {handle} at byte {filled}")
-            if frame.tail_len == 0 or filled + frame.tail_len > len(dest):
-                raise ProtocolError("PUT frame tail does not fit the announced size")
-            self.conn.read_tail_into(dest[filled : filled + frame.tail_len])
-            filled += frame.tail_len
+            size = self._next_put(handle, filled, len(dest))
+            self.conn.read_tail_into(dest[filled : filled + size])
+            filled += size
+
+    def skip_put(self, handle: int, nbytes: int) -> None:
+        skipped = 0
+        while skipped < nbytes:
+            size = self._next_put(handle, skipped, nbytes)
+            self.conn.skip_tail()
+            skipped += size
+
+    def _next_put(self, handle: int, offset: int, total: int) -> int:
+        """The next PUT frame of tensor `handle`, checked to carry bytes from `offset` on."""
+        frame = self.conn.recv()
+        head = frame.head()
+        if head[0] != Kind.PUT or len(head) != 3 or head[1] != handle or head[2] != offset:
+            raise ProtocolError(f"expected PUT of tensor {handle} at byte {offset}")
+        if frame.tail_len == 0 or offset + frame.tail_len > total:
+            raise ProtocolError("PUT frame tail does not fit the announced size")
+        return frame.tail_len
 
     def pin(self, device: torch.device) -> None:
         """Register both arenas with CUDA, so host↔device copies are DMA from shared memory."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Path, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from gpupool.controller.services import auth
@@ -18,6 +19,15 @@ SESSION_COOKIE = "gpupool_session"
 CSRF_HEADER = "X-Gpupool-Csrf"
 """Writes authenticated by the dashboard's cookie must carry this header: a page of another
 site can make a browser send the cookie, but cannot add a header without CORS consent."""
+
+NO_NUL = r"^[^\x00]*$"
+"""Names in paths and filters are looked up in the database, which cannot hold NUL."""
+
+Key = Annotated[str, Path(min_length=1, max_length=128, pattern=NO_NUL)]
+"""A lease id, GPU UUID, node or tenant name in a path: as long as the columns they live in."""
+
+Filter = Annotated[str | None, Query(max_length=128, pattern=NO_NUL)]
+"""An optional filter on a listing, compared with a column of at most 128 characters."""
 
 _bearer = HTTPBearer(auto_error=False, description="an API token: gpp_<id>_<secret>")
 _SAFE = frozenset({"GET", "HEAD", "OPTIONS"})

@@ -7,7 +7,7 @@ import asyncio
 from fastapi import APIRouter, Depends, Query, Request, Response
 
 from gpupool.controller.dashboard import Asset, asset, index
-from gpupool.controller.routers.common import OPERATORS, get_store
+from gpupool.controller.routers.common import OPERATORS, Key, get_store
 from gpupool.controller.services import dashboard
 from gpupool.controller.services.watch import PoolWatch
 from gpupool.controller.store import Store
@@ -44,7 +44,7 @@ async def servers(
 
 
 @router.get("/dashboard/gpus/{uuid}", response_model=GpuDetailOut)
-async def gpu_detail(uuid: str, store: Store = Depends(get_store)) -> GpuDetailOut:
+async def gpu_detail(uuid: Key, store: Store = Depends(get_store)) -> GpuDetailOut:
     return await asyncio.to_thread(dashboard.gpu_detail, store, uuid)
 
 

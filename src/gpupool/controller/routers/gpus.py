@@ -4,44 +4,44 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends
 
-from gpupool.controller.routers.common import ADMIN, AGENTS, ANYONE, get_store
+from gpupool.controller.routers.common import ADMIN, AGENTS, ANYONE, Filter, Key, get_store
 from gpupool.controller.services import gpus
 from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
-from gpupool.protocol.v1.api import GpuIsolate, GpuModeSet, GpuOut
+from gpupool.protocol.v1.api import GpuIsolate, GpuModeSet, GpuOut, Mode
 
 router = APIRouter(tags=["gpus"], dependencies=[Depends(ANYONE)])
 
 
 @router.get("/gpus", response_model=list[GpuOut])
 async def list_gpus(
-    node: str | None = None, mode: str | None = None, store: Store = Depends(get_store)
+    node: Filter = None, mode: Mode | None = None, store: Store = Depends(get_store)
 ) -> list[GpuOut]:
     return await store.read(lambda s: gpus.list_gpus(store, s, node, mode))
 
 
 @router.get("/gpus/{uuid}", response_model=GpuOut)
-async def get_gpu(uuid: str, store: Store = Depends(get_store)) -> GpuOut:
+async def get_gpu(uuid: Key, store: Store = Depends(get_store)) -> GpuOut:
     return await store.read(lambda s: gpus.get(store, s, uuid))
 
 
 @router.post("/gpus/{uuid}/mode", response_model=GpuOut)
 async def set_mode(
-    uuid: str, body: GpuModeSet, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
+    uuid: Key, body: GpuModeSet, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> GpuOut:
     return await store.write(lambda s: gpus.set_mode(store, s, uuid, body.mode, who.actor))
 
 
 @router.post("/gpus/{uuid}/drain", response_model=GpuOut)
 async def drain(
-    uuid: str, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
+    uuid: Key, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> GpuOut:
     return await store.write(lambda s: gpus.drain(store, s, uuid, who.actor))
 
 
 @router.post("/gpus/{uuid}/isolate", response_model=GpuOut)
 async def isolate(
-    uuid: str,
+    uuid: Key,
     body: GpuIsolate,
     store: Store = Depends(get_store),
     who: Principal = Depends(AGENTS),
@@ -53,6 +53,6 @@ async def isolate(
 
 @router.post("/gpus/{uuid}/clear", response_model=GpuOut)
 async def clear(
-    uuid: str, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
+    uuid: Key, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> GpuOut:
     return await store.write(lambda s: gpus.clear(store, s, uuid, who.actor))

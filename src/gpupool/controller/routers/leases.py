@@ -5,14 +5,18 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Query, status
 
-from gpupool.controller.routers.common import ADMIN, HOLDERS, READERS, get_store
+from gpupool.controller.routers.common import ADMIN, HOLDERS, READERS, Filter, Key, get_store
 from gpupool.controller.services import leases
 from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
-from gpupool.core import Forbidden, ReleaseReason
+from gpupool.core import Forbidden, LeaseState, ReleaseReason
 from gpupool.protocol.v1.api import LeaseCreate, LeaseHeartbeat, LeaseOut, QueueEntryOut
 
 router = APIRouter(tags=["leases"])
+
+_STATE = "|".join(s.value for s in LeaseState)
+STATES = rf"^\s*(all|({_STATE})\s*(,\s*({_STATE})\s*)*)$"
+"""`all`, or lease states separated by commas."""
 
 
 def _scope(who: Principal) -> str | None:
@@ -37,10 +41,12 @@ async def create_lease(
 
 @router.get("/leases", response_model=list[LeaseOut])
 async def list_leases(
-    state: str | None = Query(default=None, description="comma-separated states, or 'all'"),
-    tenant: str | None = None,
-    gpu: str | None = None,
-    node: str | None = None,
+    state: str | None = Query(
+        default=None, description="comma-separated states, or 'all'", pattern=STATES
+    ),
+    tenant: Filter = None,
+    gpu: Filter = None,
+    node: Filter = None,
     limit: int = Query(default=1000, ge=1, le=10000),
     store: Store = Depends(get_store),
     who: Principal = Depends(READERS),
@@ -55,14 +61,14 @@ async def list_leases(
 
 @router.get("/leases/{lease_id}", response_model=LeaseOut)
 async def get_lease(
-    lease_id: str, store: Store = Depends(get_store), who: Principal = Depends(READERS)
+    lease_id: Key, store: Store = Depends(get_store), who: Principal = Depends(READERS)
 ) -> LeaseOut:
     return await store.read(lambda s: leases.get(store, s, lease_id, _scope(who)))
 
 
 @router.post("/leases/{lease_id}/heartbeat", response_model=LeaseOut)
 async def heartbeat(
-    lease_id: str,
+    lease_id: Key,
     body: LeaseHeartbeat | None = None,
     store: Store = Depends(get_store),
     who: Principal = Depends(HOLDERS),
@@ -74,7 +80,7 @@ async def heartbeat(
 
 @router.delete("/leases/{lease_id}", response_model=LeaseOut)
 async def release_lease(
-    lease_id: str, store: Store = Depends(get_store), who: Principal = Depends(HOLDERS)
+    lease_id: Key, store: Store = Depends(get_store), who: Principal = Depends(HOLDERS)
 ) -> LeaseOut:
     mine = _scope(who)
     return await store.write(
@@ -86,7 +92,7 @@ async def release_lease(
 
 @router.post("/leases/{lease_id}/release", response_model=LeaseOut)
 async def release_by_operator(
-    lease_id: str, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
+    lease_id: Key, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> LeaseOut:
     return await store.write(
         lambda s: leases.release(store, s, lease_id, who.actor, ReleaseReason.ADMIN)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response, status
 
-from gpupool.controller.routers.common import ADMIN, AGENTS, ANYONE, get_store
+from gpupool.controller.routers.common import ADMIN, AGENTS, ANYONE, Key, get_store
 from gpupool.controller.services import nodes
 from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
@@ -22,7 +22,7 @@ async def register(
 
 @router.post("/nodes/{name}/heartbeat", response_model=NodeHeartbeatReply)
 async def heartbeat(
-    name: str,
+    name: Key,
     body: NodeHeartbeat,
     store: Store = Depends(get_store),
     _who: Principal = Depends(AGENTS),
@@ -36,13 +36,13 @@ async def list_nodes(store: Store = Depends(get_store)) -> list[NodeOut]:
 
 
 @router.get("/nodes/{name}", response_model=NodeOut)
-async def get_node(name: str, store: Store = Depends(get_store)) -> NodeOut:
+async def get_node(name: Key, store: Store = Depends(get_store)) -> NodeOut:
     return await store.read(lambda s: nodes.get(store, s, name))
 
 
 @router.delete("/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT)
 async def remove_node(
-    name: str, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
+    name: Key, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> Response:
     await store.write(lambda s: nodes.remove(store, s, name, who.actor))
     return Response(status_code=status.HTTP_204_NO_CONTENT)

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query, Request
 
 from gpupool import __version__
 from gpupool.controller import ha
-from gpupool.controller.routers.common import ANYONE, OPERATORS, get_store
+from gpupool.controller.routers.common import ANYONE, OPERATORS, Filter, get_store
 from gpupool.controller.services import events, pool
 from gpupool.controller.store import Store
 from gpupool.protocol.v1.api import EventOut, PoolSummary
@@ -41,8 +41,8 @@ async def get_pool(
 async def list_events(
     since_id: int | None = Query(default=None, ge=0),
     limit: int = Query(default=100, ge=1, le=10000),
-    kind: str | None = None,
-    subject: str | None = None,
+    kind: Filter = None,
+    subject: Filter = None,
     store: Store = Depends(get_store),
     _who: object = Depends(OPERATORS),
 ) -> list[EventOut]:

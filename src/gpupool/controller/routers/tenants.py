@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Response, status
 
-from gpupool.controller.routers.common import ADMIN, READERS, get_store
+from gpupool.controller.routers.common import ADMIN, READERS, Key, get_store
 from gpupool.controller.services import tenants
 from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
@@ -32,7 +32,7 @@ async def create_tenant(
 
 @router.get("/tenants/{name}", response_model=TenantOut)
 async def get_tenant(
-    name: str, store: Store = Depends(get_store), who: Principal = Depends(READERS)
+    name: Key, store: Store = Depends(get_store), who: Principal = Depends(READERS)
 ) -> TenantOut:
     if not who.owns(name):
         raise NotFound(f"no tenant {name!r}")
@@ -41,7 +41,7 @@ async def get_tenant(
 
 @router.patch("/tenants/{name}", response_model=TenantOut)
 async def update_tenant(
-    name: str,
+    name: Key,
     body: TenantUpdate,
     store: Store = Depends(get_store),
     who: Principal = Depends(ADMIN),
@@ -51,7 +51,7 @@ async def update_tenant(
 
 @router.delete("/tenants/{name}", status_code=status.HTTP_204_NO_CONTENT)
 async def delete_tenant(
-    name: str, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
+    name: Key, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> Response:
     await store.write(lambda s: tenants.delete(store, s, name, who.actor))
     return Response(status_code=status.HTTP_204_NO_CONTENT)

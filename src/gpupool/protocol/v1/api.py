@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -15,10 +16,64 @@ LeaseStateName = Literal[
 ]
 
 
-class Strict(BaseModel):
-    """Unknown fields are errors: a typo in a request must not silently do something else."""
+INT32_MAX = 2**31 - 1
+"""The largest number an integer column holds (PostgreSQL's INTEGER): bigger ones are refused
+with a 422 here rather than failing the database write they would be part of."""
+JSON_INT_MAX = 2**53
+"""Integers inside free-form JSON (telemetry, host facts) stay exact in JavaScript and doubles."""
 
-    model_config = ConfigDict(extra="forbid")
+Int32 = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def check_storable(value: object, where: str = "") -> None:
+    """Refuse what a database cannot store, before it reaches a write.
+
+    A request is written in one transaction with the requests that arrived with it, so a
+    value the database rejects at commit would fail its neighbours too: NUL characters
+    (PostgreSQL text cannot hold them), lone surrogates (not UTF-8; JSON's `\\udXXX` escapes
+    can make them), NaN and infinities (not JSON) and integers no column or JSON reader holds.
+    """
+    if isinstance(value, str):
+        if "\x00" in value:
+            raise ValueError(f"{where or 'text'} must not contain NUL characters")
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{where or 'text'} is not valid Unicode text") from None
+    elif isinstance(value, bool):
+        return
+    elif isinstance(value, int):
+        if abs(value) > JSON_INT_MAX:
+            raise ValueError(f"{where or 'number'} is too large: {value}")
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where or 'number'} must be a finite number, got {value}")
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_storable(key, where)
+            check_storable(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list | tuple):
+        for item in value:
+            check_storable(item, where)
+    elif isinstance(value, BaseModel):
+        for name in type(value).model_fields:
+            check_storable(getattr(value, name), f"{where}.{name}" if where else name)
+
+
+class Strict(BaseModel):
+    """Unknown fields are errors: a typo in a request must not silently do something else.
+
+    Every field of a request is also checked to be storable (`check_storable`), so a hostile
+    body gets a 422 naming the field instead of failing the transaction it would share.
+    """
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _storable(cls, value: object) -> object:
+        check_storable(value)
+        return value
 
 
 # ---- nodes and GPUs ---------------------------------------------------------------------
@@ -26,16 +81,16 @@ class Strict(BaseModel):
 
 class GpuInventory(Strict):
     uuid: Annotated[str, Field(min_length=1, max_length=128)]
-    index: Annotated[int, Field(ge=0)] = 0
+    index: Int32 = 0
     model: Annotated[str, Field(min_length=1, max_length=128)]
-    memory_mib: Annotated[int, Field(gt=0)]
-    pci_bus_id: str | None = None
+    memory_mib: Annotated[int, Field(gt=0, le=INT32_MAX)]
+    pci_bus_id: Annotated[str, Field(max_length=32)] | None = None
     mig_mode: bool | None = None
     simulated: bool = False
 
 
 class GpuTelemetry(Strict):
-    uuid: str
+    uuid: Annotated[str, Field(max_length=128)]
     utilization_pct: float | None = None
     memory_used_mib: int | None = None
     temperature_c: float | None = None
@@ -54,14 +109,14 @@ class GpuTelemetry(Strict):
 
 class NodeRegister(Strict):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
-    address: str | None = None
-    agent_url: str | None = None
-    cpu_count: int | None = None
-    memory_mib: int | None = None
-    driver_version: str | None = None
-    cuda_version: str | None = None
-    backend: str = "fake"
-    gpus: list[GpuInventory] = Field(default_factory=list)
+    address: Annotated[str, Field(max_length=256)] | None = None
+    agent_url: Annotated[str, Field(max_length=512)] | None = None
+    cpu_count: Int32 | None = None
+    memory_mib: Int32 | None = None
+    driver_version: Annotated[str, Field(max_length=64)] | None = None
+    cuda_version: Annotated[str, Field(max_length=64)] | None = None
+    backend: Annotated[str, Field(max_length=32)] = "fake"
+    gpus: Annotated[list[GpuInventory], Field(max_length=1024)] = Field(default_factory=list)
 
 
 class NodeHeartbeat(Strict):
@@ -96,13 +151,13 @@ class RemoteLease(BaseModel):
 class WorkerReport(BaseModel):
     """One worker as its agent sees it, sent with each heartbeat."""
 
-    lease_id: str
-    gpu_uuid: str
-    endpoint: str | None = None
+    lease_id: Annotated[str, Field(max_length=32)]
+    gpu_uuid: Annotated[str, Field(max_length=128)]
+    endpoint: Annotated[str, Field(max_length=256)] | None = None
     alive: bool = True
     last_op_at: float | None = None
     memory_mib: int | None = None
-    error: str | None = None
+    error: Annotated[str, Field(max_length=1024)] | None = None
 
 
 class NodeHeartbeatReply(BaseModel):
@@ -162,18 +217,27 @@ class GpuIsolate(Strict):
 RequestId = Annotated[str, Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
 
 
+def storable_memory(text: str | None) -> str | None:
+    """A memory size as written, once it reads as one and fits an integer column in MiB."""
+    if text is not None and parse_memory_mib(text) > INT32_MAX:
+        raise ValueError(f"memory {text!r} is more than any pool holds (at most {INT32_MAX} MiB)")
+    return text
+
+
 class LeaseCreate(Strict):
     """A lease request. Memory needs a unit (`20GiB`); compute is a whole percent (1..100)."""
 
-    tenant: str = "default"
+    tenant: Annotated[str, Field(min_length=1, max_length=64)] = "default"
     gpus: Annotated[int, Field(ge=1, le=256)] = 1
     compute_pct: int | None = None
     memory: str | None = None
     physical: bool = False
     priority: Annotated[int, Field(ge=0, le=1000)] = 0
     access: Literal["direct", "remote"] = "direct"
-    node: str | None = None
-    gpu_models: list[str] = Field(default_factory=list)
+    node: Annotated[str, Field(max_length=128)] | None = None
+    gpu_models: Annotated[
+        list[Annotated[str, Field(max_length=128)]], Field(max_length=64)
+    ] = Field(default_factory=list)
     span_nodes: bool = True
     cpu: str | None = None
     """CPU of the lease's server a direct lease needs: cores (`4`, `0.5`) or millicores (`500m`)."""
@@ -183,7 +247,7 @@ class LeaseCreate(Strict):
     ttl_s: Annotated[float, Field(gt=0, le=86400)] | None = None
     wait: bool = True
     """False: fail with 409 instead of queueing when the request does not fit now."""
-    prefer_node: str | None = None
+    prefer_node: Annotated[str, Field(max_length=128)] | None = None
     """The client's own server: placement tries it first, then any server (locality `any`)."""
     max_wait_s: Annotated[float, Field(gt=0, le=30 * 86400)] | None = None
     """Fail, saying why, instead of waiting longer than this in the queue."""
@@ -203,9 +267,7 @@ class LeaseCreate(Strict):
     @field_validator("memory")
     @classmethod
     def _memory(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_memory_mib(value)
-        return value
+        return storable_memory(value)
 
     def memory_mib(self) -> int | None:
         return None if self.memory is None else parse_memory_mib(self.memory)
@@ -220,9 +282,7 @@ class LeaseCreate(Strict):
     @field_validator("host_memory")
     @classmethod
     def _host_memory(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_memory_mib(value)
-        return value
+        return storable_memory(value)
 
 
 class SliceOut(BaseModel):
@@ -272,20 +332,18 @@ class LeaseHeartbeat(Strict):
 
 
 class QuotaIn(Strict):
-    max_gpus: Annotated[int, Field(ge=0)] | None = None
+    max_gpus: Int32 | None = None
     max_memory: str | None = None
-    max_compute_pct: Annotated[int, Field(ge=0)] | None = None
-    max_leases: Annotated[int, Field(ge=0)] | None = None
+    max_compute_pct: Int32 | None = None
+    max_leases: Int32 | None = None
     max_priority: Annotated[int, Field(ge=0, le=1000)] | None = None
-    guaranteed_gpus: Annotated[float, Field(ge=0)] | None = None
+    guaranteed_gpus: Annotated[float, Field(ge=0, le=INT32_MAX)] | None = None
     """GPU-equivalents that preemption never takes from the tenant."""
 
     @field_validator("max_memory")
     @classmethod
     def _memory(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_memory_mib(value)
-        return value
+        return storable_memory(value)
 
 
 class TenantCreate(Strict):
@@ -379,6 +437,8 @@ class PoolSummary(BaseModel):
 
 
 class ErrorOut(BaseModel):
+    """Every refusal of the API: a machine-readable code and one line for people."""
+
     error: str
     detail: str
 
@@ -427,3 +487,9 @@ class SessionCreate(Strict):
     """The dashboard's sign-in: the token goes into an HttpOnly cookie, not into scripts."""
 
     token: Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class ValidationErrorOut(ErrorOut):
+    """A 422: what was wrong in the request, and each problem pydantic found."""
+
+    problems: list[dict[str, Any]] = Field(default_factory=list)

@@ -595,6 +595,10 @@ class Connection:
             raise ConnectionClosed("connection closed inside a frame")
         self._unread_tail = 0
 
+    def skip_tail(self) -> None:
+        """Read past the current frame's tail without keeping it."""
+        self._skip(self._unread_tail)
+
     def _skip(self, n: int) -> None:
         while n:
             chunk = self._read_exact(min(n, CHUNK_BYTES))
@@ -646,16 +650,16 @@ def recv_handshake(sock: socket.socket, max_bytes: int = 64 * 1024) -> Handshake
     """Read exactly one small frame without buffering past it (the next frames belong to a
     buffered reader), collecting any file descriptors sent with it."""
     fds: list[int] = []
-    header = _recv_exact_collecting(sock, _HEADER.size, fds)
-    body_len, tail_len = _HEADER.unpack(header)
-    if body_len == 0 or tail_len or body_len > max_bytes:
-        for fd in fds:
-            os.close(fd)
-        raise ProtocolError(f"handshake frame must be a small body (got {body_len}+{tail_len})")
-    body = _recv_exact_collecting(sock, body_len, fds)
     try:
+        header = _recv_exact_collecting(sock, _HEADER.size, fds)
+        body_len, tail_len = _HEADER.unpack(header)
+        if body_len == 0 or tail_len or body_len > max_bytes:
+            raise ProtocolError(f"handshake frame must be a small body (got {body_len}+{tail_len})")
+        body = _recv_exact_collecting(sock, body_len, fds)
         head = unpack_head(body)
-    except ProtocolError:
+    except BaseException:
+        # Descriptors that came with a handshake that failed (a peer that hung up halfway
+        # included) belong to no one: close them, or a hostile peer exhausts the worker's.
         for fd in fds:
             os.close(fd)
         raise

@@ -131,8 +131,11 @@ def complex_ext(value: complex) -> msgpack.ExtType:
 
 
 def complex_from_ext(data: bytes) -> complex:
-    real, imag = msgpack.unpackb(data)
-    return complex(float(real), float(imag))
+    try:
+        real, imag = msgpack.unpackb(data)
+        return complex(float(real), float(imag))
+    except (ValueError, TypeError, OverflowError, msgpack.UnpackException) as exc:
+        raise ProtocolError(f"malformed complex number: {exc}") from exc
 
 
 def op_overload(name: str) -> Any:
