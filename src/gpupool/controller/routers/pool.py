@@ -11,7 +11,7 @@ from gpupool.controller import ha
 from gpupool.controller.routers.common import ANYONE, OPERATORS, Filter, get_store
 from gpupool.controller.services import events, pool
 from gpupool.controller.store import Store
-from gpupool.protocol.v1.api import EventOut, PoolSummary
+from gpupool.protocol.v1.api import INT32_MAX, EventOut, PoolSummary
 
 router = APIRouter(tags=["pool"])
 
@@ -39,7 +39,7 @@ async def get_pool(
 
 @router.get("/events", response_model=list[EventOut])
 async def list_events(
-    since_id: int | None = Query(default=None, ge=0),
+    since_id: int | None = Query(default=None, ge=0, le=INT32_MAX),
     limit: int = Query(default=100, ge=1, le=10000),
     kind: Filter = None,
     subject: Filter = None,
