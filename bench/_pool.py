@@ -17,9 +17,18 @@ from typing import Any
 
 import httpx
 
+from gpupool.protocol.v1.tokens import new_token
+
 ROOT = Path(__file__).resolve().parent.parent
 GP = [sys.executable, "-m", "gpupool.cli"]
 
+
+
+# The controllers a benchmark starts install this admin token ($GPUPOOL_ADMIN_TOKEN), and every
+# client it starts or makes sends it ($GPUPOOL_TOKEN).
+os.environ.setdefault("GPUPOOL_ADMIN_TOKEN", new_token()[2])
+os.environ.setdefault("GPUPOOL_TOKEN", os.environ["GPUPOOL_ADMIN_TOKEN"])
+AUTH = {"Authorization": f"Bearer {os.environ['GPUPOOL_TOKEN']}"}
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -80,7 +89,7 @@ def gpu_pool(ttl_s: int = 120) -> Iterator[GpuPool]:
     )  # fmt: skip
     agent = None
     try:
-        api = httpx.Client(base_url=url + "/api/v1", timeout=30)
+        api = httpx.Client(base_url=url + "/api/v1", timeout=30, headers=AUTH)
         wait(lambda: api.get("/health").status_code == 200, 60, "controller")
         agent = subprocess.Popen(
             [*GP, "agent", "--url", url, "--interval", "1", "--data-dir", str(work / "agent")],

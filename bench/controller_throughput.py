@@ -29,9 +29,18 @@ import contextlib
 
 from _http import HttpConnection
 
+from gpupool.protocol.v1.tokens import new_token
+
 RESULTS = Path(__file__).resolve().parent / "results" / "controller_throughput.json"
 PG_ADMIN = os.environ.get("GPUPOOL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 
+
+
+# The controllers a benchmark starts install this admin token ($GPUPOOL_ADMIN_TOKEN), and every
+# client it starts or makes sends it ($GPUPOOL_TOKEN).
+os.environ.setdefault("GPUPOOL_ADMIN_TOKEN", new_token()[2])
+os.environ.setdefault("GPUPOOL_TOKEN", os.environ["GPUPOOL_ADMIN_TOKEN"])
+AUTH = {"Authorization": f"Bearer {os.environ['GPUPOOL_TOKEN']}"}
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -70,7 +79,7 @@ async def wait_ready(port: int, timeout_s: float = 30) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            conn = HttpConnection("127.0.0.1", port)
+            conn = HttpConnection("127.0.0.1", port, headers=AUTH)
             await conn.connect()
             status, _ = await conn.request("GET", "/api/v1/health")
             await conn.close()
@@ -83,7 +92,7 @@ async def wait_ready(port: int, timeout_s: float = 30) -> None:
 
 
 async def register_node(port: int, gpus: int) -> None:
-    conn = HttpConnection("127.0.0.1", port)
+    conn = HttpConnection("127.0.0.1", port, headers=AUTH)
     await conn.connect()
     body = {
         "name": "bench-node",
@@ -107,7 +116,7 @@ async def register_node(port: int, gpus: int) -> None:
 
 async def heartbeat_node(port: int, stop: asyncio.Event) -> None:
     """Be the bench node's agent: a node that stops heartbeating goes down and takes no leases."""
-    conn = HttpConnection("127.0.0.1", port)
+    conn = HttpConnection("127.0.0.1", port, headers=AUTH)
     await conn.connect()
     try:
         while not stop.is_set():
@@ -119,7 +128,7 @@ async def heartbeat_node(port: int, stop: asyncio.Event) -> None:
 
 
 async def client_loop(port: int, stop_at: float, pair_ms: list[float], errors: list[str]) -> None:
-    conn = HttpConnection("127.0.0.1", port)
+    conn = HttpConnection("127.0.0.1", port, headers=AUTH)
     await conn.connect()
     body = {"compute_pct": 10, "memory": "1GiB", "holder": "bench"}
     try:

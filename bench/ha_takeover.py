@@ -31,6 +31,12 @@ import psycopg
 
 from gpupool.client.sdk import PoolClient
 from gpupool.protocol.v1.api import LeaseCreate
+from gpupool.protocol.v1.tokens import new_token
+
+# The controllers this benchmark starts install this admin token, and every client sends it.
+os.environ.setdefault("GPUPOOL_ADMIN_TOKEN", new_token()[2])
+os.environ.setdefault("GPUPOOL_TOKEN", os.environ["GPUPOOL_ADMIN_TOKEN"])
+AUTH = {"Authorization": f"Bearer {os.environ['GPUPOOL_TOKEN']}"}
 
 RESULTS = Path(__file__).parent / "results" / "ha_takeover.json"
 PG_ADMIN = os.environ.get("GPUPOOL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
@@ -47,7 +53,7 @@ def free_port() -> int:
 
 def ha_status(url: str) -> dict[str, Any] | None:
     try:
-        response = httpx.get(url + "/api/v1/ha", timeout=1)
+        response = httpx.get(url + "/api/v1/ha", timeout=1, headers=AUTH)
     except httpx.HTTPError:
         return None
     return dict(response.json()) if response.status_code == 200 else None
@@ -153,7 +159,7 @@ def main() -> None:
              "--data-dir", str(work / "agent")],
             stdout=agent_log, stderr=subprocess.STDOUT,
         )  # fmt: skip
-        while len(httpx.get(leader + "/api/v1/gpus", timeout=5).json()) < 2:
+        while len(httpx.get(leader + "/api/v1/gpus", timeout=5, headers=AUTH).json()) < 2:
             time.sleep(0.1)
         client = Client(all_urls)
         client.thread.start()
@@ -194,7 +200,8 @@ def main() -> None:
                 "SELECT count(*) FROM (SELECT request_id FROM leases GROUP BY request_id "
                 "HAVING count(*) > 1) d"
             ).fetchone()
-        node_up = httpx.get(cluster.urls[0] + "/api/v1/nodes", timeout=5).json()[0]["state"]
+        nodes = httpx.get(cluster.urls[0] + "/api/v1/nodes", timeout=5, headers=AUTH).json()
+        node_up = nodes[0]["state"]
     finally:
         if agent is not None:
             agent.terminate()

@@ -20,6 +20,8 @@ from pathlib import Path
 
 import httpx
 
+from gpupool.protocol.v1.tokens import new_token
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from controller_throughput import (
     drop_pg_database,
@@ -29,6 +31,11 @@ from controller_throughput import (
     register_node,
     wait_ready,
 )
+
+# The controllers this benchmark starts install this admin token, and every client sends it.
+os.environ.setdefault("GPUPOOL_ADMIN_TOKEN", new_token()[2])
+os.environ.setdefault("GPUPOOL_TOKEN", os.environ["GPUPOOL_ADMIN_TOKEN"])
+AUTH = {"Authorization": f"Bearer {os.environ['GPUPOOL_TOKEN']}"}
 
 RESULTS = Path(__file__).resolve().parent / "results" / "ha_throughput.json"
 
@@ -49,7 +56,8 @@ def wait_role(port: int, role: str, timeout_s: float = 60) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/api/v1/ha", timeout=2).json()["role"] == role:
+            answer = httpx.get(f"http://127.0.0.1:{port}/api/v1/ha", timeout=2, headers=AUTH)
+            if answer.json()["role"] == role:
                 return
         except (httpx.HTTPError, ValueError, KeyError):
             pass

@@ -24,7 +24,7 @@ from gpupool.controller.app import open_store
 from gpupool.controller.models import TenantRow
 from gpupool.controller.settings import ControllerSettings
 from gpupool.protocol.v1.api import LeaseCreate, TenantCreate
-from tests.conftest import ControllerProcess, register_fake_node
+from tests.conftest import AUTH, ControllerProcess, register_fake_node
 
 pytestmark = [pytest.mark.postgres]
 
@@ -33,7 +33,7 @@ HOLDING = ("granted", "active", "idle", "preempted")
 
 def ha_status(url: str) -> dict[str, Any] | None:
     try:
-        response = httpx.get(url + "/api/v1/ha", timeout=2)
+        response = httpx.get(url + "/api/v1/ha", timeout=2, headers=AUTH)
     except httpx.HTTPError:
         return None
     return dict(response.json()) if response.status_code == 200 else None
@@ -91,7 +91,7 @@ def test_one_controller_leads_and_the_others_stand_by(ha_pg_url, start_controlle
         [line] = [ln for ln in text.splitlines() if ln.startswith("gpupool_leader ")]
         gauges[url] = float(line.split()[1])
     assert gauges == {u: (1.0 if u == leader else 0.0) for u in urls}
-    summary = httpx.get(urls[0] + "/api/v1/pool", timeout=5).json()
+    summary = httpx.get(urls[0] + "/api/v1/pool", timeout=5, headers=AUTH).json()
     assert summary["ha"]["leader"] == leader
     assert {m["url"] for m in summary["ha"]["members"] if m["up"]} == set(urls)
 
@@ -127,7 +127,7 @@ def test_a_standby_reads_every_write_the_leader_committed_before(
     leader = wait_for_leader([c.url for c in group])
     standby = next(c for c in group if c.url != leader)
     with (
-        httpx.Client(base_url=leader + "/api/v1", timeout=10) as direct,
+        httpx.Client(base_url=leader + "/api/v1", timeout=10, headers=AUTH) as direct,
         standby.client() as client,
     ):
         register_fake_node(direct, gpus=1)
@@ -215,7 +215,7 @@ def test_after_kill9_of_the_leader_a_standby_leads_with_every_lease_and_the_queu
     urls = [c.url for c in group]
     leader = wait_for_leader(urls)
     with PoolClient(",".join(urls)) as sdk:
-        with httpx.Client(base_url=leader + "/api/v1", timeout=10) as client:
+        with httpx.Client(base_url=leader + "/api/v1", timeout=10, headers=AUTH) as client:
             register_fake_node(client, gpus=1)
         made = [sdk.create_lease(LeaseCreate(compute_pct=40, memory="1GiB")) for _ in range(5)]
         assert [m.state for m in made] == ["granted", "granted", "queued", "queued", "queued"]
@@ -269,7 +269,7 @@ def test_a_leader_whose_lock_connection_dies_stops_leading_and_another_takes_ove
     while sorted((ha_status(u) or {}).get("role", "") for u in urls) != ["leader", "standby"]:
         assert time.monotonic() < deadline, "the two controllers disagree on who leads"
         time.sleep(0.1)
-    with httpx.Client(base_url=leader + "/api/v1", timeout=10) as client:
+    with httpx.Client(base_url=leader + "/api/v1", timeout=10, headers=AUTH) as client:
         # Written through the old leader: forwarded if it stands by, served if it won again.
         assert client.post("/tenants", json={"name": "after"}).status_code == 201
     assert new_leader in urls

@@ -120,7 +120,7 @@ class HaPool(Pool):
 
     def status(self, url: str) -> dict[str, Any] | None:
         try:
-            response = httpx.get(url + "/api/v1/ha", timeout=2)
+            response = httpx.get(url + "/api/v1/ha", timeout=2, headers=AUTH)
         except httpx.HTTPError:
             return None
         return dict(response.json()) if response.status_code == 200 else None
