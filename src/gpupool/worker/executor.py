@@ -31,6 +31,7 @@ from gpupool.protocol.v1.tensors import (
 )
 from gpupool.worker.activity import Activity
 from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
+from gpupool.worker.swap import HostState, capture, restore
 
 ALLOWED_NAMESPACES = frozenset({"aten"})
 DENIED_OPS = frozenset({"aten::from_file"})
@@ -56,6 +57,14 @@ class Link(Protocol):
 
     def read_put(self, handle: int, dest: memoryview) -> None:
         """Fill dest from the PUT frames that follow the current batch."""
+
+
+class Elastic(Protocol):
+    """What runs a client's SWAP and RESUME records (the worker's swap and handoff logic)."""
+
+    def swap(self, req: int, link: Link) -> None: ...
+
+    def resume(self, req: int, link: Link) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,7 @@ class Executor:
     tensors: dict[int, torch.Tensor] = field(default_factory=dict)
     ops: dict[int, _Op] = field(default_factory=dict)
     error: ErrorBody | None = None
+    elastic: Elastic | None = None
 
     def __post_init__(self) -> None:
         self._host = torch.device("cpu")
@@ -101,6 +111,8 @@ class Executor:
             Rec.STATS: self._stats,
             Rec.RNG_STATE: self._rng_state,
             Rec.SET_RNG_STATE: self._set_rng_state,
+            Rec.SWAP: self._swap,
+            Rec.RESUME: self._resume,
         }
 
     # ---- decoding ------------------------------------------------------------------------
@@ -363,6 +375,49 @@ class Executor:
                 torch.set_rng_state(state)
         except Exception as exc:
             self._fail(exc, "set_rng_state", [], None)
+
+    def _swap(self, rec: list[Any], link: Link) -> None:
+        if self.elastic is None:
+            raise ProtocolError("this worker does not swap")
+        self.elastic.swap(int(rec[1]), link)
+
+    def _resume(self, rec: list[Any], link: Link) -> None:
+        if self.elastic is None:
+            raise ProtocolError("this worker does not hand over its state")
+        self.elastic.resume(int(rec[1]), link)
+
+    # ---- the state as a whole (swap-out, restore, migration) -------------------------------
+
+    def export_state(self) -> HostState:
+        """Move everything the client left here to host memory and free the device memory."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        state = capture(self.tensors, self.device)
+        state.ops = {op_id: op.name for op_id, op in self.ops.items()}
+        # Keep the generator state alive while its bytes are copied out of it.
+        rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        rng = torch.get_rng_state() if rng is None else rng
+        state.rng = bytes(host_bytes(rng))
+        state.error = None if self.error is None else self.error.to_wire()
+        self.tensors.clear()
+        self.memory.reset()
+        self.activity.memory_held_bytes = self.memory.held_bytes()
+        return state
+
+    def import_state(self, state: HostState) -> None:
+        """Put a captured state on this worker's device: the client continues where it was."""
+        self.tensors = restore(state, self.device)
+        self.memory.reset()
+        self.memory.charge(list(self.tensors.values()))
+        self.ops = {op_id: self._resolve_op(name) for op_id, name in state.ops.items()}
+        if state.rng is not None:
+            rng = torch.frombuffer(bytearray(state.rng), dtype=torch.uint8)
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng, self.device)
+            else:
+                torch.set_rng_state(rng)
+        self.error = None if state.error is None else ErrorBody.from_wire(state.error)
+        self.activity.memory_held_bytes = self.memory.held_bytes()
 
     # ---- errors --------------------------------------------------------------------------
 

@@ -58,6 +58,16 @@ class Kind(IntEnum):
     """worker → client: [RESULT, req, value] — the answer to CALL, SYNC or STATS."""
     ERROR = 7
     """either way: [ERROR, req or None, ErrorBody]; after a protocol error the sender closes."""
+    NOTICE = 8
+    """worker → client, unasked: [NOTICE, {"event": "swap" | "move"}]. The worker wants the
+    client's state off its GPU (idle) or on a successor worker (migration, resize, drain);
+    the client answers with a SWAP or RESUME record in its stream, so the change happens at
+    a point both sides agree on: after every record sent before it."""
+    CONTROL = 9
+    """agent or successor → worker, on a connection of their own (HELLO role `control` or
+    `successor`): [CONTROL, req, {"op": ...}]; answered with RESULT or ERROR."""
+    STATE = 10
+    """worker → successor: [STATE, meta]; the storages follow as PUT frames (see worker/swap)."""
 
 
 class Rec(IntEnum):
@@ -89,6 +99,12 @@ class Rec(IntEnum):
     """[RNG_STATE, req]: reply with the device generator's state (bytes)."""
     SET_RNG_STATE = 11
     """[SET_RNG_STATE, state]: restore the device generator (as checkpointing does)."""
+    SWAP = 12
+    """[SWAP, req]: the client agrees to a swap-out the worker announced: every tensor goes to
+    host memory and the device memory is freed; replies with what moved."""
+    RESUME = 13
+    """[RESUME, req]: the client's next records need its state on a GPU: the worker restores
+    it in place, or hands it to its successor and replies {"to": address} before it closes."""
 
 
 class Ext(IntEnum):
@@ -121,6 +137,8 @@ class ErrorKind(IntEnum):
     """an allocation would exceed the lease's memory limit."""
     UNSUPPORTED = 6
     """the worker cannot run this op (unknown to its torch, or not allowed)."""
+    MOVED = 7
+    """this worker handed the lease's state to another; the message is that worker's address."""
 
 
 @dataclass(frozen=True)
@@ -324,6 +342,16 @@ def unpack_head(body: bytes) -> list[Any]:
     return head
 
 
+class Role:
+    """Who opens a connection to a worker (HELLO's `role`); a tenant is always `client`."""
+
+    CLIENT = "client"
+    CONTROL = "control"
+    """the agent: resume in place, change limits, ask for a swap."""
+    SUCCESSOR = "successor"
+    """a fresh worker of the same lease that takes over the client's state."""
+
+
 class _Reader:
     """A receive buffer over a blocking socket that can also tell, without blocking, whether
     bytes are waiting (what `Connection.wait` spins on): a BufferedReader cannot."""
@@ -475,6 +503,18 @@ class Connection:
         except OSError:
             return True  # the blocking read reports it
         return False
+
+    def readable(self, timeout_s: float) -> bool:
+        """Whether a frame's first bytes (or the end of the stream) arrive within timeout_s."""
+        import select
+
+        if self._unread_tail or self._reader.poll():
+            return True
+        try:
+            ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        except (OSError, ValueError):
+            return True  # the blocking read reports it
+        return bool(ready)
 
     def recv(self) -> Frame:
         """The next frame; its tail (if any) must be read with `read_tail*` before the next."""
@@ -646,6 +686,9 @@ def worker_argv(
     status_file: Path | None = None,
     threads: int | None = None,
     spin_us: int | None = None,
+    idle_timeout_s: float | None = None,
+    restore_from: str | None = None,
+    managed: bool = False,
     python: str | None = None,
 ) -> list[str]:
     """The command that starts a worker; pass the token in the environment as TOKEN_ENV."""
@@ -661,6 +704,12 @@ def worker_argv(
         argv += ["--threads", str(threads)]
     if spin_us is not None:
         argv += ["--spin-us", str(spin_us)]
+    if idle_timeout_s is not None:
+        argv += ["--idle-timeout-s", f"{idle_timeout_s:g}"]
+    if restore_from is not None:
+        argv += ["--restore-from", restore_from]
+    if managed:
+        argv += ["--managed"]
     return argv
 
 
