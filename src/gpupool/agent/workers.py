@@ -25,6 +25,10 @@ log = logging.getLogger("gpupool.agent.workers")
 STOP_GRACE_S = 10.0
 
 
+Key = tuple[str, str, int]
+"""(lease, GPU uuid, generation): a move starts generation n+1 beside generation n."""
+
+
 @dataclass
 class Worker:
     lease_id: str
@@ -32,6 +36,10 @@ class Worker:
     proc: subprocess.Popen[str]
     endpoint: str
     status_file: Path
+    token: str = ""
+    generation: int = 0
+    memory_mib: int | None = None
+    """The memory limit the worker runs with now (a resize changes it in place)."""
 
     def report(self) -> WorkerReport:
         alive = self.proc.poll() is None
@@ -40,7 +48,13 @@ class Worker:
             activity = json.loads(self.status_file.read_text())
         last_op = activity.get("last_op_at")
         held = activity.get("memory_held_bytes")
+        moved_to = activity.get("moved_to")
         return WorkerReport(
+            generation=self.generation,
+            swapped=activity.get("swapped") is True,
+            wants_gpu=activity.get("wants_gpu") is True,
+            adopted=activity.get("adopted") is True,
+            moved_to=moved_to if isinstance(moved_to, str) else None,
             lease_id=self.lease_id,
             gpu_uuid=self.gpu_uuid,
             endpoint=self.endpoint if alive else None,
@@ -70,14 +84,14 @@ class WorkerSupervisor:
         self.mps = mps
         self.simulated = simulated
         self.listen_host = listen_host
-        self.workers: dict[tuple[str, str], Worker] = {}
-        self.failures: dict[tuple[str, str], str] = {}
+        self.workers: dict[Key, Worker] = {}
+        self.failures: dict[Key, str] = {}
         # reconcile() runs in a thread of its own while heartbeats read reports().
         self._lock = threading.Lock()
 
     def reconcile(self, leases: Mapping[str, RemoteLease]) -> None:
         wanted = {
-            (lease_id, piece.gpu_uuid): (lease, piece)
+            (lease_id, piece.gpu_uuid, piece.generation): (lease, piece)
             for lease_id, lease in leases.items()
             for piece in lease.slices
         }
@@ -91,10 +105,13 @@ class WorkerSupervisor:
         for key, (lease, piece) in wanted.items():
             # A dead worker stays reported as dead: its client's tensors are gone, and
             # restarting it silently would hand the client an empty handle table.
+            running = self.workers.get(key)
+            if running is not None and running.memory_mib != piece.memory_mib:
+                self._resize(running, piece.memory_mib)
             if key in self.workers or key in self.failures:
                 continue
             try:
-                started = self._start(key[0], lease.token, piece)
+                started = self._start(key[0], lease, piece)
             except Exception as exc:  # the reason goes to the controller, the loop goes on
                 log.error("cannot start a worker for lease %s on %s: %s", key[0], key[1], exc)
                 with self._lock:
@@ -103,12 +120,30 @@ class WorkerSupervisor:
                 with self._lock:
                     self.workers[key] = started
 
-    def _start(self, lease_id: str, token: str, piece: RemoteSlice) -> Worker:
+    def _resize(self, worker: Worker, memory_mib: int) -> None:
+        """A live resize of memory: the worker's allocator limit changes, the client stays."""
+        from gpupool.protocol.v1.dataplane import parse_address, send_control
+
+        try:
+            send_control(
+                parse_address(worker.endpoint),
+                worker.lease_id,
+                worker.token,
+                {"op": "limits", "memory_limit_mib": memory_mib},
+            )
+        except Exception as exc:  # retried at the next reconcile
+            log.warning("cannot resize the worker of lease %s: %s", worker.lease_id, exc)
+            return
+        log.info("lease %s: memory limit now %d MiB", worker.lease_id, memory_mib)
+        worker.memory_mib = memory_mib
+
+    def _start(self, lease_id: str, lease: RemoteLease, piece: RemoteSlice) -> Worker:
         from gpupool.protocol.v1.dataplane import start_worker_process
 
+        token = lease.token
         directory = self.root / lease_id
         directory.mkdir(parents=True, exist_ok=True)
-        status_file = directory / f"{piece.gpu_index}.status.json"
+        status_file = directory / f"{piece.gpu_index}.g{piece.generation}.status.json"
         env = dict(os.environ)
         if self.simulated:
             device = "cpu"
@@ -130,10 +165,16 @@ class WorkerSupervisor:
             listen=f"tcp://{self.listen_host}:0",
             memory_limit_mib=piece.memory_mib,
             status_file=status_file,
+            idle_timeout_s=lease.idle_timeout_s,
+            restore_from=piece.restore_from,
+            managed=True,
         )
         endpoint = str(ready.address)
         log.info("worker for lease %s on %s listens on %s", lease_id, piece.gpu_uuid, endpoint)
-        return Worker(lease_id, piece.gpu_uuid, proc, endpoint, status_file)
+        return Worker(
+            lease_id, piece.gpu_uuid, proc, endpoint, status_file,
+            token=token, generation=piece.generation, memory_mib=piece.memory_mib,
+        )  # fmt: skip
 
     def reports(self) -> list[WorkerReport]:
         with self._lock:
@@ -141,8 +182,8 @@ class WorkerSupervisor:
             failures = dict(self.failures)
         out = [w.report() for w in workers]
         out += [
-            WorkerReport(lease_id=lease_id, gpu_uuid=uuid, alive=False, error=error)
-            for (lease_id, uuid), error in failures.items()
+            WorkerReport(lease_id=lease_id, gpu_uuid=uuid, alive=False, error=error, generation=gen)
+            for (lease_id, uuid, gen), error in failures.items()
         ]
         return out
 

@@ -29,6 +29,8 @@ class Activity:
     """A swapped client sent ops: the agent should ask the controller for its slice again."""
     moved_to: str | None = None
     """The successor worker that took the client's state (migration)."""
+    adopted: bool = False
+    """This worker took its predecessor's state over and serves the client now."""
 
     _memory_probe: Callable[[], int] | None = field(
         default=None, init=False, repr=False, compare=False

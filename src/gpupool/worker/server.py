@@ -138,6 +138,7 @@ class Worker:
             with _device_stream(self.device), self._session_lock:
                 state = adopt(conn, str(self.address), self.executor, self.device.type == "cuda")
             conn.close()
+            self.activity.adopted = True
             log.info(
                 "took over lease %s from %s: %.1f MiB",
                 self.config.lease_id, source, state.nbytes / MiB,

@@ -5,10 +5,17 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query, status
 
 from gpupool.controller.routers.common import get_actor, get_store
-from gpupool.controller.services import leases
+from gpupool.controller.services import elastic, leases
 from gpupool.controller.store import Store
 from gpupool.core import ReleaseReason
-from gpupool.protocol.v1.api import LeaseCreate, LeaseHeartbeat, LeaseOut, QueueEntryOut
+from gpupool.protocol.v1.api import (
+    LeaseCreate,
+    LeaseHeartbeat,
+    LeaseMigrate,
+    LeaseOut,
+    LeaseResize,
+    QueueEntryOut,
+)
 
 router = APIRouter(tags=["leases"])
 
@@ -60,6 +67,30 @@ async def release_by_operator(
 ) -> LeaseOut:
     return await store.write(
         lambda s: leases.release(store, s, lease_id, actor, ReleaseReason.ADMIN)
+    )
+
+
+@router.post("/leases/{lease_id}/migrate", response_model=LeaseOut)
+async def migrate_lease(
+    lease_id: str,
+    body: LeaseMigrate,
+    store: Store = Depends(get_store),
+    actor: str = Depends(get_actor),
+) -> LeaseOut:
+    """Move a running remote lease to another GPU or node; its program only pauses."""
+    return await store.write(lambda s: elastic.migrate(store, s, lease_id, actor, to=body.to))
+
+
+@router.post("/leases/{lease_id}/resize", response_model=LeaseOut)
+async def resize_lease(
+    lease_id: str,
+    body: LeaseResize,
+    store: Store = Depends(get_store),
+    actor: str = Depends(get_actor),
+) -> LeaseOut:
+    """Change a running remote lease's compute share and memory without restarting it."""
+    return await store.write(
+        lambda s: elastic.resize(store, s, lease_id, actor, body.compute_pct, body.memory_mib())
     )
 
 

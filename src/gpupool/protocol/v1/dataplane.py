@@ -671,6 +671,32 @@ class SharedArena:
             os.close(self.fd)
 
 
+def send_control(
+    address: Address, lease: str, token: str, body: dict[str, Any], timeout_s: float = 10.0
+) -> dict[str, Any]:
+    """One request of the agent to its worker (role `control`): resume, limits, swap, status."""
+    sock = connect(address, timeout_s)
+    try:
+        sock.settimeout(timeout_s)
+        hello = {"v": VERSION, "lease": lease, "token": token, "role": Role.CONTROL}
+        send_handshake(sock, [Kind.HELLO, hello])
+        reply = recv_handshake(sock)
+        if reply.head[0] != Kind.WELCOME:
+            error = ErrorBody.from_wire(reply.head[2] if len(reply.head) > 2 else None)
+            raise RemoteError(error)
+        conn = Connection(sock)
+        conn.send([Kind.CONTROL, 1, body])
+        head = conn.recv().head()
+        if head[0] == Kind.ERROR:
+            raise RemoteError(ErrorBody.from_wire(head[2] if len(head) > 2 else None))
+        if head[0] != Kind.RESULT or not isinstance(head[2], dict):
+            raise ProtocolError(f"the worker answered {head!r:.200}")
+        return head[2]
+    finally:
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
 # ---- starting a worker (the agent's side of the worker's command line) --------------------
 
 TOKEN_ENV = "GPUPOOL_WORKER_TOKEN"
