@@ -35,7 +35,10 @@ log = logging.getLogger("gpupool.torch.session")
 class Elastic:
     """What one DeviceStream knows about its slice's elasticity."""
 
-    __slots__ = ("event", "moves", "paused_s", "resumes", "swapped", "swaps")
+    __slots__ = (
+        "event", "last_bytes", "last_pause_s", "last_swap_s", "moves", "paused_s",
+        "resumes", "swapped", "swaps",
+    )  # fmt: skip
 
     def __init__(self) -> None:
         self.event: str | None = None
@@ -46,6 +49,11 @@ class Elastic:
         self.moves = 0
         self.paused_s = 0.0
         """Time this program waited in RESUME (restores and handoffs), in total."""
+        self.last_pause_s = 0.0
+        self.last_swap_s = 0.0
+        """How long the worker took for the last swap-out (its own measure)."""
+        self.last_bytes = 0
+        """Bytes of state the last swap-out or handoff moved."""
 
 
 def on_notice(stream: DeviceStream, head: list[Any]) -> None:
@@ -82,7 +90,10 @@ def settle(stream: DeviceStream, idle: bool) -> None:
         return
     if event == "swap" and not state.swapped:
         if idle and not stream.records:
-            _request(stream, Rec.SWAP)
+            answer = _request(stream, Rec.SWAP)
+            if isinstance(answer, dict):
+                state.last_swap_s = float(answer.get("seconds", 0.0))
+                state.last_bytes = int(answer.get("bytes", 0))
             state.swapped = True
             state.swaps += 1
         return
@@ -101,7 +112,9 @@ def resume(stream: DeviceStream) -> None:
     if isinstance(target, str):
         follow(stream, target)
         state.moves += 1
-    state.paused_s += time.perf_counter() - started
+        state.last_bytes = int(answer.get("bytes", 0))
+    state.last_pause_s = time.perf_counter() - started
+    state.paused_s += state.last_pause_s
     log.info("%s resumed after %.3f s", stream.device, time.perf_counter() - started)
 
 

@@ -79,6 +79,8 @@ class Elasticity:
         self._swap_requested = False
         self._noticed: str | None = None
         self._client_since = time.time()
+        self.wanted = False
+        """A successor waits for the state: checked before every batch, so it is cheap."""
         self._changed = threading.Condition()
         self._stopping = threading.Event()
         executor.elastic = self
@@ -197,6 +199,7 @@ class Elasticity:
             if head[0] != Kind.RESULT or head[1] != successor.req:
                 raise ProtocolError(f"the successor answered {head!r:.200}")
         finally:
+            self.wanted = False
             successor.done.set()
         self.moved_to = successor.address
         self.executor.activity.moved_to = successor.address
@@ -227,6 +230,7 @@ class Elasticity:
             if self._successor is not None:
                 raise ProtocolError("another successor is already waiting")
             self._successor = successor
+            self.wanted = True
             self._changed.notify_all()
         successor.done.wait()
 

@@ -337,6 +337,8 @@ class Worker:
                 elastic.quiet(link)
                 continue
             elastic.busy()
+            if elastic.wanted:  # a successor waits: tell a busy client too, between batches
+                elastic.quiet(link)
             frame = conn.recv()
             objects = frame.objects(executor.ext_hook)
             head = next(objects)
