@@ -207,3 +207,21 @@ def test_node_drain_moves_a_running_program_away_and_undrain_returns_the_node(
     modes = {g["uuid"]: g["mode"] for g in pool.json("gpus") if g["node"] == node}
     assert set(modes.values()) == {"virtual"}, modes
     assert time.monotonic() - started < 300
+
+
+def test_switching_a_gpu_to_physical_moves_its_remote_lease_away_and_the_gpu_switches(
+    pool: Pool, tmp_path: Path, runs: list[Run]
+) -> None:
+    run = Run(pool, tmp_path, [5])
+    runs.append(run)
+    run.paused(5)
+    gpu = run.lease()["slices"][0]["gpu_uuid"]
+    pool.ok("gpu", "mode", gpu, "physical")
+    pool.wait_for(
+        "the GPU to empty and switch",
+        lambda: pool.json("gpu", "show", gpu)["mode"] == "physical",
+        120,
+    )
+    assert run.lease()["slices"][0]["gpu_uuid"] != gpu and run.lease()["state"] == "active"
+    run.go(5)
+    assert_same_training(run.result(), reference(tmp_path))

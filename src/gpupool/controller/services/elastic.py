@@ -26,11 +26,13 @@ from gpupool.core import (
     Conflict,
     InvalidRequest,
     LeaseState,
+    NoCapacity,
     NotFound,
     Slice,
     transition,
 )
 from gpupool.core.migrate import SHADOW, migration_targets
+from gpupool.core.model import GpuUsage
 from gpupool.protocol.v1.api import LeaseOut, RemoteLease, RemoteSlice, WorkerReport
 
 MOVABLE = frozenset({LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE})
@@ -203,6 +205,25 @@ def resize(
         memory_mib=memory_mib,
         reason="resize",
     )
+
+
+def evacuate(store: Store, session: Session, uuid: str, actor: str, why: str) -> list[str]:
+    """Move the running remote leases off one GPU (switched to physical, drained, or degraded);
+    one that finds no room elsewhere stays until it ends, and an event says so."""
+    moved: list[str] = []
+    for lease_id in sorted(store.pool.usage.get(uuid, GpuUsage()).leases):
+        row = store.lease_rows.get(lease_id)
+        if row is None or row.access != Access.REMOTE.value or SHADOW in lease_id:
+            continue
+        if LeaseState(row.state) not in MOVABLE or handoff(row) is not None:
+            continue
+        try:
+            migrate(store, session, lease_id, actor, reason="evacuation")
+        except NoCapacity as exc:
+            record(session, actor, "lease.evacuation_failed", lease_id, f"{why}: {exc}")
+            continue
+        moved.append(lease_id)
+    return moved
 
 
 def drain_node(store: Store, session: Session, name: str, actor: str) -> list[str]:
