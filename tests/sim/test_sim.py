@@ -156,3 +156,21 @@ def test_cli_team_report_as_json() -> None:
     assert out.exit_code == 0, out.output
     data = json.loads(out.output)
     assert data["engineers"] == 6 and data["dedicated_gpus"] == 9
+
+
+def test_idle_release_splits_notebooks_into_bursts_and_needs_no_more_gpus() -> None:
+    from gpupool.sim import team
+
+    held = team.workload(12, 1, seed=3)
+    elastic = team.workload(12, 1, seed=3, idle_release_s=120.0)
+    def others(jobs: list[team.Job]) -> list[tuple[float, float | None, str]]:
+        return [(j.arrival_s, j.duration_s, j.kind) for j in jobs if j.kind != "notebook"]
+
+    assert others(held) == others(elastic), "only notebooks change"
+    open_s = sum(j.duration_s or 0 for j in held if j.kind == "notebook")
+    busy_s = sum(j.duration_s or 0 for j in elastic if j.kind == "notebook")
+    assert 0 < busy_s < open_s, "a notebook holds its slice only around its bursts"
+    off = team.report(12, 1, seed=3)
+    on = team.report(12, 1, seed=3, idle_release_s=120.0)
+    assert on["idle_release_s"] == 120.0 and off["idle_release_s"] is None
+    assert on["pooled_gpus"] <= off["pooled_gpus"]

@@ -94,6 +94,10 @@ class AdoptedProcess:
         return -1
 
 
+Key = tuple[str, str, int]
+"""(lease, GPU uuid, generation): a move starts generation n+1 beside generation n."""
+
+
 @dataclass
 class Worker:
     lease_id: str
@@ -104,6 +108,10 @@ class Worker:
     created_at: float | None = None
     """The process's creation time: with the pid, what tells this worker from a process that
     got its pid later."""
+    token: str = ""
+    generation: int = 0
+    memory_mib: int | None = None
+    """The memory limit the worker runs with now (a resize changes it in place)."""
 
     def report(self) -> WorkerReport:
         alive = self.proc.poll() is None
@@ -112,7 +120,13 @@ class Worker:
             activity = json.loads(self.status_file.read_text())
         last_op = activity.get("last_op_at")
         held = activity.get("memory_held_bytes")
+        moved_to = activity.get("moved_to")
         return WorkerReport(
+            generation=self.generation,
+            swapped=activity.get("swapped") is True,
+            wants_gpu=activity.get("wants_gpu") is True,
+            adopted=activity.get("adopted") is True,
+            moved_to=moved_to if isinstance(moved_to, str) else None,
             lease_id=self.lease_id,
             gpu_uuid=self.gpu_uuid,
             endpoint=self.endpoint if alive else None,
@@ -139,6 +153,11 @@ class Worker:
             "create_time": self.created_at,
             "endpoint": self.endpoint,
             "status_file": str(self.status_file),
+            "generation": self.generation,
+            "memory_mib": self.memory_mib,
+            # The lease's data-plane token: the agent's control requests to an adopted worker
+            # need it (the registry is readable by the agent's user only).
+            "token": self.token,
         }
 
     def stop(self) -> None:
@@ -168,8 +187,8 @@ class WorkerSupervisor:
         self.mps = mps
         self.simulated = simulated
         self.listen_host = listen_host
-        self.workers: dict[tuple[str, str], Worker] = {}
-        self.failures: dict[tuple[str, str], str] = {}
+        self.workers: dict[Key, Worker] = {}
+        self.failures: dict[Key, str] = {}
         # reconcile() runs in a thread of its own while heartbeats read reports().
         self._lock = threading.Lock()
         self._adopt()
@@ -191,19 +210,33 @@ class WorkerSupervisor:
             return
         for entry in entries if isinstance(entries, list) else []:
             try:
-                key = (str(entry["lease_id"]), str(entry["gpu_uuid"]))
+                key = (
+                    str(entry["lease_id"]),
+                    str(entry["gpu_uuid"]),
+                    int(entry.get("generation", 0)),
+                )
                 pid, created = int(entry["pid"]), entry.get("create_time")
                 endpoint, status_file = str(entry["endpoint"]), Path(entry["status_file"])
+                token = str(entry.get("token", ""))
+                memory = entry.get("memory_mib")
+                memory_mib = int(memory) if isinstance(memory, int) else None
             except (KeyError, TypeError, ValueError):
                 log.error("ignoring a malformed entry of %s: %r", self.registry, entry)
                 continue
             proc = _running_worker(pid, created, key[0])
             if proc is None:
-                log.warning("the worker of lease %s on %s is gone: %s", *key, GONE_WHILE_AWAY)
+                log.warning(
+                    "the worker of lease %s on %s is gone: %s", key[0], key[1], GONE_WHILE_AWAY
+                )
                 self.failures[key] = GONE_WHILE_AWAY
                 continue
-            log.info("adopted the worker of lease %s on %s (pid %d, %s)", *key, pid, endpoint)
-            self.workers[key] = Worker(key[0], key[1], proc, endpoint, status_file, proc.created_at)
+            log.info(
+                "adopted the worker of lease %s on %s (pid %d, %s)", key[0], key[1], pid, endpoint
+            )
+            self.workers[key] = Worker(
+                key[0], key[1], proc, endpoint, status_file, proc.created_at,
+                token=token, generation=key[2], memory_mib=memory_mib,
+            )  # fmt: skip
 
     def _save(self) -> None:
         """Write the registry atomically (a crash mid-write must not lose it); failures stay
@@ -214,21 +247,24 @@ class WorkerSupervisor:
                 dict(
                     lease_id=lid,
                     gpu_uuid=uuid,
+                    generation=gen,
                     pid=0,
                     create_time=None,
                     endpoint="",
                     status_file="",
                 )
-                for (lid, uuid) in self.failures
+                for (lid, uuid, gen) in self.failures
             ]
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.registry.with_suffix(".tmp")
-        tmp.write_text(json.dumps(entries))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds lease tokens
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(entries))
         os.replace(tmp, self.registry)
 
     def reconcile(self, leases: Mapping[str, RemoteLease]) -> None:
         wanted = {
-            (lease_id, piece.gpu_uuid): (lease, piece)
+            (lease_id, piece.gpu_uuid, piece.generation): (lease, piece)
             for lease_id, lease in leases.items()
             for piece in lease.slices
         }
@@ -249,10 +285,13 @@ class WorkerSupervisor:
         for key, (lease, piece) in wanted.items():
             # A dead worker stays reported as dead: its client's tensors are gone, and
             # restarting it silently would hand the client an empty handle table.
+            running = self.workers.get(key)
+            if running is not None and running.memory_mib != piece.memory_mib:
+                self._resize(running, piece.memory_mib)
             if key in self.workers or key in self.failures:
                 continue
             try:
-                started = self._start(key[0], lease.token, piece)
+                started = self._start(key[0], lease, piece)
             except Exception as exc:  # the reason goes to the controller, the loop goes on
                 log.error("cannot start a worker for lease %s on %s: %s", key[0], key[1], exc)
                 with self._lock:
@@ -264,12 +303,30 @@ class WorkerSupervisor:
         if changed or not self.registry.exists():
             self._save()
 
-    def _start(self, lease_id: str, token: str, piece: RemoteSlice) -> Worker:
+    def _resize(self, worker: Worker, memory_mib: int) -> None:
+        """A live resize of memory: the worker's allocator limit changes, the client stays."""
+        from gpupool.protocol.v1.dataplane import parse_address, send_control
+
+        try:
+            send_control(
+                parse_address(worker.endpoint),
+                worker.lease_id,
+                worker.token,
+                {"op": "limits", "memory_limit_mib": memory_mib},
+            )
+        except Exception as exc:  # retried at the next reconcile
+            log.warning("cannot resize the worker of lease %s: %s", worker.lease_id, exc)
+            return
+        log.info("lease %s: memory limit now %d MiB", worker.lease_id, memory_mib)
+        worker.memory_mib = memory_mib
+
+    def _start(self, lease_id: str, lease: RemoteLease, piece: RemoteSlice) -> Worker:
         from gpupool.protocol.v1.dataplane import start_worker_process
 
+        token = lease.token
         directory = self.root / lease_id
         directory.mkdir(parents=True, exist_ok=True)
-        status_file = directory / f"{piece.gpu_index}.status.json"
+        status_file = directory / f"{piece.gpu_index}.g{piece.generation}.status.json"
         env = dict(os.environ)
         if self.simulated:
             device = "cpu"
@@ -293,6 +350,9 @@ class WorkerSupervisor:
             status_file=status_file,
             tls_cert=self.tls[0] if self.tls else None,
             tls_key=self.tls[1] if self.tls else None,
+            idle_timeout_s=lease.idle_timeout_s,
+            restore_from=piece.restore_from,
+            managed=True,
         )
         endpoint = str(ready.address)
         log.info("worker for lease %s on %s listens on %s", lease_id, piece.gpu_uuid, endpoint)
@@ -300,7 +360,10 @@ class WorkerSupervisor:
             created_at: float | None = psutil.Process(proc.pid).create_time()
         except psutil.NoSuchProcess:  # died already: reported dead at the next heartbeat
             created_at = None
-        return Worker(lease_id, piece.gpu_uuid, proc, endpoint, status_file, created_at)
+        return Worker(
+            lease_id, piece.gpu_uuid, proc, endpoint, status_file, created_at,
+            token=token, generation=piece.generation, memory_mib=piece.memory_mib,
+        )  # fmt: skip
 
     def reports(self) -> list[WorkerReport]:
         with self._lock:
@@ -308,8 +371,8 @@ class WorkerSupervisor:
             failures = dict(self.failures)
         out = [w.report() for w in workers]
         out += [
-            WorkerReport(lease_id=lease_id, gpu_uuid=uuid, alive=False, error=error)
-            for (lease_id, uuid), error in failures.items()
+            WorkerReport(lease_id=lease_id, gpu_uuid=uuid, alive=False, error=error, generation=gen)
+            for (lease_id, uuid, gen), error in failures.items()
         ]
         return out
 

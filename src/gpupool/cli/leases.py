@@ -51,11 +51,18 @@ def build_request(
     access: str = "direct",
     cpu: str | None = None,
     host_memory: str | None = None,
+    idle_timeout_s: float | None = None,
 ) -> LeaseCreate:
     """Check the user's request here, so that bad input fails before anything is sent."""
     node, prefer_node = resolve_locality(locality, node)
     if max_wait_s is not None and not 0 < max_wait_s <= 30 * 86400:
         raise BadInput(f"--max-wait must be more than 0 s and at most 30 days, got {max_wait_s:g}")
+    if idle_timeout_s is not None and not 0 < idle_timeout_s <= 30 * 86400:
+        raise BadInput(
+            f"--idle-timeout must be more than 0 s and at most 30 days, got {idle_timeout_s:g}"
+        )
+    if idle_timeout_s is not None and access != "remote":
+        raise BadInput("--idle-timeout swaps an idle remote lease out: it needs --remote")
     if not 1 <= gpus <= 256:
         raise BadInput(f"--gpus must be 1..256, got {gpus}")
     if not 0 <= priority <= 1000:
@@ -87,6 +94,7 @@ def build_request(
             max_wait_s=max_wait_s,
             cpu=None if cpu is None else str(parse_cpu_milli(cpu)) + "m",
             host_memory=None if host_memory is None else f"{parse_memory_mib(host_memory)}MiB",
+            idle_timeout_s=idle_timeout_s,
         )
     except ValidationError as exc:
         raise BadInput(validation_message(exc)) from None
@@ -384,6 +392,70 @@ def release(
         return
     for lease in released:
         typer.echo(f"released lease {lease.id}")
+
+
+@app.command("resize")
+def resize(
+    ctx: typer.Context,
+    lease_id: Annotated[str, typer.Argument(metavar="ID")],
+    compute: Annotated[
+        str | None, typer.Option("--compute", "-c", help="New compute share of each GPU: 50%.")
+    ] = None,
+    memory: Annotated[
+        str | None, typer.Option("--memory", "-m", help="New memory on each GPU: 40GiB.")
+    ] = None,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Resize a running remote lease; its program goes on (memory changes in place, a new
+    compute share moves it to a fresh worker with the new limits)."""
+    if compute is None and memory is None:
+        raise BadInput("give --compute, --memory or both")
+    compute_pct = None if compute is None else parse_compute_pct(compute)
+    memory_text = None if memory is None else f"{parse_memory_mib(memory)}MiB"
+    with cli_context(ctx).client() as client:
+        lease = client.resize_lease(lease_id, compute_pct=compute_pct, memory=memory_text)
+    show(output, lease, lease_detail(lease))
+    if lease.state == "migrating":
+        note(f"lease {lease.id} moves to a worker with the new limits; its program only pauses")
+
+
+@app.command("migrate")
+def migrate(
+    ctx: typer.Context,
+    lease_id: Annotated[str, typer.Argument(metavar="ID")],
+    to: Annotated[
+        str | None,
+        typer.Option("--to", help="A GPU uuid or a node name (default: wherever has room)."),
+    ] = None,
+    wait: Annotated[
+        bool, typer.Option("--wait/--no-wait", help="Wait until the state has moved.")
+    ] = True,
+    output: OutputOption = OutputFormat.TABLE,
+) -> None:
+    """Move a running remote lease to another GPU or server while its program runs."""
+    with cli_context(ctx).client() as client:
+        lease = client.migrate_lease(lease_id, to=to)
+        note(f"lease {lease.id} migrating to {', '.join(s.gpu_uuid for s in lease.slices)}")
+        if wait:
+            lease = await_moved(client, lease)
+    show(output, lease, lease_detail(lease))
+
+
+MOVE_TIMEOUT_S = 600.0
+
+
+def await_moved(client: PoolClient, lease: LeaseOut) -> LeaseOut:
+    """Poll until a migrating lease runs on its new workers (or ends)."""
+    started = time.monotonic()
+    while lease.state == "migrating":
+        if time.monotonic() - started > MOVE_TIMEOUT_S:
+            raise CommandFailed(f"lease {lease.id} still migrating after {MOVE_TIMEOUT_S:.0f} s")
+        time.sleep(0.3)
+        lease = client.lease(lease.id)
+    if lease.state == "released":
+        raise CommandFailed(f"lease {lease.id} ended while it moved: {lease.release_reason}")
+    note(f"lease {lease.id} moved in {time.monotonic() - started:.1f} s")
+    return lease
 
 
 def show_queue(ctx: typer.Context, output: OutputOption = OutputFormat.TABLE) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from typing import Annotated
 
 import typer
 
 from gpupool.cli.context import cli_context
+from gpupool.cli.errors import CommandFailed
 from gpupool.cli.output import OutputFormat, OutputOption, gpus_table, nodes_table, print_json, show
 
 app = typer.Typer(no_args_is_help=True)
@@ -38,6 +40,50 @@ def show_node(
         return
     show(output, node, nodes_table([node]))
     show(output, gpus, gpus_table(gpus, title=f"GPUs of {name}"))
+
+
+@app.command("drain")
+def drain_node(
+    ctx: typer.Context,
+    name: NodeArgument,
+    wait: Annotated[
+        bool,
+        typer.Option("--wait/--no-wait", help="Wait until no lease is left on the node."),
+    ] = True,
+    timeout: Annotated[
+        float, typer.Option("--timeout", help="Give up waiting after this many seconds.")
+    ] = 3600.0,
+) -> None:
+    """Take a node out for maintenance: no new leases, remote leases migrate away now, direct
+    leases are waited for. Then restart or upgrade its agent, and `gpupool node undrain`."""
+    with cli_context(ctx).client() as client:
+        moving = client.drain_node(name)
+        typer.echo(f"draining node {name}: {len(moving)} remote lease(s) migrating away")
+        if not wait:
+            return
+        started = time.monotonic()
+        while True:
+            # A moving lease already names its new GPUs: wait for its state to arrive too.
+            left = client.leases(node=name) + [
+                lease for lease in map(client.lease, moving) if lease.state == "migrating"
+            ]
+            if not left:
+                break
+            if time.monotonic() - started > timeout:
+                raise CommandFailed(
+                    f"node {name} still holds {len(left)} lease(s) after {timeout:g} s: "
+                    + ", ".join(f"{lease.id} ({lease.state})" for lease in left[:5])
+                )
+            time.sleep(0.5)
+    typer.echo(f"node {name} is empty after {time.monotonic() - started:.1f} s")
+
+
+@app.command("undrain")
+def undrain_node(ctx: typer.Context, name: NodeArgument) -> None:
+    """Return a drained node to the pool."""
+    with cli_context(ctx).client() as client:
+        client.undrain_node(name)
+    typer.echo(f"node {name} takes leases again")
 
 
 @app.command("remove")

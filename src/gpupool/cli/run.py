@@ -318,6 +318,14 @@ def run(
             help="GPUs of any server, through workers: the command's PyTorch sees them as cuda.",
         ),
     ] = False,
+    idle_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--idle-timeout",
+            help="Remote: after this many seconds without GPU work the slice goes back to the "
+            "pool (tensors to host memory); the next GPU op takes one again.",
+        ),
+    ] = None,
 ) -> None:
     if not cmd:
         raise BadInput(
@@ -354,6 +362,7 @@ def run(
         access="remote" if remote else "direct",
         cpu=cpu,
         host_memory=host_memory,
+        idle_timeout_s=idle_timeout,
     )
     with context.client() as client:
         lease = client.create_lease(request)

@@ -63,6 +63,14 @@ def sim(
         ),
     ] = None,
     days: Annotated[int, typer.Option("--days", help="Working days to simulate.")] = 5,
+    idle_release: Annotated[
+        float | None,
+        typer.Option(
+            "--idle-release",
+            help="Elastic slices: a notebook's slice goes back to the pool this many seconds "
+            "after each burst of GPU work (swapped to host memory until the next one).",
+        ),
+    ] = None,
     seed: SeedOption = 0,
     output: OutputOption = OutputFormat.TABLE,
 ) -> None:
@@ -73,7 +81,9 @@ def sim(
         raise typer.Exit(0)
     if team_size < 1 or days < 1:
         raise BadInput("--team and --days must be at least 1")
-    result = team.report(team_size, days, seed)
+    if idle_release is not None and idle_release <= 0:
+        raise BadInput(f"--idle-release must be positive, got {idle_release:g}")
+    result = team.report(team_size, days, seed, idle_release_s=idle_release)
     if output is OutputFormat.JSON:
         print_json(result)
         return

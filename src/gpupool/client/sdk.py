@@ -27,7 +27,9 @@ from gpupool.protocol.v1.api import (
     HaOut,
     LeaseCreate,
     LeaseHeartbeat,
+    LeaseMigrate,
     LeaseOut,
+    LeaseResize,
     NodeHeartbeat,
     NodeOut,
     NodeRegister,
@@ -378,6 +380,26 @@ class PoolClient:
     def release_lease_as_operator(self, lease_id: str) -> LeaseOut:
         """Take a lease away from its holder; recorded as released by an operator."""
         return self._one(LeaseOut, self._request("POST", f"/leases/{_q(lease_id)}/release"))
+
+    def migrate_lease(self, lease_id: str, to: str | None = None) -> LeaseOut:
+        """Move a running remote lease to the GPU or node `to` (None: wherever has room)."""
+        body = LeaseMigrate(to=to)
+        return self._one(LeaseOut, self._request("POST", f"/leases/{_q(lease_id)}/migrate", body))
+
+    def resize_lease(
+        self, lease_id: str, compute_pct: int | None = None, memory: str | None = None
+    ) -> LeaseOut:
+        """Change a running remote lease's compute share (%) and memory (`40GiB`) live."""
+        body = LeaseResize(compute_pct=compute_pct, memory=memory)
+        return self._one(LeaseOut, self._request("POST", f"/leases/{_q(lease_id)}/resize", body))
+
+    def drain_node(self, name: str) -> list[str]:
+        """Stop new leases on a node and migrate its remote leases away; returns those."""
+        answer = self._request("POST", f"/nodes/{_q(name)}/drain")
+        return [str(x) for x in answer] if isinstance(answer, list) else []
+
+    def undrain_node(self, name: str) -> None:
+        self._request("POST", f"/nodes/{_q(name)}/undrain")
 
     def queue(self) -> list[QueueEntryOut]:
         return self._many(QueueEntryOut, self._request("GET", "/queue"))

@@ -93,6 +93,8 @@ class TenantRow(Base):
     max_leases: Mapped[int | None] = mapped_column(Integer)
     max_priority: Mapped[int | None] = mapped_column(Integer)
     guaranteed_gpus: Mapped[float] = mapped_column(Float, default=0.0, server_default="0")
+    idle_timeout_s: Mapped[float | None] = mapped_column(Float)
+    """Remote leases of the tenant are swapped out after this long without GPU work."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -147,6 +149,11 @@ class LeaseRow(Base):
     """The client's key for this request: a request sent again (after a controller failed
     over mid-answer) finds the lease it already made instead of making a second one."""
     """The data-plane token of a remote lease: its holder and its workers share it."""
+    idle_timeout_s: Mapped[float | None] = mapped_column(Float)
+    """A remote lease is swapped out after this long without GPU work (None: the tenant's)."""
+    elastic: Mapped[dict[str, Any] | None] = mapped_column()
+    """A remote lease's worker generation and, while its state moves, the handoff
+    (services/elastic.py): which workers to keep until their successors took over."""
 
     slices: Mapped[list[LeaseSliceRow]] = relationship(
         back_populates="lease",

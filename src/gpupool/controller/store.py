@@ -35,6 +35,7 @@ from gpupool.core import (
     Ratios,
     Slice,
 )
+from gpupool.core.migrate import SHADOW
 from gpupool.core.model import Access, Host, LeaseRequest, QueuedLease
 from gpupool.core.placement import policy_named
 
@@ -86,6 +87,8 @@ class Store:
         availability sets it so that a controller which lost the lead cannot write."""
         self.leading = True
         """False on an HA standby: it serves reads and runs no reconcile loop or webhook."""
+        self.idle_timeouts: dict[str, float | None] = {}
+        """Tenants → their remote leases' idle timeout (services/elastic.py)."""
 
     def _new_session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
@@ -133,6 +136,7 @@ class Store:
             self.lease_rows, self.gpu_rows, self.node_rows = {}, {}, {}
             for tenant in session.scalars(select(TenantRow)):
                 pool.quotas[tenant.name] = quota_of(tenant)
+                self.idle_timeouts[tenant.name] = tenant.idle_timeout_s
             for node in session.scalars(select(NodeRow)):
                 pool.set_node_up(node.name, node.state == "up")
                 pool.set_host(node.name, host_of(node))
@@ -153,6 +157,17 @@ class Store:
                         lease.priority,
                         tuple((str(n), int(c), int(m)) for n, c, m in lease.host_charge or ()),
                     )
+                    moving = (lease.elastic or {}).get("handoff") or {}
+                    if moving.get("shadow"):
+                        pool.grant(
+                            lease.id + SHADOW,
+                            lease.tenant,
+                            tuple(
+                                Slice(p["gpu_uuid"], p["compute_pct"], p["memory_mib"])
+                                for p in moving.get("from", [])
+                            ),
+                            lease.priority,
+                        )
                     if state is LeaseState.PREEMPTED:
                         # Its holder was told; the grace period runs on from the stored end.
                         pool.preempting[lease.id] = ""

@@ -51,6 +51,7 @@ def lease_out(
         activity=dict(activity or {}),
         node=row.node,
         gpu_models=list(row.gpu_models or []),
+        idle_timeout_s=row.idle_timeout_s,
     )
 
 
@@ -106,6 +107,7 @@ def tenant_out(row: TenantRow, used: Usage, queued: int) -> TenantOut:
         max_leases=row.max_leases,
         max_priority=row.max_priority,
         guaranteed_gpus=row.guaranteed_gpus or 0.0,
+        idle_timeout_s=row.idle_timeout_s,
         used_gpus=used.gpus,
         used_memory_mib=used.memory_mib,
         used_compute_pct=used.compute_pct,

@@ -34,16 +34,32 @@ class TeamShape:
     debug_median_s: float = 8 * 60.0
     training_chance_per_day: float = 0.12
     training_median_s: float = 3.0 * HOUR
+    burst_median_s: float = 5 * 60.0
+    """A notebook's GPU work comes in bursts (a cell that trains or evaluates)..."""
+    think_median_s: float = 12 * 60.0
+    """...between which its user reads, edits and thinks: the GPU does nothing."""
 
 
 def _lognormal(rng: random.Random, median: float, sigma: float, cap: float) -> float:
     return min(cap, median * math.exp(rng.gauss(0.0, sigma)))
 
 
-def workload(engineers: int, days: int, seed: int, shape: TeamShape | None = None) -> list[Job]:
-    """The jobs of `engineers` people over `days` working days, deterministic in `seed`."""
+def workload(
+    engineers: int,
+    days: int,
+    seed: int,
+    shape: TeamShape | None = None,
+    idle_release_s: float | None = None,
+) -> list[Job]:
+    """The jobs of `engineers` people over `days` working days, deterministic in `seed`.
+
+    With `idle_release_s` (elastic remote slices), an open notebook holds its slice only
+    during its bursts of GPU work and for idle_release_s after each; in between its tensors
+    sit in host memory and the slice serves others. Each burst is then a request of its own,
+    and its wait is the pause its user sees at the first GPU op after thinking."""
     shape = shape or TeamShape()
     rng = random.Random(seed)
+    bursts = random.Random(seed * 7919 + 1)  # its own stream: the other jobs stay the same
     jobs: list[Job] = []
     for person in range(engineers):
         tenant = f"eng-{person:03d}"
@@ -53,15 +69,16 @@ def workload(engineers: int, days: int, seed: int, shape: TeamShape | None = Non
             for _ in range(_poisson(rng, shape.notebooks_per_day)):
                 at = start + rng.random() * length
                 compute = 25 if rng.random() < 0.7 else 50
-                jobs.append(
-                    Job(
-                        f"{tenant}-d{day}-nb{len(jobs)}",
-                        LeaseRequest(tenant=tenant, compute_pct=compute, priority=INTERACTIVE),
-                        at,
-                        _lognormal(rng, shape.notebook_median_s, 0.7, 4 * HOUR),
-                        "notebook",
-                    )
-                )
+                request = LeaseRequest(tenant=tenant, compute_pct=compute, priority=INTERACTIVE)
+                open_s = _lognormal(rng, shape.notebook_median_s, 0.7, 4 * HOUR)
+                name = f"{tenant}-d{day}-nb{len(jobs)}"
+                if idle_release_s is None:
+                    jobs.append(Job(name, request, at, open_s, "notebook"))
+                    continue
+                for i, (burst_at, held_s) in enumerate(
+                    _bursts(bursts, shape, at, open_s, idle_release_s)
+                ):
+                    jobs.append(Job(f"{name}-b{i}", request, burst_at, held_s, "notebook"))
             for _ in range(_poisson(rng, shape.debug_runs_per_day)):
                 at = start + rng.random() * length
                 compute = 50 if rng.random() < 0.5 else 100
@@ -88,6 +105,21 @@ def workload(engineers: int, days: int, seed: int, shape: TeamShape | None = Non
                 )
     jobs.sort(key=lambda j: (j.arrival_s, j.id))
     return jobs
+
+
+def _bursts(
+    rng: random.Random, shape: TeamShape, at: float, open_s: float, idle_release_s: float
+) -> list[tuple[float, float]]:
+    """(start, seconds held) of each burst of an open notebook, the idle timeout included."""
+    out: list[tuple[float, float]] = []
+    t, end = at, at + open_s
+    while t < end:
+        burst = _lognormal(rng, shape.burst_median_s, 0.8, 1 * HOUR)
+        think = _lognormal(rng, shape.think_median_s, 0.9, 2 * HOUR)
+        held = min(burst + min(idle_release_s, think), end - t)
+        out.append((t, max(held, 1.0)))
+        t += burst + think
+    return out
 
 
 def _poisson(rng: random.Random, mean: float) -> int:
@@ -144,9 +176,11 @@ def trial(jobs: list[Job], gpus: int, engineers: int) -> dict[str, Any]:
     }
 
 
-def report(engineers: int, days: int = 5, seed: int = 0) -> dict[str, Any]:
+def report(
+    engineers: int, days: int = 5, seed: int = 0, idle_release_s: float | None = None
+) -> dict[str, Any]:
     """Search the fewest GPUs meeting the 60 s p95 target for interactive slices."""
-    jobs = workload(engineers, days, seed)
+    jobs = workload(engineers, days, seed, idle_release_s=idle_release_s)
     dedicated = math.ceil(DEDICATED_PER_ENGINEER * engineers)
     tried: dict[int, dict[str, Any]] = {}
 
@@ -170,6 +204,7 @@ def report(engineers: int, days: int = 5, seed: int = 0) -> dict[str, Any]:
         "engineers": engineers,
         "days": days,
         "seed": seed,
+        "idle_release_s": idle_release_s,
         "target_p95_slice_wait_s": TARGET_WAIT_S,
         "dedicated_gpus": dedicated,
         "pooled_gpus": high,

@@ -431,6 +431,9 @@ class _Program:
         self.guards = guards
         self.grads = _grad_bindings(recording, guards)
         stream = self.stream = recording.stream
+        # A swap-out or a move to another worker drops the worker's programs (their CUDA
+        # graphs point at memory that is gone): the step is captured again afterwards.
+        self.epoch = (stream.conn, stream.elastic.swaps)
         stream.watched |= recording.externals
         stream.emit([Rec.PROGRAM, self.id, pack(recording.body)])
 
@@ -438,6 +441,8 @@ class _Program:
         stream = self.stream
         if not stream.open or stream not in runtime.streams():
             return "its GPU was detached"
+        if (stream.conn, stream.elastic.swaps) != self.epoch:
+            return "its state was swapped out or moved to another worker"
         if not self.recording.externals.isdisjoint(stream.released):
             return "a tensor it reads was freed (new tensors made outside the step)"
         return self.guards.broken()

@@ -31,6 +31,7 @@ from gpupool.protocol.v1.dataplane import (
     SharedArena,
     connect,
     pack_records,
+    parse_address,
     recv_handshake,
     send_handshake,
 )
@@ -41,6 +42,7 @@ from gpupool.protocol.v1.tensors import (
     tensor_bytes,
     tensor_from_bytes,
 )
+from gpupool.torch import session
 from gpupool.torch.tensor import Handle
 
 if TYPE_CHECKING:
@@ -114,6 +116,10 @@ class DeviceStream:
         self.watched: set[int] = set()
         """Handles captured programs read; `released` collects those the client dropped."""
         self.released: set[int] = set()
+        self.elastic = session.Elastic()
+        self.token = ""
+        self.shm_mib = 0
+        """How open_stream connected: what a move to a successor worker connects with."""
 
     # ---- facts ---------------------------------------------------------------------------
 
@@ -180,15 +186,22 @@ class DeviceStream:
             self._flush_locked()
 
     def try_flush(self) -> None:
-        """For the background flusher: never waits behind a read in progress."""
-        if self.records and self.lock.acquire(blocking=False):
+        """For the background flusher: never waits behind a read in progress. It also reads
+        the worker's notices (swap, move) when the program is not waiting for a reply."""
+        if self.open and self.lock.acquire(blocking=False):
             try:
-                self._flush_locked()
+                session.poll_notices(self)
+                if self.elastic.event:
+                    session.settle(self, idle=not self.records)
+                if self.records:
+                    self._flush_locked()
             finally:
                 self.lock.release()
 
     def _flush_locked(self) -> None:
         self._check_open()
+        if self.elastic.event or self.elastic.swapped:
+            session.settle(self, idle=False)
         records = self.records
         n = len(records)
         if not n:
@@ -339,6 +352,10 @@ class DeviceStream:
                 self.conn.wait(REPLY_SPIN_S)
             frame = self.conn.recv()
             head = frame.head()
+            while head[0] == Kind.NOTICE:  # answered at the next flush, after this reply
+                session.on_notice(self, head)
+                frame = self.conn.recv()
+                head = frame.head()
         except DataPlaneError as exc:
             self._lost(exc)
         if head[0] == Kind.ERROR:
@@ -393,6 +410,16 @@ class DeviceStream:
             self._lost(exc)
         return tensor_from_bytes(buffer, dtype_from_name(dtype), shape)
 
+    def adopt_connection(self, fresh: DeviceStream) -> None:
+        """Continue on `fresh`'s connection (a successor worker holding this stream's state):
+        handles and op ids stay valid, the shared arenas are the new worker's."""
+        for arena in (self._client_arena, self._worker_arena):
+            if arena is not None:
+                arena.close()
+        self.conn, self.address, self.welcome = fresh.conn, fresh.address, fresh.welcome
+        self._client_arena, self._worker_arena = fresh._client_arena, fresh._worker_arena
+        self._arena_cursor = 0
+
     def close(self) -> None:
         if not self.open:
             return
@@ -428,9 +455,18 @@ def open_stream(
 ) -> DeviceStream:
     """Connect, authenticate with the lease's token, and learn the device's facts."""
     deadline = time.monotonic() + BUSY_RETRY_S
+    hops = 0
     while True:
         try:
-            return _open_stream(index, address, lease, token, shm_mib)
+            opened = _open_stream(index, address, lease, token, shm_mib)
+            opened.token, opened.shm_mib = token, shm_mib
+            return opened
+        except _Moved as moved:
+            # The worker handed this lease's state on (a migration): follow it, a few times.
+            hops += 1
+            if hops > MAX_MOVED_HOPS:
+                raise AttachError(f"lease {lease} keeps moving; last at {moved.address}") from None
+            address = parse_address(moved.address)
         except _Busy:
             if time.monotonic() > deadline:
                 raise AttachError(
@@ -441,6 +477,15 @@ def open_stream(
 
 class _Busy(Exception):
     pass
+
+
+class _Moved(Exception):
+    def __init__(self, address: str) -> None:
+        super().__init__(address)
+        self.address = address
+
+
+MAX_MOVED_HOPS = 4
 
 
 def _open_stream(
@@ -476,6 +521,8 @@ def _open_stream(
         body = ErrorBody.from_wire(head[2] if len(head) > 2 else None)
         if body.kind == ErrorKind.BUSY:
             raise _Busy()
+        if body.kind == ErrorKind.MOVED:
+            raise _Moved(body.message)
         raise AttachError(f"worker at {address} refused lease {lease}: {body.message}")
     if head[0] != Kind.WELCOME or not isinstance(head[1], dict):
         sock.close()

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpupool.protocol.v1.dataplane import TOKEN_ENV
+from gpupool.protocol.v1.dataplane import TOKEN_ENV, parse_address
 from gpupool.worker.server import SPIN_US, WorkerConfig, run
 
 
@@ -37,6 +37,22 @@ def parse_args(argv: list[str]) -> WorkerConfig:
     )
     parser.add_argument("--tls-cert", type=Path, default=None, help="serve TCP clients over TLS")
     parser.add_argument("--tls-key", type=Path, default=None, help="the certificate's key")
+    parser.add_argument(
+        "--idle-timeout-s",
+        type=float,
+        default=None,
+        help="after this long without ops, ask the client to swap its tensors to host memory",
+    )
+    parser.add_argument(
+        "--restore-from",
+        default=None,
+        help="take over the client's state from this worker of the same lease (migration)",
+    )
+    parser.add_argument(
+        "--managed",
+        action="store_true",
+        help="after a swap-out, restore only when the agent says the slice is granted again",
+    )
     args = parser.parse_args(argv)
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
@@ -45,6 +61,13 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         parser.error(f"--token or ${TOKEN_ENV} is required")
     if args.memory_limit_mib is not None and args.memory_limit_mib <= 0:
         parser.error("--memory-limit-mib must be positive")
+    if args.idle_timeout_s is not None and args.idle_timeout_s <= 0:
+        parser.error("--idle-timeout-s must be positive")
+    if args.restore_from is not None:
+        try:
+            parse_address(args.restore_from)
+        except ValueError as exc:
+            parser.error(f"--restore-from: {exc}")
     return WorkerConfig(
         lease_id=args.lease,
         token=token,
@@ -56,6 +79,9 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         spin_us=max(0, args.spin_us),
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        idle_timeout_s=args.idle_timeout_s,
+        restore_from=args.restore_from,
+        managed=args.managed,
     )
 
 

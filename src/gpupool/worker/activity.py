@@ -23,6 +23,14 @@ class Activity:
     ops_total: int = 0
     memory_held_bytes: int = 0
     memory_limit_bytes: int | None = None
+    swapped: bool = False
+    """The client's tensors are in host memory; the device holds none of them."""
+    wants_gpu: bool = False
+    """A swapped client sent ops: the agent should ask the controller for its slice again."""
+    moved_to: str | None = None
+    """The successor worker that took the client's state (migration)."""
+    adopted: bool = False
+    """This worker took its predecessor's state over and serves the client now."""
 
     _memory_probe: Callable[[], int] | None = field(
         default=None, init=False, repr=False, compare=False

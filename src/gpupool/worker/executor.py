@@ -32,6 +32,7 @@ from gpupool.protocol.v1.tensors import (
 from gpupool.worker.activity import Activity
 from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
 from gpupool.worker.program import Programs
+from gpupool.worker.swap import HostState, capture, restore
 
 ALLOWED_NAMESPACES = frozenset({"aten"})
 DENIED_OPS = frozenset({"aten::from_file"})
@@ -63,6 +64,14 @@ class Link(Protocol):
 
     def skip_put(self, handle: int, nbytes: int) -> None:
         """Read and drop the PUT frames of a put that has nowhere to go."""
+
+
+class Elastic(Protocol):
+    """What runs a client's SWAP and RESUME records (the worker's swap and handoff logic)."""
+
+    def swap(self, req: int, link: Link) -> None: ...
+
+    def resume(self, req: int, link: Link) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -112,6 +121,7 @@ class Executor:
     ops: dict[int, _Op] = field(default_factory=dict)
     error: ErrorBody | None = None
     programs: Programs = field(default_factory=Programs)
+    elastic: Elastic | None = None
 
     def __post_init__(self) -> None:
         self._host = torch.device("cpu")
@@ -131,6 +141,8 @@ class Executor:
             Rec.PROGRAM: self._program,
             Rec.RUN: self._run,
             Rec.DROP_PROGRAM: self._drop_program,
+            Rec.SWAP: self._swap,
+            Rec.RESUME: self._resume,
         }
 
     # ---- decoding ------------------------------------------------------------------------
@@ -453,6 +465,52 @@ class Executor:
                 torch.set_rng_state(state)
         except Exception as exc:
             self._fail(exc, "set_rng_state", [], None)
+
+    def _swap(self, rec: list[Any], link: Link) -> None:
+        if self.elastic is None:
+            raise ProtocolError("this worker does not swap")
+        self.elastic.swap(int(rec[1]), link)
+
+    def _resume(self, rec: list[Any], link: Link) -> None:
+        if self.elastic is None:
+            raise ProtocolError("this worker does not hand over its state")
+        self.elastic.resume(int(rec[1]), link)
+
+    # ---- the state as a whole (swap-out, restore, migration) -------------------------------
+
+    def export_state(self) -> HostState:
+        """Move everything the client left here to host memory and free the device memory."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        # Captured programs (CUDA graphs) point at the device memory that is about to go: they
+        # are dropped, and the client captures its step again after the restore.
+        self.programs.clear()
+        state = capture(self.tensors, self.device)
+        state.ops = {op_id: op.name for op_id, op in self.ops.items()}
+        # Keep the generator state alive while its bytes are copied out of it.
+        rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        rng = torch.get_rng_state() if rng is None else rng
+        state.rng = bytes(host_bytes(rng))
+        state.error = None if self.error is None else self.error.to_wire()
+        self.tensors.clear()
+        self.memory.reset()
+        self.activity.memory_held_bytes = self.memory.held_bytes()
+        return state
+
+    def import_state(self, state: HostState) -> None:
+        """Put a captured state on this worker's device: the client continues where it was."""
+        self.tensors = restore(state, self.device)
+        self.memory.reset()
+        self.memory.charge(list(self.tensors.values()))
+        self.ops = {op_id: self._resolve_op(name) for op_id, name in state.ops.items()}
+        if state.rng is not None:
+            rng = torch.frombuffer(bytearray(state.rng), dtype=torch.uint8)
+            if self.device.type == "cuda":
+                torch.cuda.set_rng_state(rng, self.device)
+            else:
+                torch.set_rng_state(rng)
+        self.error = None if state.error is None else ErrorBody.from_wire(state.error)
+        self.activity.memory_held_bytes = self.memory.held_bytes()
 
     # ---- errors --------------------------------------------------------------------------
 

@@ -28,6 +28,9 @@ class MemoryLimit(Protocol):
 
     def reset(self) -> None: ...
 
+    def set_limit(self, limit_bytes: int | None) -> None:
+        """A live resize: the next allocations are held to the new limit."""
+
 
 class CudaMemory:
     """The caching allocator enforces the limit itself (a per-process fraction of the device),
@@ -35,10 +38,14 @@ class CudaMemory:
 
     def __init__(self, device: torch.device, limit_bytes: int | None) -> None:
         self.device = device
+        self.limit_bytes: int | None = None
+        self.set_limit(limit_bytes)
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        fraction = 1.0 if limit_bytes is None else min(1.0, limit_bytes / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
         self.limit_bytes = limit_bytes
-        if limit_bytes is not None:
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, limit_bytes / total), device)
 
     def held_bytes(self) -> int:
         return self._allocated("current")
@@ -86,6 +93,10 @@ class HostMemory:
 
     def held_bytes(self) -> int:
         return self._held
+
+    def set_limit(self, limit_bytes: int | None) -> None:
+        # What is held already stays (as with CUDA); the next outputs are charged against it.
+        self.limit_bytes = limit_bytes
 
     def peak_bytes(self) -> int:
         return self._peak

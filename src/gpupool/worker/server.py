@@ -30,8 +30,10 @@ from gpupool.protocol.v1.dataplane import (
     ErrorKind,
     Kind,
     ProtocolError,
+    Role,
     SharedArena,
     bound_address,
+    connect,
     listen,
     parse_address,
     recv_handshake,
@@ -41,6 +43,7 @@ from gpupool.protocol.v1.dataplane import (
     tune,
 )
 from gpupool.worker.activity import Activity, StatusFile
+from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor
 from gpupool.worker.memory import MiB, memory_limit_for
 
@@ -71,6 +74,12 @@ class WorkerConfig:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     """With both, TCP clients must speak TLS: the worker listens on tls://host:port."""
+    idle_timeout_s: float | None = None
+    """Without ops this long, the worker asks its client to swap out (None: never)."""
+    restore_from: str | None = None
+    """A worker of the same lease whose client state this one takes over before serving."""
+    managed: bool = False
+    """An agent runs this worker: after a swap-out, restore only once the agent says so."""
 
 
 class Worker:
@@ -90,6 +99,13 @@ class Worker:
             lease_id=config.lease_id, pid=os.getpid(), memory_limit_bytes=self.memory.limit_bytes
         )
         self.executor = Executor(config.lease_id, self.device, self.memory, self.activity)
+        self.elastic = Elasticity(
+            self.executor, self.memory, config.idle_timeout_s, config.managed
+        )
+        self._restored = threading.Event()
+        self._restore_error: str | None = None
+        if config.restore_from is None:
+            self._restored.set()
         self._session_lock = threading.Lock()
         self._stopping = threading.Event()
         self._listener: socket.socket | None = None
@@ -113,7 +129,37 @@ class Worker:
         self.address = bound_address(self._listener, requested)
         if self._status:
             self._status.start()
+        if self.config.restore_from is not None:
+            threading.Thread(target=self._adopt, name="gpupool-adopt", daemon=True).start()
         return self.address
+
+    def _adopt(self) -> None:
+        """Take the client's state over from the predecessor worker, then let the client in."""
+        assert self.config.restore_from is not None and self.address is not None
+        source = parse_address(self.config.restore_from)
+        try:
+            sock = connect(source)
+            hello = {"v": VERSION, "lease": self.config.lease_id, "token": self.config.token,
+                     "role": Role.SUCCESSOR}  # fmt: skip
+            send_handshake(sock, [Kind.HELLO, hello])
+            reply = recv_handshake(sock)
+            if reply.head[0] != Kind.WELCOME:
+                body = ErrorBody.from_wire(reply.head[2] if len(reply.head) > 2 else None)
+                raise DataPlaneError(f"the predecessor refused: {body.message}")
+            conn = Connection(sock, self.config.max_frame_bytes)
+            with _device_stream(self.device), self._session_lock:
+                state = adopt(conn, str(self.address), self.executor, self.device.type == "cuda")
+            conn.close()
+            self.activity.adopted = True
+            log.info(
+                "took over lease %s from %s: %.1f MiB",
+                self.config.lease_id, source, state.nbytes / MiB,
+            )  # fmt: skip
+        except (DataPlaneError, OSError) as exc:
+            self._restore_error = f"could not take over from {source}: {exc}"
+            log.error("%s", self._restore_error)
+        finally:
+            self._restored.set()
 
     def serve_forever(self) -> None:
         assert self._listener is not None, "start() first"
@@ -137,6 +183,7 @@ class Worker:
 
     def stop(self) -> None:
         self._stopping.set()
+        self.elastic.stop()
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)
@@ -164,11 +211,26 @@ class Worker:
                     sock.close()
                 return
         try:
-            fds = self._authenticate(sock)
+            fds, role = self._authenticate(sock)
         except (DataPlaneError, OSError) as exc:
             log.info("refused a connection from %s: %s", peer or "a local socket", exc)
             with contextlib.suppress(OSError):
                 sock.close()
+            return
+        if role != Role.CLIENT:
+            for fd in fds:
+                os.close(fd)
+            self._serve_side(sock, role)
+            return
+        # A successor worker restores before its client may send anything.
+        self._restored.wait()
+        refusal = self.elastic.refusal() or (
+            ErrorBody(ErrorKind.PROTOCOL, self._restore_error) if self._restore_error else None
+        )
+        if refusal is not None:
+            for fd in fds:
+                os.close(fd)
+            self._refuse(sock, refusal)
             return
         # A client that reconnects right after its connection ended may arrive before that
         # connection's thread has let go; a second client at the same time is refused.
@@ -184,6 +246,7 @@ class Worker:
             # Free the worker before the client sees its connection close, so that it can
             # connect again at once.
             self._active = None
+            self.elastic.client_left()
             self.executor.reset()
             self.activity.client_connected, self.activity.client_peer = False, None
             self._session_lock.release()
@@ -192,7 +255,7 @@ class Worker:
                 link.conn.send([Kind.ERROR, None, problem.to_wire()])
         link.close()
 
-    def _authenticate(self, sock: socket.socket) -> list[int]:
+    def _authenticate(self, sock: socket.socket) -> tuple[list[int], str]:
         sock.settimeout(HELLO_TIMEOUT_S)
         try:
             hello = recv_handshake(sock)
@@ -219,13 +282,40 @@ class Worker:
             raise ProtocolError(problem.message)
         sock.settimeout(None)
         assert isinstance(body, dict)
-        if body.get("shm") and hello.fds:
+        role = body.get("role", Role.CLIENT)
+        if role not in (Role.CLIENT, Role.CONTROL, Role.SUCCESSOR):
+            for fd in hello.fds:
+                os.close(fd)
+            self._refuse(sock, ErrorBody(ErrorKind.PROTOCOL, f"unknown role {role!r}"))
+            raise ProtocolError(f"unknown role {role!r}")
+        if body.get("shm") and hello.fds and role == Role.CLIENT:
             for fd in hello.fds[1:]:
                 os.close(fd)  # one arena per client; more descriptors would only leak
-            return hello.fds[:1]  # the client's memfd arena
+            return hello.fds[:1], role  # the client's memfd arena
         for fd in hello.fds:
             os.close(fd)
-        return []
+        return [], role
+
+    def _serve_side(self, sock: socket.socket, role: str) -> None:
+        """The agent's control requests, or a successor taking the client's state over."""
+        conn = Connection(sock, self.config.max_frame_bytes)
+        try:
+            send_handshake(sock, [Kind.WELCOME, {"v": VERSION, "lease": self.config.lease_id}])
+            sock.settimeout(HELLO_TIMEOUT_S)
+            if role == Role.SUCCESSOR:
+                self.elastic.serve_successor(conn, self._session_lock)
+                return
+            head = conn.recv().head()
+            if head[0] != Kind.CONTROL or len(head) != 3 or not isinstance(head[2], dict):
+                raise ProtocolError("expected [CONTROL, req, {op: ...}]")
+            conn.send([Kind.RESULT, head[1], self.elastic.control(head[2])])
+        except ProtocolError as exc:
+            with contextlib.suppress(DataPlaneError, OSError):
+                conn.send([Kind.ERROR, None, ErrorBody(ErrorKind.PROTOCOL, str(exc)).to_wire()])
+        except (DataPlaneError, OSError) as exc:
+            log.info("side connection (%s) ended: %s", role, exc)
+        finally:
+            conn.close()
 
     def _refuse(self, sock: socket.socket, error: ErrorBody) -> None:
         with contextlib.suppress(OSError, DataPlaneError):
@@ -249,6 +339,7 @@ class Worker:
             os.close(fds[0])
         self._active = link.conn
         self.activity.client_connected, self.activity.client_peer = True, peer
+        self.elastic.client_started()
         try:
             send_handshake(
                 sock,
@@ -258,7 +349,7 @@ class Worker:
             with _device_stream(self.device):
                 torch.set_grad_enabled(False)
                 self._loop(link)
-        except (ConnectionClosed, OSError):
+        except (ConnectionClosed, OSError, HandedOff):
             pass
         except ProtocolError as exc:
             log.warning("closing the client connection: %s", exc)
@@ -277,9 +368,16 @@ class Worker:
         executor = self.executor
         conn = link.conn
         spin_s = self.config.spin_us / 1e6
+        elastic = self.elastic
         while True:
             if spin_s:
                 conn.wait(spin_s)
+            if not conn.readable(TICK_S):
+                elastic.quiet(link)
+                continue
+            elastic.busy()
+            if elastic.wanted:  # a successor waits: tell a busy client too, between batches
+                elastic.quiet(link)
             frame = conn.recv()
             objects = frame.objects(executor.ext_hook)
             head = next(objects)

@@ -6,11 +6,18 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Query, status
 
 from gpupool.controller.routers.common import ADMIN, HOLDERS, READERS, Filter, Key, get_store
-from gpupool.controller.services import leases
+from gpupool.controller.services import elastic, leases
 from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
 from gpupool.core import Forbidden, LeaseState, ReleaseReason
-from gpupool.protocol.v1.api import LeaseCreate, LeaseHeartbeat, LeaseOut, QueueEntryOut
+from gpupool.protocol.v1.api import (
+    LeaseCreate,
+    LeaseHeartbeat,
+    LeaseMigrate,
+    LeaseOut,
+    LeaseResize,
+    QueueEntryOut,
+)
 
 router = APIRouter(tags=["leases"])
 
@@ -96,6 +103,38 @@ async def release_by_operator(
 ) -> LeaseOut:
     return await store.write(
         lambda s: leases.release(store, s, lease_id, who.actor, ReleaseReason.ADMIN)
+    )
+
+
+@router.post("/leases/{lease_id}/migrate", response_model=LeaseOut)
+async def migrate_lease(
+    lease_id: Key,
+    body: LeaseMigrate,
+    store: Store = Depends(get_store),
+    who: Principal = Depends(ADMIN),
+) -> LeaseOut:
+    """Move a running remote lease to another GPU or node; its program only pauses."""
+    return await store.write(
+        lambda s: elastic.migrate(store, s, lease_id, who.actor, to=body.to)
+    )
+
+
+@router.post("/leases/{lease_id}/resize", response_model=LeaseOut)
+async def resize_lease(
+    lease_id: Key,
+    body: LeaseResize,
+    store: Store = Depends(get_store),
+    who: Principal = Depends(HOLDERS),
+) -> LeaseOut:
+    """Change a running remote lease's compute share and memory without restarting it; a
+    tenant may resize its own leases (its quota still applies)."""
+    mine = _scope(who)
+    if mine is not None:
+        await store.read(lambda s: leases.get(store, s, lease_id, mine))  # 404 if not its own
+    return await store.write(
+        lambda s: elastic.resize(
+            store, s, lease_id, who.actor, body.compute_pct, body.memory_mib()
+        )
     )
 
 

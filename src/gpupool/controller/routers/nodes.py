@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response, status
 
 from gpupool.controller.routers.common import ADMIN, AGENTS, ANYONE, Key, get_store
-from gpupool.controller.services import nodes
+from gpupool.controller.services import elastic, nodes
 from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
 from gpupool.protocol.v1.api import NodeHeartbeat, NodeHeartbeatReply, NodeOut, NodeRegister
@@ -38,6 +38,22 @@ async def list_nodes(store: Store = Depends(get_store)) -> list[NodeOut]:
 @router.get("/nodes/{name}", response_model=NodeOut)
 async def get_node(name: Key, store: Store = Depends(get_store)) -> NodeOut:
     return await store.read(lambda s: nodes.get(store, s, name))
+
+
+@router.post("/nodes/{name}/drain", response_model=list[str])
+async def drain_node(
+    name: Key, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
+) -> list[str]:
+    """No new leases on the node; its remote leases migrate away. Returns those leases."""
+    return await store.write(lambda s: elastic.drain_node(store, s, name, who.actor))
+
+
+@router.post("/nodes/{name}/undrain", status_code=status.HTTP_204_NO_CONTENT)
+async def undrain_node(
+    name: Key, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
+) -> Response:
+    await store.write(lambda s: elastic.undrain_node(store, s, name, who.actor))
+    return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 
 @router.delete("/nodes/{name}", status_code=status.HTTP_204_NO_CONTENT)

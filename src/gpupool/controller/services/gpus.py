@@ -8,6 +8,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from gpupool.controller.models import GpuRow, utcnow
+from gpupool.controller.services import elastic
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, release
 from gpupool.controller.store import Store
@@ -49,6 +50,8 @@ def set_mode(store: Store, session: Session, uuid: str, mode: str, actor: str) -
         raise InvalidRequest(f"unknown mode {mode!r} (virtual or physical)") from None
     change = store.pool.set_mode(uuid, target)
     if change.new is GpuMode.DRAINING:
+        # Remote leases need not be waited for: they move to other GPUs while they run.
+        elastic.evacuate(store, session, uuid, actor, f"GPU {uuid} switches to {target.value}")
         message = (
             f"draining to {target.value}: waits for {len(store.pool.usage[uuid].leases)} lease(s)"
         )
@@ -60,6 +63,7 @@ def set_mode(store: Store, session: Session, uuid: str, mode: str, actor: str) -
 def drain(store: Store, session: Session, uuid: str, actor: str) -> GpuOut:
     row = _row(store, session, uuid)
     change = store.pool.drain(uuid)
+    elastic.evacuate(store, session, uuid, actor, f"GPU {uuid} drains")
     return _after_change(store, session, row, change, actor, "gpu.drain", "draining: no new leases")
 
 
@@ -73,6 +77,8 @@ def isolate(
         return gpu_out(row, store.pool, store.live.telemetry.get(uuid))  # the agent repeats itself
     change = store.pool.isolate(uuid)
     row.isolation_reason = reason
+    if not fault:  # degraded, still working: its remote leases move away while they run
+        elastic.evacuate(store, session, uuid, actor, f"GPU {uuid} isolated: {reason}")
     if fault:
         store.pool.gpus[uuid] = replace(store.pool.gpus[uuid], healthy=False)
         for lease_id in sorted(store.pool.usage[uuid].leases):

@@ -31,6 +31,7 @@ from gpupool.core import (
     ReleaseReason,
     transition,
 )
+from gpupool.core.migrate import SHADOW
 from gpupool.core.units import parse_cpu_milli, parse_memory_mib
 from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
 
@@ -42,6 +43,10 @@ def new_lease_id() -> str:
 def request_from(body: LeaseCreate) -> LeaseRequest:
     if body.physical and (body.compute_pct is not None or body.memory is not None):
         raise InvalidRequest("a physical lease takes whole GPUs: give no compute or memory")
+    if body.access != "remote" and body.idle_timeout_s is not None:
+        raise InvalidRequest(
+            "only a remote lease can be swapped out when idle: idle_timeout_s needs access remote"
+        )
     if body.access == "remote" and (body.cpu is not None or body.host_memory is not None):
         raise InvalidRequest(
             "a remote lease's program runs on its own server: cpu and host_memory are for "
@@ -124,6 +129,7 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
         cpu_milli=request.cpu_milli,
         host_memory_mib=request.host_memory_mib,
         request_id=body.request_id,
+        idle_timeout_s=body.idle_timeout_s,
     )
     session.add(row)
     store.lease_rows[lease_id] = row
@@ -257,6 +263,7 @@ def release(
     row.queue_seq = None
     store.live.preempt_deadline.pop(lease_id, None)
     changes = store.pool.release(lease_id)
+    changes += store.pool.release(lease_id + SHADOW)  # old slices of a lease that was moving
     store.live.lease_seen.pop(lease_id, None)
     store.live.dirty_leases.discard(lease_id)
     store.lease_rows.pop(lease_id, None)

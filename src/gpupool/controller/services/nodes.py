@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpupool.controller.models import GpuRow, NodeRow, utcnow
+from gpupool.controller.services import elastic
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, release
 from gpupool.controller.store import Store, gpu_of, host_of
@@ -29,7 +30,6 @@ from gpupool.protocol.v1.api import (
     NodeOut,
     NodeRegister,
     RemoteLease,
-    RemoteSlice,
     WorkerReport,
 )
 
@@ -121,7 +121,7 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
         store.live.telemetry[t.uuid] = t.model_dump(exclude_none=True, exclude={"uuid"})
     store.live.host[name] = body.host
     store.live.dirty_nodes.add(name)
-    note_workers(store, body.workers)
+    note_workers(store, body.workers, session)
     end_leases_of_dead_workers(store, session, body.workers)
     # A node back from an outage may still run workers of leases that ended meanwhile (the
     # node-lost policy released them): it stays out of placement until its agent, told by
@@ -142,7 +142,9 @@ IDLE_AFTER_S = 30.0
 """A remote lease whose workers ran no op for this long shows as idle."""
 
 
-def note_workers(store: Store, reports: list[WorkerReport]) -> None:
+def note_workers(
+    store: Store, reports: list[WorkerReport], session: Session | None = None
+) -> None:
     """Record where each remote slice's worker listens and what it is doing."""
     now = time.time()
     by_lease: dict[str, list[WorkerReport]] = {}
@@ -152,7 +154,9 @@ def note_workers(store: Store, reports: list[WorkerReport]) -> None:
         row = store.lease_rows.get(lease_id)
         if row is None:
             continue
-        endpoints = {w.gpu_uuid: w.endpoint for w in workers if w.alive}
+        moving = elastic.handoff(row)
+        gen = int(moving["to_gen"]) if moving is not None else elastic.generation(row)
+        endpoints = {w.gpu_uuid: w.endpoint for w in workers if w.alive and w.generation == gen}
         for piece in row.slices:
             if piece.gpu_uuid in endpoints and piece.endpoint != endpoints[piece.gpu_uuid]:
                 piece.endpoint = endpoints[piece.gpu_uuid]
@@ -164,6 +168,8 @@ def note_workers(store: Store, reports: list[WorkerReport]) -> None:
             "errors": [w.error for w in workers if w.error],
         }
         store.live.lease_activity[lease_id] = activity
+        if session is not None:
+            elastic.note_reports(store, session, row, workers)
         state = LeaseState(row.state)
         if state in (LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE) and last_ops:
             busy = now - max(last_ops) < IDLE_AFTER_S
@@ -197,6 +203,10 @@ def end_leases_of_dead_workers(
         row = store.lease_rows.get(report.lease_id)
         if report.alive or row is None or row.state == LeaseState.RELEASED.value:
             continue
+        moving = elastic.handoff(row)
+        serving = int(moving["to_gen"]) if moving is not None else elastic.generation(row)
+        if report.generation < serving:
+            continue  # a worker that handed its client over (migration, restore) and left
         detail = f"worker on {report.gpu_uuid}: {report.error or 'exited'}"
         release(store, session, report.lease_id, "controller", ReleaseReason.WORKER_LOST, detail)
         ended.append(report.lease_id)
@@ -207,20 +217,9 @@ def remote_leases(store: Store, node: str) -> dict[str, RemoteLease]:
     """The remote leases with slices on `node`, for its agent to run their workers."""
     out: dict[str, RemoteLease] = {}
     for lease_id, row in store.lease_rows.items():
-        if row.worker_token is None or LeaseState(row.state) not in HOLDING:
-            continue
-        mine = [
-            RemoteSlice(
-                gpu_uuid=s.gpu_uuid,
-                gpu_index=s.gpu_index,
-                compute_pct=s.compute_pct,
-                memory_mib=s.memory_mib,
-            )
-            for s in row.slices
-            if s.node == node
-        ]
-        if mine:
-            out[lease_id] = RemoteLease(token=row.worker_token, slices=mine)
+        wanted = elastic.remote_lease_for(store, row, node)
+        if wanted is not None:
+            out[lease_id] = wanted
     return out
 
 

@@ -52,10 +52,13 @@ def ensure_default(store: Store, session: Session) -> None:
 def create(store: Store, session: Session, body: TenantCreate, actor: str) -> TenantOut:
     if session.get(TenantRow, body.name) is not None:
         raise Conflict(f"tenant {body.name!r} exists already")
-    row = TenantRow(name=body.name, weight=body.weight, created_at=utcnow())
+    row = TenantRow(
+        name=body.name, weight=body.weight, created_at=utcnow(), idle_timeout_s=body.idle_timeout_s
+    )
     _apply_quota(row, body.quota, only_set=False)
     session.add(row)
     store.pool.quotas[row.name] = quota_of(row)
+    store.idle_timeouts[row.name] = row.idle_timeout_s
     record(session, actor, "tenant.created", row.name, f"quota {quota_of(row)}")
     return _out(store, row)
 
@@ -68,6 +71,9 @@ def update(store: Store, session: Session, name: str, body: TenantUpdate, actor:
         row.weight = body.weight
     if body.quota is not None:
         _apply_quota(row, body.quota, only_set=True)
+    if "idle_timeout_s" in body.model_fields_set:
+        row.idle_timeout_s = body.idle_timeout_s
+        store.idle_timeouts[name] = row.idle_timeout_s
     store.pool.quotas[name] = quota_of(row)
     record(session, actor, "tenant.updated", name, f"quota {quota_of(row)}, weight {row.weight}")
     # A raised quota may let queued requests of this tenant through.

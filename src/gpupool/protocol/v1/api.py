@@ -139,6 +139,11 @@ class RemoteSlice(BaseModel):
     gpu_index: int
     compute_pct: int
     memory_mib: int
+    generation: int = 0
+    """Which worker of the lease this is: a migration or a restore starts generation n+1 on
+    the destination (maybe the same GPU) while generation n still holds the state."""
+    restore_from: str | None = None
+    """The endpoint of the worker whose state this one takes over before serving."""
 
 
 class RemoteLease(BaseModel):
@@ -146,6 +151,8 @@ class RemoteLease(BaseModel):
 
     token: str
     slices: list[RemoteSlice]
+    idle_timeout_s: float | None = None
+    """Ask the client to swap out after this long without ops (None: never)."""
 
 
 class WorkerReport(BaseModel):
@@ -158,6 +165,14 @@ class WorkerReport(BaseModel):
     last_op_at: float | None = None
     memory_mib: int | None = None
     error: Annotated[str, Field(max_length=1024)] | None = None
+    generation: int = 0
+    swapped: bool = False
+    """The client's tensors are in host memory: the slice may go back to the pool."""
+    wants_gpu: bool = False
+    """A swapped client needs its slice again."""
+    adopted: bool = False
+    """This worker took its predecessor's state over."""
+    moved_to: str | None = None
 
 
 class NodeHeartbeatReply(BaseModel):
@@ -254,6 +269,9 @@ class LeaseCreate(Strict):
     request_id: RequestId | None = None
     """The client's key for this request: sending it again (after a failover cut the
     answer off) returns the lease the first send made, never a second lease."""
+    idle_timeout_s: Annotated[float, Field(gt=0, le=30 * 86400)] | None = None
+    """A remote lease without GPU work this long is swapped to host memory (default: the
+    tenant's setting; none: never)."""
 
     @field_validator("compute_pct", mode="before")
     @classmethod
@@ -322,10 +340,43 @@ class LeaseOut(BaseModel):
     """A remote lease's GPU activity as its workers report it (last op, memory held)."""
     node: str | None = None
     gpu_models: list[str] = Field(default_factory=list)
+    idle_timeout_s: float | None = None
 
 
 class LeaseHeartbeat(Strict):
     active: bool | None = None
+
+
+class LeaseResize(Strict):
+    """A live resize of an active remote lease: each slice gets this compute and memory."""
+
+    compute_pct: int | None = None
+    memory: str | None = None
+
+    @field_validator("compute_pct", mode="before")
+    @classmethod
+    def _compute(cls, value: object) -> object:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int | str):
+            raise ValueError("compute_pct must be an integer percent 1..100")
+        return parse_compute_pct(value)
+
+    @field_validator("memory")
+    @classmethod
+    def _memory(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_memory_mib(value)
+        return value
+
+    def memory_mib(self) -> int | None:
+        return None if self.memory is None else parse_memory_mib(self.memory)
+
+
+class LeaseMigrate(Strict):
+    """Move a remote lease while its program runs: to a GPU (uuid), a node, or anywhere else."""
+
+    to: Annotated[str, Field(min_length=1, max_length=128)] | None = None
 
 
 # ---- tenants ----------------------------------------------------------------------------
@@ -350,11 +401,14 @@ class TenantCreate(Strict):
     name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
     weight: Annotated[float, Field(gt=0, le=1000)] = 1.0
     quota: QuotaIn = Field(default_factory=QuotaIn)
+    idle_timeout_s: Annotated[float, Field(gt=0, le=30 * 86400)] | None = None
+    """The tenant's remote leases are swapped out after this long without GPU work."""
 
 
 class TenantUpdate(Strict):
     weight: Annotated[float, Field(gt=0, le=1000)] | None = None
     quota: QuotaIn | None = None
+    idle_timeout_s: Annotated[float, Field(gt=0, le=30 * 86400)] | None = None
 
 
 class TenantOut(BaseModel):
@@ -366,6 +420,7 @@ class TenantOut(BaseModel):
     max_leases: int | None
     max_priority: int | None
     guaranteed_gpus: float = 0.0
+    idle_timeout_s: float | None = None
     used_gpus: int
     used_memory_mib: int
     used_compute_pct: int

@@ -62,6 +62,16 @@ class Kind(IntEnum):
     """worker → client: [RESULT, req, value] — the answer to CALL, SYNC or STATS."""
     ERROR = 7
     """either way: [ERROR, req or None, ErrorBody]; after a protocol error the sender closes."""
+    NOTICE = 8
+    """worker → client, unasked: [NOTICE, {"event": "swap" | "move"}]. The worker wants the
+    client's state off its GPU (idle) or on a successor worker (migration, resize, drain);
+    the client answers with a SWAP or RESUME record in its stream, so the change happens at
+    a point both sides agree on: after every record sent before it."""
+    CONTROL = 9
+    """agent or successor → worker, on a connection of their own (HELLO role `control` or
+    `successor`): [CONTROL, req, {"op": ...}]; answered with RESULT or ERROR."""
+    STATE = 10
+    """worker → successor: [STATE, meta]; the storages follow as PUT frames (see worker/swap)."""
 
 
 class Rec(IntEnum):
@@ -103,6 +113,12 @@ class Rec(IntEnum):
     are stored under the client-chosen handles `outs`. One record per call of the step."""
     DROP_PROGRAM = 14
     """[DROP_PROGRAM, program_id]: the client will not run this program again."""
+    SWAP = 15
+    """[SWAP, req]: the client agrees to a swap-out the worker announced: every tensor goes to
+    host memory and the device memory is freed; replies with what moved."""
+    RESUME = 16
+    """[RESUME, req]: the client's next records need its state on a GPU: the worker restores
+    it in place, or hands it to its successor and replies {"to": address} before it closes."""
 
 
 class Ext(IntEnum):
@@ -137,6 +153,8 @@ class ErrorKind(IntEnum):
     """an allocation would exceed the lease's memory limit."""
     UNSUPPORTED = 6
     """the worker cannot run this op (unknown to its torch, or not allowed)."""
+    MOVED = 7
+    """this worker handed the lease's state to another; the message is that worker's address."""
 
 
 @dataclass(frozen=True)
@@ -392,6 +410,16 @@ def unpack_head(body: bytes) -> list[Any]:
     return head
 
 
+class Role:
+    """Who opens a connection to a worker (HELLO's `role`); a tenant is always `client`."""
+
+    CLIENT = "client"
+    CONTROL = "control"
+    """the agent: resume in place, change limits, ask for a swap."""
+    SUCCESSOR = "successor"
+    """a fresh worker of the same lease that takes over the client's state."""
+
+
 class _Reader:
     """A receive buffer over a blocking socket that can also tell, without blocking, whether
     bytes are waiting (what `Connection.wait` spins on): a BufferedReader cannot."""
@@ -560,6 +588,18 @@ class Connection:
             return True  # the blocking read reports it
         return False
 
+    def readable(self, timeout_s: float) -> bool:
+        """Whether a frame's first bytes (or the end of the stream) arrive within timeout_s."""
+        import select
+
+        if self._unread_tail or self._reader.poll():
+            return True
+        try:
+            ready, _, _ = select.select([self.sock], [], [], timeout_s)
+        except (OSError, ValueError):
+            return True  # the blocking read reports it
+        return bool(ready)
+
     def recv(self) -> Frame:
         """The next frame; its tail (if any) must be read with `read_tail*` before the next."""
         if self._unread_tail:
@@ -719,6 +759,32 @@ class SharedArena:
             os.close(self.fd)
 
 
+def send_control(
+    address: Address, lease: str, token: str, body: dict[str, Any], timeout_s: float = 10.0
+) -> dict[str, Any]:
+    """One request of the agent to its worker (role `control`): resume, limits, swap, status."""
+    sock = connect(address, timeout_s)
+    try:
+        sock.settimeout(timeout_s)
+        hello = {"v": VERSION, "lease": lease, "token": token, "role": Role.CONTROL}
+        send_handshake(sock, [Kind.HELLO, hello])
+        reply = recv_handshake(sock)
+        if reply.head[0] != Kind.WELCOME:
+            error = ErrorBody.from_wire(reply.head[2] if len(reply.head) > 2 else None)
+            raise RemoteError(error)
+        conn = Connection(sock)
+        conn.send([Kind.CONTROL, 1, body])
+        head = conn.recv().head()
+        if head[0] == Kind.ERROR:
+            raise RemoteError(ErrorBody.from_wire(head[2] if len(head) > 2 else None))
+        if head[0] != Kind.RESULT or not isinstance(head[2], dict):
+            raise ProtocolError(f"the worker answered {head!r:.200}")
+        return head[2]
+    finally:
+        with contextlib.suppress(OSError):
+            sock.close()
+
+
 # ---- starting a worker (the agent's side of the worker's command line) --------------------
 
 TOKEN_ENV = "GPUPOOL_WORKER_TOKEN"
@@ -734,6 +800,9 @@ def worker_argv(
     status_file: Path | None = None,
     threads: int | None = None,
     spin_us: int | None = None,
+    idle_timeout_s: float | None = None,
+    restore_from: str | None = None,
+    managed: bool = False,
     python: str | None = None,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
@@ -753,6 +822,12 @@ def worker_argv(
         argv += ["--spin-us", str(spin_us)]
     if tls_cert is not None and tls_key is not None:
         argv += ["--tls-cert", str(tls_cert), "--tls-key", str(tls_key)]
+    if idle_timeout_s is not None:
+        argv += ["--idle-timeout-s", f"{idle_timeout_s:g}"]
+    if restore_from is not None:
+        argv += ["--restore-from", restore_from]
+    if managed:
+        argv += ["--managed"]
     return argv
 
 

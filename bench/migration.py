@@ -1,0 +1,203 @@
+"""Hot migration and swap of a running training program: pause, swap-out and restore times.
+
+ResNet-50 trains on a remote GPU (worker on GPU 0) with extra device tensors that bring its
+state to about --state-gib. Mid-run a successor worker starts on GPU 1 and takes the state over
+while the program keeps training; the program follows it at its next op. Then the worker swaps
+the idle program out to host memory, and its next step restores it. Written as a list of
+{state_gib, pause_s, swap_out_s, restore_s, restore_gbps, loss_continuous, machine, ...}.
+
+    python bench/migration.py --out bench/results/migration.json              # 2 GPUs
+    python bench/migration.py --device cpu --model resnet18 --state-gib 0.2   # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "src"))
+
+from gpupool.protocol.v1.dataplane import start_worker_process  # noqa: E402
+
+TOKEN = "bench-migration"
+LEASE = "bench-migration"
+
+
+def machine(device: str) -> str:
+    if device == "cuda":
+        import subprocess
+
+        smi = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        gpus = "; ".join(line.strip() for line in smi.splitlines())
+        return f"{gpus}; torch {torch.__version__}; {platform.node()}, {os.cpu_count()} CPUs"
+    return f"CPU workers; torch {torch.__version__}; {platform.node()}, {os.cpu_count()} CPUs"
+
+
+def worker_device(device: str, index: int) -> str:
+    return f"cuda:{index}" if device == "cuda" else "cpu"
+
+
+def continuous(losses: list[float], at: int) -> bool:
+    """The loss after the move continues the curve: its step-to-step change is no larger than
+    the largest change seen before the move (a lost or reset state shows as a jump)."""
+    before = [abs(b - a) for a, b in itertools.pairwise(losses[:at])]
+    if len(before) < 2 or at + 1 >= len(losses):
+        return False
+    jump = abs(losses[at + 1] - losses[at])
+    return jump <= max(before) * 1.5
+
+
+def build(name: str) -> torch.nn.Module:
+    """A torchvision model by name, or `tiny` (a small CNN) where torchvision is missing."""
+    if name == "tiny":
+        nn = torch.nn
+        return nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.AdaptiveAvgPool2d(4), nn.Flatten(), nn.Linear(256, 100),
+        )  # fmt: skip
+    import torchvision
+
+    model: torch.nn.Module = getattr(torchvision.models, name)(num_classes=100)
+    return model
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import gpupool.torch
+    from gpupool.torch import runtime
+
+    env = {**os.environ}
+    first, ready1 = start_worker_process(
+        LEASE, TOKEN, env=env, device=worker_device(args.device, 0), idle_timeout_s=None
+    )
+    procs = [first]
+    try:
+        gpupool.torch.attach(workers=[str(ready1.address)], token=TOKEN, lease=LEASE)
+        stream = runtime.stream(0)
+        torch.manual_seed(0)
+        model = build(args.model).cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
+        model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 2
+        ballast_bytes = max(0, int(args.state_gib * (1 << 30)) - model_bytes)
+        ballast = torch.ones(ballast_bytes // 4, device="cuda")  # the rest of a big state
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(args.batch, 3, args.image, args.image, generator=g)
+        y = torch.randint(0, 100, (args.batch,), generator=g)
+        xd, yd = x.cuda(), y.cuda()
+        losses: list[float] = []
+        step_s: list[float] = []
+        moved_at: int | None = None
+        step = 0
+        give_up_at = time.monotonic() + 600
+        while step < args.steps or (step > args.migrate_at and stream.elastic.moves == 0):
+            if time.monotonic() > give_up_at:
+                raise RuntimeError("the program never followed its state to the new worker")
+            if step == args.migrate_at:
+                # Started in the background of the training loop: the program keeps running.
+                import threading
+
+                def start_successor() -> None:
+                    successor, _ = start_worker_process(
+                        LEASE, TOKEN, env=env, device=worker_device(args.device, 1),
+                        restore_from=str(stream.address), idle_timeout_s=args.idle_s,
+                    )  # fmt: skip
+                    procs.append(successor)
+
+                threading.Thread(target=start_successor, daemon=True).start()
+            moves = stream.elastic.moves
+            started = time.perf_counter()
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=args.device == "cuda"):
+                loss = torch.nn.functional.cross_entropy(model(xd), yd)
+            loss.backward()
+            opt.step()
+            losses.append(float(loss.item()))
+            step_s.append(time.perf_counter() - started)
+            if stream.elastic.moves != moves and moved_at is None:
+                moved_at = step
+            step += 1
+        pause_s = stream.elastic.last_pause_s
+        moved_bytes = stream.elastic.last_bytes
+        # Swap: the program goes idle; the new worker asks it to swap out after idle_s.
+        deadline = time.monotonic() + args.idle_s + 120
+        while not stream.elastic.swapped:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the idle program was not swapped out")
+            time.sleep(0.05)
+        swap_out_s, swap_bytes = stream.elastic.last_swap_s, stream.elastic.last_bytes
+        started = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.cross_entropy(model(xd), yd)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.item()))
+        restore_s = stream.elastic.last_pause_s
+        resumed_step_s = time.perf_counter() - started
+        assert float(ballast[0].item()) == 1.0, "the state survived the moves"
+        typical = statistics.median(step_s)
+        return {
+            "state_gib": round(moved_bytes / (1 << 30), 3),
+            "pause_s": round(pause_s, 3),
+            "step_s_median": round(typical, 4),
+            "step_s_with_move": round(step_s[moved_at], 3) if moved_at is not None else None,
+            "swap_out_s": round(swap_out_s, 3),
+            "swapped_gib": round(swap_bytes / (1 << 30), 3),
+            "restore_s": round(restore_s, 3),
+            "restore_gbps": round(swap_bytes / restore_s / 1e9, 2) if restore_s else None,
+            "resumed_step_s": round(resumed_step_s, 3),
+            "loss_continuous": moved_at is not None and continuous(losses, moved_at),
+            "moved_at_step": moved_at,
+            "losses": [round(v, 4) for v in losses],
+            "model": args.model,
+            "batch": args.batch,
+            "machine": machine(args.device),
+        }
+    finally:
+        gpupool.torch.detach()
+        for proc in procs:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except Exception:
+                proc.kill()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--model", default="resnet50")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--image", type=int, default=224)
+    parser.add_argument("--state-gib", type=float, default=5.0)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--migrate-at", type=int, default=10)
+    parser.add_argument("--idle-s", type=float, default=3.0)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/migration.json")
+    args = parser.parse_args()
+    row = run(args)
+    rows: list[dict[str, Any]] = []
+    if args.out.exists():
+        rows = [r for r in json.loads(args.out.read_text()) if r.get("machine") != row["machine"]
+                or r.get("state_gib") != row["state_gib"]]  # fmt: skip
+    rows.append(row)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in row.items() if k != "losses"}))
+
+
+if __name__ == "__main__":
+    main()
