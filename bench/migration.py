@@ -81,6 +81,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from gpupool.torch import runtime
 
     env = {**os.environ}
+    # Two GPUs: the move goes from cuda:0 to cuda:1. One GPU: to a new worker on the same GPU
+    # (the same handoff through host memory; the row says which).
+    target = 1 if args.device == "cuda" and torch.cuda.device_count() > 1 else 0
     first, ready1 = start_worker_process(
         LEASE, TOKEN, env=env, device=worker_device(args.device, 0), idle_timeout_s=None
     )
@@ -112,7 +115,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
                 def start_successor() -> None:
                     successor, _ = start_worker_process(
-                        LEASE, TOKEN, env=env, device=worker_device(args.device, 1),
+                        LEASE, TOKEN, env=env, device=worker_device(args.device, target),
                         restore_from=str(stream.address), idle_timeout_s=args.idle_s,
                     )  # fmt: skip
                     procs.append(successor)
@@ -162,6 +165,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "loss_continuous": moved_at is not None and continuous(losses, moved_at),
             "moved_at_step": moved_at,
             "losses": [round(v, 4) for v in losses],
+            "moved": f"{worker_device(args.device, 0)} -> {worker_device(args.device, target)}",
             "model": args.model,
             "batch": args.batch,
             "machine": machine(args.device),
