@@ -53,15 +53,15 @@ def test_next_agent_adopts_a_running_worker_and_stops_it_when_its_lease_ends(
     first.reconcile({"l-1": LEASE})
     (report,) = first.reports()
     assert report.alive and report.endpoint
-    pid = first.workers[("l-1", "GPU-x")].proc.pid
+    pid = first.workers[("l-1", "GPU-x", 0)].proc.pid
     try:
         # The first agent dies without stopping anything: a new one starts on the same dir.
         second = _supervisor(tmp_path)
         (adopted,) = second.reports()
         assert adopted.alive and adopted.endpoint == report.endpoint
-        assert second.workers[("l-1", "GPU-x")].proc.pid == pid
+        assert second.workers[("l-1", "GPU-x", 0)].proc.pid == pid
         second.reconcile({"l-1": LEASE})
-        assert second.workers[("l-1", "GPU-x")].proc.pid == pid, "kept, not started again"
+        assert second.workers[("l-1", "GPU-x", 0)].proc.pid == pid, "kept, not started again"
         second.reconcile({})
         _wait_gone(pid)
         assert second.reports() == []
@@ -74,9 +74,9 @@ def test_next_agent_adopts_a_running_worker_and_stops_it_when_its_lease_ends(
 def test_worker_gone_while_no_agent_ran_is_reported_dead_not_restarted(tmp_path: Path) -> None:
     first = _supervisor(tmp_path)
     first.reconcile({"l-1": LEASE})
-    pid = first.workers[("l-1", "GPU-x")].proc.pid
+    pid = first.workers[("l-1", "GPU-x", 0)].proc.pid
     os.kill(pid, signal.SIGKILL)
-    first.workers[("l-1", "GPU-x")].proc.wait()
+    first.workers[("l-1", "GPU-x", 0)].proc.wait()
 
     second = _supervisor(tmp_path)
     (report,) = second.reports()

@@ -36,6 +36,7 @@ from gpupool.controller.db import make_engine
 from gpupool.controller.models import LeaseRow
 from gpupool.controller.settings import ControllerSettings
 from gpupool.controller.store import Store
+from gpupool.core.migrate import SHADOW
 from tests.conftest import ControllerProcess, register_fake_node
 from tests.controller.inprocess import controller
 
@@ -156,6 +157,19 @@ def check_pool(seen: dict[str, Any], rebuilt: Store) -> None:
     gpus, leases = seen["gpus"], seen["leases"]
     assert set(gpus) == set(pool.gpus), "the controller serves other GPUs than it stored"
     by_leases = usage_from_leases(leases)
+    # A lease being moved also holds its old place, under `<lease>~from`, until the handoff
+    # ends (core/migrate.py): only a migrating lease may have one.
+    states = {lease["id"]: lease["state"] for lease in leases}
+    shadows = {h for h in pool.holdings if h.endswith(SHADOW)}
+    for shadow in shadows:
+        assert states.get(shadow.removesuffix(SHADOW)) == "migrating", f"stray {shadow}"
+        for piece in pool.holdings[shadow]:
+            compute, memory, ids = by_leases.get(piece.gpu_uuid, (0, 0, []))
+            by_leases[piece.gpu_uuid] = (
+                compute + piece.compute_pct,
+                memory + piece.memory_mib,
+                sorted([*ids, shadow]),
+            )
     ratios = seen["pool"]["ratios"]
     for uuid, gpu in gpus.items():
         granted = (gpu["compute_granted_pct"], gpu["memory_granted_mib"], sorted(gpu["leases"]))
@@ -176,16 +190,24 @@ def check_pool(seen: dict[str, Any], rebuilt: Store) -> None:
         ):
             assert len(gpu["leases"]) == 1, f"{uuid}: a whole GPU shared"
     holding = {lease["id"] for lease in leases if lease["state"] in HOLDING}
-    assert holding == set(pool.holdings), "granted leases differ from the database's"
+    assert holding == set(pool.holdings) - shadows, "granted leases differ from the database's"
     queued = [lease["id"] for lease in leases if lease["state"] == "queued"]
     assert sorted(queued) == sorted(seen["queue"]) == sorted(pool.queue), "queues differ"
     for lease in leases:
         check_lease_fields(lease)
     for name, tenant in seen["tenants"].items():
         mine = [lease for lease in leases if lease["tenant"] == name]
-        assert tenant["used_leases"] == sum(lease["state"] in HOLDING for lease in mine), name
+        # While a lease moves, its tenant is charged for both places the pool holds.
+        moves = sum(shadow.removesuffix(SHADOW) in {lease["id"] for lease in mine} for shadow in shadows)
+        assert tenant["used_leases"] == moves + sum(lease["state"] in HOLDING for lease in mine), name
         assert tenant["queued_leases"] == sum(lease["state"] == "queued" for lease in mine), name
-        assert tenant["used_memory_mib"] == sum(
+        moving = sum(
+            piece.memory_mib
+            for shadow in shadows
+            if shadow.removesuffix(SHADOW) in {lease["id"] for lease in mine}
+            for piece in pool.holdings[shadow]
+        )
+        assert tenant["used_memory_mib"] == moving + sum(
             s["memory_mib"] for lease in mine if lease["state"] in HOLDING for s in lease["slices"]
         ), name
 

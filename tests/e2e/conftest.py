@@ -81,6 +81,9 @@ def record(request: pytest.FixtureRequest) -> Iterator[FaultRecord]:
     yield rec
     rec.seconds = round(time.monotonic() - started, 1)
     rec.save(request.node.name)
+
+
+@pytest.fixture
 def ha_pool(tmp_path: Path, ha_pg_url: str) -> Iterator[HaPool]:
     """Three `gpupool controller --ha` on one PostgreSQL and a fake-GPU agent knowing them all;
     nodes are marked down after 5 s of silence, so an agent that does not reconnect shows."""
