@@ -217,17 +217,7 @@ def bootstrap(session: Session, data_dir: Path, given: str | None) -> str | None
         token_id, secret = parts
         row = session.get(TokenRow, token_id)
         if row is None:
-            session.add(
-                TokenRow(
-                    id=token_id,
-                    name="bootstrap",
-                    role="admin",
-                    tenant=None,
-                    secret_sha256=digest(secret),
-                    created_at=utcnow(),
-                    created_by="controller",
-                )
-            )
+            session.add(_admin_row(token_id, secret, "bootstrap"))
             record(session, "controller", "token.created", token_id, "admin token given at start")
         elif row.role != "admin" or row.secret_sha256 != digest(secret):
             raise Forbidden(
@@ -240,17 +230,7 @@ def bootstrap(session: Session, data_dir: Path, given: str | None) -> str | None
     if _live_admins(session) > 0:
         return None
     token_id, secret, token = new_token()
-    session.add(
-        TokenRow(
-            id=token_id,
-            name="first-admin",
-            role="admin",
-            tenant=None,
-            secret_sha256=digest(secret),
-            created_at=utcnow(),
-            created_by="controller",
-        )
-    )
+    session.add(_admin_row(token_id, secret, "first-admin"))
     record(session, "controller", "token.created", token_id, "first admin token")
     data_dir.mkdir(parents=True, exist_ok=True)
     path = data_dir / ADMIN_TOKEN_FILE
@@ -259,3 +239,16 @@ def bootstrap(session: Session, data_dir: Path, given: str | None) -> str | None
         out.write(token + "\n")
     os.chmod(path, 0o600)
     return str(path)
+
+
+def _admin_row(token_id: str, secret: str, name: str) -> TokenRow:
+    """An admin token the controller itself installs (given at start, or the first one)."""
+    return TokenRow(
+        id=token_id,
+        name=name,
+        role="admin",
+        tenant=None,
+        secret_sha256=digest(secret),
+        created_at=utcnow(),
+        created_by="controller",
+    )
