@@ -232,6 +232,15 @@ class GpuIsolate(Strict):
 RequestId = Annotated[str, Field(min_length=8, max_length=64, pattern=r"^[A-Za-z0-9._-]+$")]
 
 
+def compute_pct_input(value: object) -> object:
+    """A compute share as sent (`25`, `"25%"`), checked as a whole percent 1..100."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError("compute_pct must be an integer percent 1..100")
+    return parse_compute_pct(value)
+
+
 def storable_memory(text: str | None) -> str | None:
     """A memory size as written, once it reads as one and fits an integer column in MiB."""
     if text is not None and parse_memory_mib(text) > INT32_MAX:
@@ -276,11 +285,7 @@ class LeaseCreate(Strict):
     @field_validator("compute_pct", mode="before")
     @classmethod
     def _compute(cls, value: object) -> object:
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise ValueError("compute_pct must be an integer percent 1..100")
-        return parse_compute_pct(value)
+        return compute_pct_input(value)
 
     @field_validator("memory")
     @classmethod
@@ -356,18 +361,12 @@ class LeaseResize(Strict):
     @field_validator("compute_pct", mode="before")
     @classmethod
     def _compute(cls, value: object) -> object:
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, int | str):
-            raise ValueError("compute_pct must be an integer percent 1..100")
-        return parse_compute_pct(value)
+        return compute_pct_input(value)
 
     @field_validator("memory")
     @classmethod
     def _memory(cls, value: str | None) -> str | None:
-        if value is not None:
-            parse_memory_mib(value)
-        return value
+        return storable_memory(value)
 
     def memory_mib(self) -> int | None:
         return None if self.memory is None else parse_memory_mib(self.memory)
