@@ -22,8 +22,6 @@ from gpupool.protocol.v1.tokens import new_token
 ROOT = Path(__file__).resolve().parent.parent
 GP = [sys.executable, "-m", "gpupool.cli"]
 
-
-
 # The controllers a benchmark starts install this admin token ($GPUPOOL_ADMIN_TOKEN), and every
 # client it starts or makes sends it ($GPUPOOL_TOKEN).
 os.environ.setdefault("GPUPOOL_ADMIN_TOKEN", new_token()[2])

@@ -26,29 +26,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _pool import AUTH, GP, ROOT, finish, free_port, wait
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "mps_isolation.json"
-GP = [sys.executable, "-m", "gpupool.cli"]
 NODE = socket.gethostname()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait(predicate: Any, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if predicate():
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out waiting for {what}")
 
 
 def run_leased(url: str, lease_args: list[str], program: list[str]) -> subprocess.Popen[str]:
@@ -61,15 +42,6 @@ def run_leased(url: str, lease_args: list[str], program: list[str]) -> subproces
         env=env,
         cwd=ROOT,
     )
-
-
-def finish(proc: subprocess.Popen[str], timeout_s: float = 180) -> tuple[int, dict[str, Any], str]:
-    out, err = proc.communicate(timeout=timeout_s)
-    data: dict[str, Any] = {}
-    for line in out.splitlines():
-        if line.startswith("{"):
-            data = json.loads(line)
-    return proc.returncode, data, err[-2000:]
 
 
 def main() -> None:
@@ -99,7 +71,7 @@ def main() -> None:
     agent = None
     result: dict[str, Any] = {}
     try:
-        api = httpx.Client(base_url=url + "/api/v1", timeout=30)
+        api = httpx.Client(base_url=url + "/api/v1", timeout=30, headers=AUTH)
         wait(lambda: api.get("/health").status_code == 200, 60, "controller")
         agent = subprocess.Popen(
             [
@@ -147,7 +119,8 @@ def main() -> None:
         high = run_leased(
             url, ["--compute", "70%", "--memory", "30GiB"], [*program, "--label", "high"]
         )
-        (rc_low, low_out, low_err), (rc_high, high_out, high_err) = finish(low), finish(high)
+        rc_low, low_out, low_err = finish(low, 180)
+        rc_high, high_out, high_err = finish(high, 180)
         if rc_low or rc_high:
             raise RuntimeError(f"split runs failed: {rc_low} {low_err} / {rc_high} {high_err}")
         share_low = 100 * low_out["tflops"] / (low_out["tflops"] + high_out["tflops"])
@@ -183,12 +156,12 @@ def main() -> None:
         small_ok = run_leased(
             url, ["--compute", "50%", "--memory", "4GiB"], ["bench/gpu/alloc.py", "--gib", "3"]
         )
-        rc_ok, ok_out, ok_err = finish(small_ok)
+        rc_ok, ok_out, ok_err = finish(small_ok, 180)
         oversized = run_leased(
             url, ["--compute", "50%", "--memory", "4GiB"], ["bench/gpu/alloc.py", "--gib", "6"]
         )
-        rc_big, big_out, big_err = finish(oversized)
-        rc_other, other_out, other_err = finish(other)
+        rc_big, big_out, big_err = finish(oversized, 180)
+        rc_other, other_out, other_err = finish(other, 180)
         per_second = other_out.get("per_second", [])
         steady = statistics.median(per_second) if per_second else 0.0
         result["memory_limit"] = {
@@ -221,7 +194,7 @@ def main() -> None:
             "MPS to stop",
         )
         phys = run_leased(url, ["--physical"], ["bench/gpu/physical_check.py"])
-        rc_phys, phys_out, phys_err = finish(phys)
+        rc_phys, phys_out, phys_err = finish(phys, 180)
         result["physical"] = {
             "mode_after_switch": mode,
             "exit_code": rc_phys,
