@@ -140,3 +140,12 @@ def test_bad_server_cpu_is_refused_before_any_request() -> None:
         app, ["--url", "http://127.0.0.1:9", "run", "--remote", "--cpu", "2", "--", "true"]
     )
     assert result.exit_code == 2 and "direct runs" in result.output
+
+
+def test_lazy_without_remote_is_refused_before_any_request() -> None:
+    from typer.testing import CliRunner
+
+    from gpupool.cli.main import app
+
+    result = CliRunner().invoke(app, ["--url", "http://127.0.0.1:9", "run", "--lazy", "--", "true"])
+    assert result.exit_code == 2 and "--lazy" in result.output and "--remote" in result.output

@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Mapping, Sequence
@@ -30,8 +31,16 @@ from gpupool.cli.leases import (
 )
 from gpupool.cli.output import note
 from gpupool.cli.signals import signals_to
-from gpupool.client.sdk import URL_ENV, ApiError, ControllerUnreachable, LeaseKeeper, PoolClient
-from gpupool.protocol.v1.api import GpuOut, LeaseOut
+from gpupool.client.sdk import (
+    URL_ENV,
+    ApiError,
+    ControllerUnreachable,
+    LeaseFailed,
+    LeaseKeeper,
+    PoolClient,
+    resolve_token,
+)
+from gpupool.protocol.v1.api import GpuOut, LeaseCreate, LeaseOut
 
 HELP = (
     "Run a command on GPUs of this server and give them back when it ends.\n\n"
@@ -62,6 +71,9 @@ _OWN_VARIABLES = (
     "GPUPOOL_LEASE",
     "GPUPOOL_WORKERS",
     "GPUPOOL_LEASE_TOKEN",
+    "GPUPOOL_LAZY",
+    "GPUPOOL_LAZY_TOKEN",
+    "GPUPOOL_LAZY_LEASE_FILE",
 )
 
 
@@ -326,6 +338,14 @@ def run(
             "pool (tensors to host memory); the next GPU op takes one again.",
         ),
     ] = None,
+    lazy: Annotated[
+        bool,
+        typer.Option(
+            "--lazy",
+            help="Remote: start the command without a GPU; its first GPU op asks for the lease "
+            "(waiting in the queue, shown on stderr), so CPU work before it holds nothing.",
+        ),
+    ] = False,
 ) -> None:
     if not cmd:
         raise BadInput(
@@ -337,6 +357,11 @@ def run(
         raise BadInput("--cpu and --host-memory are for direct runs: a remote program runs here")
     if remote and physical:
         raise BadInput("physical GPUs are always direct: drop --remote or --physical")
+    if lazy and not remote:
+        raise BadInput(
+            "--lazy takes the lease at the program's first GPU op, through workers: it needs "
+            "--remote"
+        )
     if gpus > 1 and not physical and not remote:
         # One MPS daemon per GPU, and a process reaches only one daemon: a program spread over
         # several slices could not be held to its limits on all of them.
@@ -364,6 +389,8 @@ def run(
         host_memory=host_memory,
         idle_timeout_s=idle_timeout,
     )
+    if lazy:
+        raise typer.Exit(_run_lazy(context, request, cmd, grace))
     with context.client() as client:
         lease = client.create_lease(request)
         token = lease.token
@@ -384,51 +411,76 @@ WORKER_START_TIMEOUT_S = 180.0
 
 def await_workers(client: PoolClient, lease: LeaseOut) -> LeaseOut:
     """Wait until the agents run a worker for every slice of a granted remote lease."""
-    deadline = time.monotonic() + WORKER_START_TIMEOUT_S
-    while True:
-        try:
-            lease = client.heartbeat_lease(lease.id)
-        except ControllerUnreachable:
-            # A controller restarting: the lease is in its database, ask again (until the
-            # deadline, past which the lease has expired anyway).
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.5)
-            continue
-        if lease.state not in ("granted", "active", "idle"):
-            why = lease.release_reason or lease.state
-            raise CommandFailed(f"lease {lease.id} ended before its workers ran ({why})", 1)
-        if all(piece.endpoint for piece in lease.slices):
-            return lease
-        errors = lease.activity.get("errors") or []
-        if errors:
-            raise CommandFailed(f"the worker of lease {lease.id} did not start: {errors[0]}", 1)
-        if time.monotonic() > deadline:
-            raise CommandFailed(
-                f"the workers of lease {lease.id} did not start in {WORKER_START_TIMEOUT_S:.0f} s",
-                1,
-            )
-        time.sleep(0.3)
+    try:
+        return client.wait_for_workers(lease.id, timeout=WORKER_START_TIMEOUT_S)
+    except LeaseFailed as exc:
+        raise CommandFailed(exc.reason, 1) from None
 
 
 def remote_env(lease: LeaseOut, token: str, url: str) -> dict[str, str]:
     """What makes an unchanged PyTorch program use the lease's workers as its cuda devices."""
+    return {
+        "GPUPOOL_LEASE": lease.id,
+        "GPUPOOL_LEASE_ID": lease.id,
+        "GPUPOOL_WORKERS": ",".join(piece.endpoint or "" for piece in lease.slices),
+        "GPUPOOL_LEASE_TOKEN": token,
+        **_site_env(url),
+    }
+
+
+def lazy_env(
+    request: LeaseCreate, api_token: str | None, url: str, lease_file: Path
+) -> dict[str, str]:
+    """What makes an unchanged PyTorch program ask for `request` at its first GPU op."""
+    env = {
+        "GPUPOOL_LAZY": request.model_dump_json(exclude_unset=True),
+        "GPUPOOL_LAZY_LEASE_FILE": str(lease_file),
+        **_site_env(url),
+    }
+    if api_token:
+        env["GPUPOOL_LAZY_TOKEN"] = api_token
+    return env
+
+
+def _site_env(url: str) -> dict[str, str]:
+    """gpupool.torch's sitecustomize on the path: it attaches the program when torch loads."""
     spec = importlib.util.find_spec("gpupool.torch")
     if spec is None or not spec.submodule_search_locations:
         raise CommandFailed("gpupool.torch is not installed here: pip install 'gpupool[torch]'", 1)
     site = str(Path(next(iter(spec.submodule_search_locations))) / "site")
     python_path = os.environ.get("PYTHONPATH")
     return {
-        "GPUPOOL_LEASE": lease.id,
-        "GPUPOOL_LEASE_ID": lease.id,
-        "GPUPOOL_WORKERS": ",".join(piece.endpoint or "" for piece in lease.slices),
-        "GPUPOOL_LEASE_TOKEN": token,
         URL_ENV: url,
         # The program's cuda devices are the lease's workers; a GPU of this host, if it has
         # one, is not part of the lease.
         "CUDA_VISIBLE_DEVICES": "",
         "PYTHONPATH": site + (os.pathsep + python_path if python_path else ""),
     }
+
+
+def _run_lazy(context: CliContext, request: LeaseCreate, cmd: Sequence[str], grace_s: float) -> int:
+    """Run CMD with no lease; the program takes it at its first GPU op and heartbeats it.
+
+    The program writes its lease's id to a file of ours: should it die without giving the
+    lease back, we do (its ttl would, later)."""
+    with tempfile.TemporaryDirectory(prefix="gpupool-lazy-") as scratch:
+        lease_file = Path(scratch) / "lease"
+        api_token = resolve_token(context.url, context.token)
+        env = child_env(os.environ, lazy_env(request, api_token, context.url, lease_file))
+        note("no GPU held yet: the lease is taken at the program's first GPU op (lazy)")
+        supervisor = Supervisor(cmd, env, grace_s)
+        with signals_to(supervisor.forward, _FORWARDED):
+            supervisor.start()
+            returncode = supervisor.wait()
+        lease_id = lease_file.read_text().strip() if lease_file.exists() else ""
+    if lease_id:
+        with context.client() as client:
+            try:
+                client.release_lease(lease_id)
+            except (ApiError, ControllerUnreachable) as exc:
+                problem = escape(str(exc))
+                note(f"[yellow]warning: could not release lease {lease_id}: {problem}[/yellow]")
+    return exit_status(returncode)
 
 
 def _run_remote(

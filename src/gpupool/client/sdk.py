@@ -80,6 +80,15 @@ class ApiError(Exception):
         return 400 <= self.status < 500
 
 
+class LeaseFailed(Exception):
+    """A lease ended before its holder could use it, or its workers did not start."""
+
+    def __init__(self, lease_id: str, reason: str) -> None:
+        super().__init__(reason)
+        self.lease_id = lease_id
+        self.reason = reason
+
+
 class ControllerUnreachable(Exception):
     """No answer from the controller: not running, wrong URL, or the network is down."""
 
@@ -440,6 +449,46 @@ class PoolClient:
             if deadline is not None:
                 pause = max(0.0, min(pause, deadline - time.monotonic()))
             time.sleep(pause)
+
+    def wait_for_workers(
+        self,
+        lease_id: str,
+        timeout: float = 180.0,
+        poll_interval_s: float = 0.3,
+    ) -> LeaseOut:
+        """Wait until the agents run a worker for every slice of a granted remote lease.
+
+        Returns the lease with every slice's `endpoint` set, heartbeating it meanwhile. Raises
+        LeaseFailed when the lease ended, a worker failed to start, or `timeout` passed. A
+        controller that does not answer (a restart) is asked again until the deadline: the
+        lease is in its database.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                lease = self.heartbeat_lease(lease_id)
+            except ControllerUnreachable:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(poll_interval_s)
+                continue
+            if lease.state not in ("granted", "active", "idle"):
+                why = lease.release_reason or lease.state
+                raise LeaseFailed(
+                    lease_id, f"lease {lease_id} ended before its workers ran ({why})"
+                )
+            if all(piece.endpoint for piece in lease.slices):
+                return lease
+            errors = lease.activity.get("errors") or []
+            if errors:
+                raise LeaseFailed(
+                    lease_id, f"the worker of lease {lease_id} did not start: {errors[0]}"
+                )
+            if time.monotonic() > deadline:
+                raise LeaseFailed(
+                    lease_id, f"the workers of lease {lease_id} did not start in {timeout:.0f} s"
+                )
+            time.sleep(poll_interval_s)
 
     # ---- tenants -------------------------------------------------------------------------
 

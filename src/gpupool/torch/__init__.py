@@ -10,17 +10,23 @@
 Without arguments, attach() reads GPUPOOL_LEASE, GPUPOOL_WORKERS (comma-separated addresses,
 one per GPU of the lease: cuda:0, cuda:1, …) and GPUPOOL_LEASE_TOKEN, as `gpupool run
 --remote` sets.
+
+    gpupool.torch.attach(lazy=True, request={"compute": "30%", "memory": "8GiB"})
+
+takes no GPU until the program's first GPU op, which asks the controller (GPUPOOL_URL) for
+that remote lease, waits in the queue if it must, and goes on (`gpupool run --remote --lazy`).
 """
 
 from __future__ import annotations
 
 import atexit
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
+from gpupool.protocol.v1.api import LeaseCreate
 from gpupool.protocol.v1.dataplane import parse_address
 from gpupool.torch import (
     autocast,
@@ -33,6 +39,13 @@ from gpupool.torch import (
     serialization,
 )
 from gpupool.torch.capture import CapturedStep, CaptureWarning, capture
+from gpupool.torch.lazy import (
+    LAZY_LEASE_FILE_ENV,
+    LAZY_TOKEN_ENV,
+    LazyLease,
+    LeaseRefused,
+    lease_request,
+)
 from gpupool.torch.stream import AttachError, DeviceStream, WorkerLost, open_stream
 from gpupool.torch.tensor import RemoteTensor
 
@@ -40,6 +53,8 @@ __all__ = [
     "AttachError",
     "CaptureWarning",
     "CapturedStep",
+    "LazyLease",
+    "LeaseRefused",
     "RemoteTensor",
     "WorkerLost",
     "attach",
@@ -55,15 +70,46 @@ def attach(
     workers: Sequence[str] | None = None,
     token: str | None = None,
     shm_mib: int = 256,
+    lazy: bool = False,
+    request: LeaseCreate | Mapping[str, Any] | None = None,
+    url: str | None = None,
+    api_token: str | None = None,
 ) -> list[torch.device]:
     """Show the lease's GPUs to this process as cuda:0 … cuda:N-1 and return those devices.
 
     `lease` is a lease id, or an object (or dict) with `id`, `workers` and `token`.
     Unix-socket workers on this host also share memory for tensor bytes (`shm_mib` each way).
+
+    `lazy=True` takes no lease now: the first GPU op asks the controller at `url` (default
+    GPUPOOL_URL) with `api_token` (default: as the CLI finds it) for `request` (LeaseCreate
+    fields, e.g. `{"compute": "30%", "memory": "8GiB"}`; default GPUPOOL_LAZY, else one GPU)
+    and waits for it; a refusal raises LeaseRefused there. The lease goes back at detach().
     """
     if runtime.attached():
         raise AttachError("already attached; call gpupool.torch.detach() first")
+    if lazy:
+        if lease is not None or workers or token:
+            raise AttachError("lazy=True asks for a new lease: give no lease, workers or token")
+        pending = LazyLease(
+            lease_request(request),
+            lambda lease_id, addresses, secret: _open_streams(lease_id, addresses, secret, shm_mib),
+            url=url,
+            api_token=api_token or os.environ.get(LAZY_TOKEN_ENV) or None,
+            lease_file=os.environ.get(LAZY_LEASE_FILE_ENV),
+        )
+        runtime.install_pending(pending)
+        _install_hooks()
+        return [torch.device("cuda", i) for i in range(pending.device_count)]
     lease_id, addresses, secret = _resolve(lease, workers, token)
+    streams = _open_streams(lease_id, addresses, secret, shm_mib)
+    runtime.install(streams)
+    _install_hooks()
+    return [s.device for s in streams]
+
+
+def _open_streams(
+    lease_id: str, addresses: Sequence[str], secret: str, shm_mib: int
+) -> list[DeviceStream]:
     streams: list[DeviceStream] = []
     try:
         for index, address in enumerate(addresses):
@@ -72,7 +118,10 @@ def attach(
         for opened in streams:
             opened.close()
         raise
-    runtime.install(streams)
+    return streams
+
+
+def _install_hooks() -> None:
     kernels.install()
     cuda_api.install()
     conversions.install()
@@ -80,7 +129,6 @@ def attach(
     autocast.install()
     optim.install()
     atexit.register(detach)  # close the connections in order; the workers free everything
-    return [s.device for s in streams]
 
 
 def detach() -> None:

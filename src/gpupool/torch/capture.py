@@ -533,7 +533,8 @@ class CapturedStep:
     # ---- calls ---------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not runtime.attached():
+        if not runtime.attached() or runtime.pending():
+            # Pending: a lazy lease is taken inside this call; recording starts at the next.
             return self.fn(*args, **kwargs)
         spec: Any
         if kwargs or not all(type(a) in _FLAT for a in args):

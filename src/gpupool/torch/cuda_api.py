@@ -36,7 +36,7 @@ def is_available() -> bool:
 
 
 def device_count() -> int:
-    return len(runtime.streams())
+    return runtime.device_count()
 
 
 def current_device() -> int:
@@ -91,10 +91,14 @@ def synchronize(device: Any = None) -> None:
 
 
 def memory_allocated(device: Any = None) -> int:
+    if runtime.pending():  # a lazy lease not taken yet holds nothing (asking must not take it)
+        return 0
     return int(runtime.stream(_index(device)).stats()["memory_held_bytes"])
 
 
 def max_memory_allocated(device: Any = None) -> int:
+    if runtime.pending():
+        return 0
     return int(runtime.stream(_index(device)).stats()["memory_peak_bytes"])
 
 
@@ -106,10 +110,16 @@ def mem_get_info(device: Any = None) -> tuple[int, int]:
 
 
 def manual_seed(seed: int) -> None:
+    if runtime.pending():  # torch.manual_seed at a program's top must not take the lease
+        runtime.defer_seed(runtime.current_index(), int(seed))
+        return
     runtime.stream().seed(int(seed))
 
 
 def manual_seed_all(seed: int) -> None:
+    if runtime.pending():
+        runtime.defer_seed(None, int(seed))
+        return
     for stream in runtime.streams():
         stream.seed(int(seed))
 

@@ -1,10 +1,15 @@
-"""The remote devices this process is attached to: cuda:0 … cuda:N-1, one DeviceStream each."""
+"""The remote devices this process is attached to: cuda:0 … cuda:N-1, one DeviceStream each.
+
+A lazy attach installs a `Pending` instead of streams: the process counts as attached (torch
+sees its devices), and the first thing that needs a worker acquires the lease and opens them.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import threading
+from typing import Protocol
 
 from gpupool.torch.stream import DeviceStream
 
@@ -14,29 +19,89 @@ FLUSH_INTERVAL_S = 0.002
 _streams: list[DeviceStream] = []
 _current = 0
 _flusher: _Flusher | None = None
+_pending: Pending | None = None
+_deferred_seeds: dict[int, int] = {}
+"""Seeds set before a lazy lease was acquired (torch.manual_seed at the top of a program),
+by device index: the first records each stream sends, so results equal a non-lazy run."""
+_acquiring = threading.Lock()
 
 
 class NotAttached(RuntimeError):
     pass
 
 
+class Pending(Protocol):
+    """A lease not taken yet: how many GPUs it will have, and how to take it."""
+
+    @property
+    def device_count(self) -> int: ...
+
+    def acquire(self) -> list[DeviceStream]:
+        """Take the lease (waiting in the queue) and open one stream per GPU; raises why not."""
+        ...
+
+    def release(self) -> None:
+        """Give the lease back, if it was taken."""
+        ...
+
+
 def streams() -> list[DeviceStream]:
+    """The open streams: none while a lazy lease is not acquired yet."""
     return _streams
 
 
 def attached() -> bool:
-    return bool(_streams)
+    return bool(_streams) or _pending is not None
+
+
+def pending() -> bool:
+    """A lazy attach whose lease is not acquired yet."""
+    return not _streams and _pending is not None
+
+
+def device_count() -> int:
+    """The lease's GPUs, known from the request before a lazy lease is acquired."""
+    if _streams or _pending is None:
+        return len(_streams)
+    return _pending.device_count
 
 
 def stream(index: int | None = None) -> DeviceStream:
     if not _streams:
-        raise NotAttached("no gpupool remote GPUs are attached (call gpupool.torch.attach())")
+        if _pending is None:
+            raise NotAttached("no gpupool remote GPUs are attached (call gpupool.torch.attach())")
+        _check_ordinal(_current if index is None else index)
+        _acquire()
     i = _current if index is None else index
-    if not 0 <= i < len(_streams):
-        raise RuntimeError(
-            f"CUDA error: invalid device ordinal {i}: the lease has {len(_streams)} GPU(s)"
-        )
+    _check_ordinal(i)
     return _streams[i]
+
+
+def _check_ordinal(index: int) -> None:
+    count = device_count()
+    if not 0 <= index < count:
+        raise RuntimeError(
+            f"CUDA error: invalid device ordinal {index}: the lease has {count} GPU(s)"
+        )
+
+
+def _acquire() -> None:
+    """The first op that needs a worker: take the lease now (one thread does, others wait)."""
+    with _acquiring:
+        if _streams or _pending is None:
+            return
+        opened = _pending.acquire()
+        for index, seed in sorted(_deferred_seeds.items()):
+            opened[index].seed(seed)
+        _deferred_seeds.clear()
+        _start(opened)
+
+
+def defer_seed(index: int | None, seed: int) -> None:
+    """Before a lazy lease is acquired: remember a seed for device `index` (None: all)."""
+    for i in range(device_count()) if index is None else [index]:
+        _check_ordinal(i)
+        _deferred_seeds[i] = seed
 
 
 def current_index() -> int:
@@ -45,26 +110,44 @@ def current_index() -> int:
 
 def set_current(index: int) -> None:
     global _current
-    stream(index)
+    _check_ordinal(index)
     _current = index
 
 
 def install(new_streams: list[DeviceStream]) -> None:
-    global _flusher, _current
-    _streams[:] = new_streams
+    global _current
     _current = 0
+    _start(new_streams)
+
+
+def install_pending(lazy: Pending) -> None:
+    """Attach lazily: devices are visible now, the lease is taken at the first op."""
+    global _current, _pending
+    _current = 0
+    _pending = lazy
+    _deferred_seeds.clear()
+
+
+def _start(new_streams: list[DeviceStream]) -> None:
+    global _flusher
+    _streams[:] = new_streams
     _flusher = _Flusher()
     _flusher.start()
 
 
 def uninstall() -> None:
-    global _flusher
+    """Close the streams, then give a lazily taken lease back (its workers end with it)."""
+    global _flusher, _pending
     if _flusher is not None:
         _flusher.stop()
         _flusher = None
     for s in _streams:
         s.close()
     _streams.clear()
+    lazy, _pending = _pending, None
+    _deferred_seeds.clear()
+    if lazy is not None:
+        lazy.release()
 
 
 class _Flusher(threading.Thread):
@@ -85,10 +168,12 @@ class _Flusher(threading.Thread):
 
 def _after_fork_in_child() -> None:
     """A forked child (a DataLoader worker) shares the parent's sockets: it must not use them."""
-    global _flusher
+    global _flusher, _pending
     for s in _streams:
         s.forked()
     _flusher = None
+    # Nor may it take a lease of its own: its tensors would live apart from the parent's.
+    _pending = None
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

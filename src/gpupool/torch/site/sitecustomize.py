@@ -1,9 +1,10 @@
 """Put on PYTHONPATH by `gpupool run --remote`: unchanged programs attach to the lease's GPUs.
 
-With GPUPOOL_LEASE, GPUPOOL_WORKERS and GPUPOOL_LEASE_TOKEN set, the program attaches the moment it
-first imports torch (programs that never do pay nothing: this file imports only the standard
-library). The variables then leave the environment, so that subprocesses (spawned DataLoader
-workers, tools the program runs) do not try to be a second client of the same workers.
+With GPUPOOL_LEASE, GPUPOOL_WORKERS and GPUPOOL_LEASE_TOKEN set (or GPUPOOL_LAZY, the request
+of a lease to take at the first GPU op: `gpupool run --remote --lazy`), the program attaches
+the moment it first imports torch (programs that never do pay nothing: this file imports only
+the standard library). The variables then leave the environment, so that subprocesses (spawned
+DataLoader workers, tools the program runs) do not try to be a second client of the same workers.
 Any sitecustomize this one shadows still runs afterwards.
 """
 
@@ -16,10 +17,20 @@ from types import ModuleType
 from typing import Any
 
 _ENV = ("GPUPOOL_LEASE", "GPUPOOL_WORKERS", "GPUPOOL_LEASE_TOKEN")
+_LAZY_ENV = ("GPUPOOL_LAZY", "GPUPOOL_LAZY_TOKEN", "GPUPOOL_LAZY_LEASE_FILE")
 
 
 def _attach_from_environment() -> None:
-    settings = {name: os.environ.pop(name, None) for name in _ENV}
+    if os.environ.get("GPUPOOL_LAZY"):
+        import gpupool.torch
+
+        try:
+            gpupool.torch.attach(lazy=True)  # reads the request, token and lease file
+        finally:
+            for name in _ENV + _LAZY_ENV:
+                os.environ.pop(name, None)
+        return
+    settings = {name: os.environ.pop(name, None) for name in _ENV + _LAZY_ENV}
     if not settings["GPUPOOL_WORKERS"]:
         return
     import gpupool.torch
@@ -53,7 +64,7 @@ class _AttachAfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("GPUPOOL_WORKERS"):
+if os.environ.get("GPUPOOL_WORKERS") or os.environ.get("GPUPOOL_LAZY"):
     sys.meta_path.insert(0, _AttachAfterTorch())
 
 _here = os.path.dirname(os.path.abspath(__file__))
