@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 
 from gpupool.core.errors import Conflict, InvalidRequest, NoCapacity, NotFound, QuotaExceeded
-from gpupool.core.model import Gpu, GpuMode, LeaseRequest, Quota, Ratios, Slice, Usage
+from gpupool.core.model import Access, Gpu, GpuMode, LeaseRequest, Quota, Ratios, Slice, Usage
 from gpupool.core.pool import Grant, ModeChange, Pool
 
 GIB = 1024
@@ -182,12 +182,13 @@ def test_without_oversubscription_compute_stops_at_one_hundred_pct() -> None:
     waits(pool.try_grant("l2", LeaseRequest(compute_pct=1, memory_mib=GIB)))
 
 
-def test_memory_ratio_allows_more_memory_than_the_gpu_has() -> None:
+def test_memory_ratio_allows_more_memory_than_the_gpu_has_to_remote_leases() -> None:
     pool = make_pool(memory_mib=10 * GIB, ratios=Ratios(compute=2.0, memory=1.5))
-    granted(pool.try_grant("a", LeaseRequest(compute_pct=50, memory_mib=10 * GIB)))
-    granted(pool.try_grant("b", LeaseRequest(compute_pct=50, memory_mib=5 * GIB)))
+    remote = Access.REMOTE
+    granted(pool.try_grant("a", LeaseRequest(compute_pct=50, memory_mib=10 * GIB, access=remote)))
+    granted(pool.try_grant("b", LeaseRequest(compute_pct=50, memory_mib=5 * GIB, access=remote)))
     assert pool.usage["n1-g0"].memory_mib == 15 * GIB
-    waits(pool.try_grant("c", LeaseRequest(compute_pct=1, memory_mib=1)))
+    waits(pool.try_grant("c", LeaseRequest(compute_pct=1, memory_mib=1, access=remote)))
 
 
 @pytest.mark.parametrize(("compute", "memory"), [(0.5, 1.0), (101.0, 1.0), (1.0, 0.9), (1.0, 11.0)])
@@ -267,11 +268,14 @@ def test_request_that_fits_later_is_not_refused() -> None:
     pool.check_can_ever_fit(LeaseRequest(gpus=2, physical=True))
 
 
-def test_memory_oversubscription_widens_what_can_ever_fit() -> None:
+def test_memory_oversubscription_widens_what_can_ever_fit_for_remote_leases() -> None:
     pool = make_pool(memory_mib=16 * GIB, ratios=Ratios(memory=2.0))
-    pool.check_can_ever_fit(LeaseRequest(compute_pct=10, memory_mib=32 * GIB))
+    remote = Access.REMOTE
+    pool.check_can_ever_fit(LeaseRequest(compute_pct=10, memory_mib=32 * GIB, access=remote))
     with pytest.raises(NoCapacity):
-        pool.check_can_ever_fit(LeaseRequest(compute_pct=10, memory_mib=32 * GIB + 1))
+        pool.check_can_ever_fit(
+            LeaseRequest(compute_pct=10, memory_mib=32 * GIB + 1, access=remote)
+        )
 
 
 def test_gang_that_may_not_span_servers_is_refused_when_no_server_has_enough_gpus() -> None:

@@ -328,7 +328,11 @@ def controller(
         float, typer.Option("--compute-ratio", help="Compute oversubscription, 1 = none.")
     ] = 1.0,
     memory_ratio: Annotated[
-        float, typer.Option("--memory-ratio", help="Memory oversubscription, 1 = none.")
+        float, typer.Option(
+            "--memory-ratio",
+            help="Memory oversubscription, 1 = none; the part above a GPU's own memory goes to "
+            "remote leases only (their sessions can be swapped out, direct ones cannot).",
+        )
     ] = 1.0,
     alert_webhook: Annotated[
         str | None,

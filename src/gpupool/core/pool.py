@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, replace
 
 from gpupool.core.errors import Conflict, InvalidRequest, NoCapacity, NotFound, QuotaExceeded
 from gpupool.core.model import (
+    Access,
     Gpu,
     GpuMode,
     GpuUsage,
@@ -272,7 +273,8 @@ class Pool:
         if request.physical:
             fit = gpus
         else:
-            cap = self.ratios.memory
+            # Only remote slices may be granted oversubscribed memory (see Demand.remote).
+            cap = self.ratios.memory if request.access is Access.REMOTE else 1.0
             fit = [g for g in gpus if request.slice_memory_mib(g) <= int(g.memory_mib * cap)]
         if len(fit) < request.gpus:
             where = f" on node {request.node}" if request.node else ""

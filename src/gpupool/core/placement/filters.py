@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from gpupool.core.model import LeaseRequest
+from gpupool.core.model import Access, LeaseRequest
 from gpupool.core.placement.index import NodeShape, Slot
 
 
@@ -20,6 +20,10 @@ class Demand(NamedTuple):
     host_memory_mib: int
     memory_cap_mib: int | None = None
     """Most memory one slice may take: what the tenant's memory quota leaves per GPU."""
+    remote: bool = False
+    """Remote slices may take oversubscribed memory (their sessions can be swapped out to
+    host memory when the GPU runs short); a direct lease's process cannot be swapped, so it
+    only gets memory the GPU physically has free."""
 
     def slice_memory_mib(self, gpu_memory_mib: int) -> int:
         if self.physical:
@@ -42,6 +46,7 @@ def demand_of(request: LeaseRequest) -> Demand:
         tuple(m.lower() for m in request.gpu_models),
         request.cpu_milli,
         request.host_memory_mib,
+        remote=request.access is Access.REMOTE,
     )
 
 
@@ -67,16 +72,20 @@ def slot_fits(slot: Slot, demand: Demand) -> bool:
     if demand.physical:
         if not slot.physical or slot.free_compute < slot.capacity_compute:
             return False
-    elif (
-        slot.physical
-        or slot.free_compute < demand.compute_pct
-        or slot.free_memory < demand.slice_memory_mib(slot.memory_mib)
-    ):
-        return False
+    else:
+        need = demand.slice_memory_mib(slot.memory_mib)
+        free = slot.free_memory if demand.remote else physically_free_mib(slot)
+        if slot.physical or slot.free_compute < demand.compute_pct or free < need:
+            return False
     cap = demand.memory_cap_mib
     if cap is not None and demand.slice_memory_mib(slot.memory_mib) > cap:
         return False
     return model_allowed(demand.models, slot.model)
+
+
+def physically_free_mib(slot: Slot) -> int:
+    """Memory of a virtual GPU not granted to anyone, without the oversubscribed part."""
+    return slot.free_memory - (slot.capacity_memory - slot.memory_mib)
 
 
 def host_fits(shape: NodeShape, cpu_milli: int, memory_mib: int) -> bool:
