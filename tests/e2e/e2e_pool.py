@@ -110,6 +110,17 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
             proc.wait()
 
 
+def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
+    """Let a program with piped output end (terminated if it still runs), reading its pipes."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+
+
 @dataclass
 class HaPool(Pool):
     """Several `gpupool controller --ha` sharing one PostgreSQL, and an agent that knows them

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_pool import FAKE_SPEC, Pool, gpupool_argv, stop
+from e2e_pool import FAKE_SPEC, Pool, finish, gpupool_argv, stop
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -118,13 +118,7 @@ class Run:
         """After a failure: let the program run out (it waits for go files), then stop it."""
         for step in range(64):
             self.go(step)
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
+        finish(self.proc)
 
 
 @pytest.fixture

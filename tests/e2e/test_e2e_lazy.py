@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_pool import Pool, gpupool_argv
+from e2e_pool import Pool, finish, gpupool_argv
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -101,13 +101,7 @@ class Program:
     def stop(self) -> None:
         for name in ("cpu", "gpu"):
             self.go(name)
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.communicate()
+        finish(self.proc)
 
 
 def remote_leases(pool: Pool) -> list[dict[str, Any]]:
