@@ -144,13 +144,13 @@ def send(conn: Connection, state: ClientState, offer: Offer, device: torch.devic
     falls through to the next; a connection that breaks raises, and nothing here changed."""
     reasons: list[str] = []
     for path in paths_for(state, offer, device):
-        try:
-            export = _EXPORTS[path](state, device)
-        except (RuntimeError, OSError, ValueError) as exc:
-            reasons.append(f"{path}: {exc}")
-            log.warning("handoff path %s unusable here: %s", path, exc)
-            continue
-        with export as extra:
+        with contextlib.ExitStack() as stack:
+            try:
+                extra = stack.enter_context(_EXPORTS[path](state, device))
+            except Exception as exc:  # whatever the driver or torch refuses: try the next path
+                reasons.append(f"{path}: {type(exc).__name__}: {exc}")
+                log.warning("handoff path %s unusable here: %s", path, exc)
+                continue
             conn.send([Kind.STATE, state.meta() | {"path": path} | extra])
             if path == "stream":
                 _send_chunks(conn, state)
@@ -313,7 +313,7 @@ def receive(
                     raise ProtocolError(f"unknown handoff path {path!r}")
                 state = ClientState.from_meta(meta, storages)
                 install(state)
-            except (RuntimeError, OSError, ValueError) as exc:
+            except Exception as exc:  # any failure of a same-host path: the next one may work
                 why = f"{type(exc).__name__}: {exc}"
                 log.warning(
                     "could not take the state by %s (%s); asking for the next way", path, why

@@ -165,7 +165,7 @@ class Worker:
                 "took over lease %s from %s: %.1f MiB",
                 self.config.lease_id, source, state.nbytes / MiB,
             )  # fmt: skip
-        except (DataPlaneError, OSError) as exc:
+        except Exception as exc:  # never let a client in on a state that did not arrive
             self._restore_error = f"could not take over from {source}: {exc}"
             log.error("%s", self._restore_error)
         finally:
