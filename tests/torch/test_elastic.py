@@ -124,6 +124,14 @@ def test_swap_out_and_restore_mid_training_gives_the_same_weights(
     assert_equal(result, expected)
 
 
+def attached_to_a_new_worker(started: list[WorkerHandle]) -> tuple[WorkerHandle, Any]:
+    """A fresh worker of the lease, this process attached to it, and its device stream."""
+    worker = start_worker(LEASE)
+    started.append(worker)
+    attach_to(worker)
+    return worker, runtime.stream(0)
+
+
 @pytest.mark.parametrize(
     ("paths", "expected_path"),
     [(None, "shm"), (("stream",), "stream")],
@@ -133,10 +141,7 @@ def test_migration_to_a_successor_worker_mid_training_gives_the_same_weights(
     started: list[WorkerHandle], paths: tuple[str, ...] | None, expected_path: str
 ) -> None:
     expected = uninterrupted(started)
-    first = start_worker(LEASE)
-    started.append(first)
-    attach_to(first)
-    stream = runtime.stream(0)
+    first, stream = attached_to_a_new_worker(started)
 
     def migrate() -> None:
         second = start_worker(LEASE, restore_from=first.address, handoff_paths=paths)
@@ -168,10 +173,7 @@ def test_a_handoff_cut_off_halfway_leaves_the_client_on_its_worker_with_nothing_
     started: list[WorkerHandle],
 ) -> None:
     expected = uninterrupted(started)
-    first = start_worker(LEASE)
-    started.append(first)
-    attach_to(first)
-    stream = runtime.stream(0)
+    first, stream = attached_to_a_new_worker(started)
 
     def cut_then_migrate() -> None:
         cutter = threading.Thread(target=cut_off_successor, args=(first.address,))
