@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -13,7 +14,18 @@ from torch import nn
 
 import gpupool.torch
 from conftest import TOKEN, WorkerHandle, start_worker
+from gpupool.protocol.v1.dataplane import (
+    VERSION,
+    Connection,
+    Kind,
+    Role,
+    connect,
+    parse_address,
+    recv_handshake,
+    send_handshake,
+)
 from gpupool.torch import runtime
+from gpupool.worker.handoff import Offer, host_key
 
 pytestmark = pytest.mark.slow
 LEASE = "lease-elastic"
@@ -112,20 +124,67 @@ def test_swap_out_and_restore_mid_training_gives_the_same_weights(
     assert_equal(result, expected)
 
 
+def attached_to_a_new_worker(started: list[WorkerHandle]) -> tuple[WorkerHandle, Any]:
+    """A fresh worker of the lease, this process attached to it, and its device stream."""
+    worker = start_worker(LEASE)
+    started.append(worker)
+    attach_to(worker)
+    return worker, runtime.stream(0)
+
+
+@pytest.mark.parametrize(
+    ("paths", "expected_path"),
+    [(None, "shm"), (("stream",), "stream")],
+    ids=["same-host-shared-memory", "chunked-stream"],
+)
 def test_migration_to_a_successor_worker_mid_training_gives_the_same_weights(
-    started: list[WorkerHandle],
+    started: list[WorkerHandle], paths: tuple[str, ...] | None, expected_path: str
 ) -> None:
     expected = uninterrupted(started)
-    first = start_worker(LEASE)
-    started.append(first)
-    attach_to(first)
-    stream = runtime.stream(0)
+    first, stream = attached_to_a_new_worker(started)
 
     def migrate() -> None:
-        second = start_worker(LEASE, restore_from=first.address)
+        second = start_worker(LEASE, restore_from=first.address, handoff_paths=paths)
         started.append(second)
         wait_until(lambda: stream.elastic.moves == 1, "the client to follow its state")
         assert str(stream.address) == second.address
+        assert stream.elastic.last_path == expected_path
 
     result = train("cuda", 8, 4, migrate)
+    assert_equal(result, expected)
+
+
+def cut_off_successor(address: str) -> None:
+    """A successor that registers, takes the first chunk of the state and hangs up."""
+    sock = connect(parse_address(address))
+    hello = {"v": VERSION, "lease": LEASE, "token": TOKEN, "role": Role.SUCCESSOR}
+    send_handshake(sock, [Kind.HELLO, hello])
+    assert recv_handshake(sock).head[0] == Kind.WELCOME
+    conn = Connection(sock)
+    offer = Offer("tcp://127.0.0.1:9", host_key(), "cpu", (), ("stream",))
+    conn.send([Kind.CONTROL, 1, offer.to_wire()])
+    assert conn.recv().head()[0] == Kind.STATE
+    frame = conn.recv()
+    assert frame.head()[0] == Kind.PUT
+    conn.close()
+
+
+def test_a_handoff_cut_off_halfway_leaves_the_client_on_its_worker_with_nothing_lost(
+    started: list[WorkerHandle],
+) -> None:
+    expected = uninterrupted(started)
+    first, stream = attached_to_a_new_worker(started)
+
+    def cut_then_migrate() -> None:
+        cutter = threading.Thread(target=cut_off_successor, args=(first.address,))
+        cutter.start()
+        wait_until(lambda: stream.elastic.resumes >= 1 and not cutter.is_alive(), "the cut")
+        cutter.join()
+        assert stream.elastic.moves == 0 and str(stream.address) == first.address
+        # The predecessor kept the state: a successor that comes next takes it over.
+        second = start_worker(LEASE, restore_from=first.address, handoff_paths=("stream",))
+        started.append(second)
+        wait_until(lambda: stream.elastic.moves == 1, "the client to follow its state")
+
+    result = train("cuda", 8, 4, cut_then_migrate)
     assert_equal(result, expected)

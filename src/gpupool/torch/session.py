@@ -36,7 +36,7 @@ class Elastic:
     """What one DeviceStream knows about its slice's elasticity."""
 
     __slots__ = (
-        "event", "last_bytes", "last_pause_s", "last_swap_s", "moves", "paused_s",
+        "event", "last_bytes", "last_path", "last_pause_s", "last_swap_s", "moves", "paused_s",
         "resumes", "swapped", "swaps",
     )  # fmt: skip
 
@@ -54,6 +54,8 @@ class Elastic:
         """How long the worker took for the last swap-out (its own measure)."""
         self.last_bytes = 0
         """Bytes of state the last swap-out or handoff moved."""
+        self.last_path: str | None = None
+        """How the last handoff moved the state: cuda_ipc, shm or stream (the worker says)."""
 
 
 def on_notice(stream: DeviceStream, head: list[Any]) -> None:
@@ -113,6 +115,8 @@ def resume(stream: DeviceStream) -> None:
         follow(stream, target)
         state.moves += 1
         state.last_bytes = int(answer.get("bytes", 0))
+        path = answer.get("path")
+        state.last_path = path if isinstance(path, str) else None
     state.last_pause_s = time.perf_counter() - started
     state.paused_s += state.last_pause_s
     log.info("%s resumed after %.3f s", stream.device, time.perf_counter() - started)

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from gpupool.protocol.v1.dataplane import TOKEN_ENV, parse_address
+from gpupool.worker.handoff import PATHS
 from gpupool.worker.server import SPIN_US, WorkerConfig, run
 
 
@@ -53,7 +54,16 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         action="store_true",
         help="after a swap-out, restore only when the agent says the slice is granted again",
     )
+    parser.add_argument(
+        "--handoff-paths",
+        default=",".join(PATHS),
+        help="as a successor, take the state by these ways, in this order of preference "
+        "(cuda_ipc, shm: same host only; stream: any host)",
+    )
     args = parser.parse_args(argv)
+    paths = tuple(p.strip() for p in args.handoff_paths.split(",") if p.strip())
+    if not paths or not set(paths) <= set(PATHS):
+        parser.error(f"--handoff-paths takes some of {','.join(PATHS)}")
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
     token = args.token or os.environ.get(TOKEN_ENV)
@@ -82,6 +92,7 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         idle_timeout_s=args.idle_timeout_s,
         restore_from=args.restore_from,
         managed=args.managed,
+        handoff_paths=paths,
     )
 
 

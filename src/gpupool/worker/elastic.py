@@ -17,7 +17,6 @@ twice or run against the wrong copy of a tensor.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -34,7 +33,8 @@ from gpupool.protocol.v1.dataplane import (
     ProtocolError,
 )
 from gpupool.worker.executor import Executor, Link
-from gpupool.worker.swap import HostState, receive_state, send_state
+from gpupool.worker.handoff import RING_SLOTS, HandoffFailed, Offer, Ring, receive, send
+from gpupool.worker.swap import ClientState
 
 if TYPE_CHECKING:
     from gpupool.worker.memory import MemoryLimit
@@ -53,9 +53,12 @@ class HandedOff(Exception):
 @dataclass
 class _Successor:
     conn: Connection
-    address: str
-    req: int
+    offer: Offer
     done: threading.Event
+
+    @property
+    def address(self) -> str:
+        return self.offer.address
 
 
 class Elasticity:
@@ -72,7 +75,7 @@ class Elasticity:
         self.memory = memory
         self.idle_timeout_s = idle_timeout_s
         self.managed = managed
-        self.swapped: HostState | None = None
+        self.swapped: ClientState | None = None
         self.moved_to: str | None = None
         self._successor: _Successor | None = None
         self._resume_here = False
@@ -145,15 +148,20 @@ class Elasticity:
 
     def resume(self, req: int, link: Link) -> None:
         started = time.perf_counter()
-        successor = self._await_gpu()
+        while (successor := self._await_gpu()) is not None:
+            self._noticed = None
+            moved = self._hand_off(successor)
+            if moved is not None:
+                nbytes, path = moved
+                link.reply(
+                    [Kind.RESULT, req, {"to": successor.address, "bytes": nbytes, "path": path,
+                                        "seconds": time.perf_counter() - started}]
+                )  # fmt: skip
+                raise HandedOff(successor.address)
+            if self.swapped is None:
+                break  # the handoff failed and the tensors are still here: the client goes on
+            # A swapped state needs a GPU: wait for the next successor or a grant here.
         self._noticed = None
-        if successor is not None:
-            nbytes = self._hand_off(successor)
-            link.reply(
-                [Kind.RESULT, req, {"to": successor.address, "bytes": nbytes,
-                                    "seconds": time.perf_counter() - started}]
-            )  # fmt: skip
-            raise HandedOff(successor.address)
         if self.swapped is not None:
             try:
                 self.executor.import_state(self.swapped)
@@ -189,23 +197,39 @@ class Elasticity:
             self._resume_here = False
             return self._successor
 
-    def _hand_off(self, successor: _Successor) -> int:
-        state = self.swapped if self.swapped is not None else self.executor.export_state()
-        self.swapped = None
+    def _hand_off(self, successor: _Successor) -> tuple[int, str] | None:
+        """Ship the state; once the successor holds it, free it here: (bytes, path). None: it
+        failed, and the state is still here as it was (on the device, or swapped to host memory)."""
+        started = time.perf_counter()
+        state = self.swapped if self.swapped is not None else self.executor.client_state()
         try:
-            send_state(successor.conn, state)
             successor.conn.sock.settimeout(SUCCESSOR_ACK_TIMEOUT_S)
-            head = successor.conn.recv().head()
-            if head[0] != Kind.RESULT or head[1] != successor.req:
-                raise ProtocolError(f"the successor answered {head!r:.200}")
+            path = send(successor.conn, state, successor.offer, self.executor.device)
+        except (DataPlaneError, OSError) as exc:
+            kind = "" if isinstance(exc, HandoffFailed) else "the connection broke: "
+            log.warning(
+                "handing lease %s to %s failed (%s%s); the state stays here",
+                self.executor.lease_id, successor.address, kind, exc,
+            )  # fmt: skip
+            with self._changed:
+                self._successor = None
+            return None
         finally:
             self.wanted = False
             successor.done.set()
+        nbytes = state.nbytes
+        del state
+        self.swapped = None
+        self.executor.drop_state()
         self.moved_to = successor.address
         self.executor.activity.moved_to = successor.address
         self.executor.activity.swapped = False
-        log.info("lease %s handed to %s", self.executor.lease_id, successor.address)
-        return state.nbytes
+        log.info(
+            "lease %s handed to %s by %s: %.1f MiB in %.3f s",
+            self.executor.lease_id, successor.address, path, nbytes / (1 << 20),
+            time.perf_counter() - started,
+        )  # fmt: skip
+        return nbytes, path
 
     # ---- side connections (their own threads) ------------------------------------------------
 
@@ -215,11 +239,7 @@ class Elasticity:
         frame = conn.recv().head()
         if frame[0] != Kind.CONTROL or len(frame) != 3 or not isinstance(frame[2], dict):
             raise ProtocolError("a successor starts with [CONTROL, req, {op: adopt}]")
-        _, req, body = frame
-        address = body.get("address")
-        if body.get("op") != "adopt" or not isinstance(address, str):
-            raise ProtocolError("a successor must say where it listens")
-        successor = _Successor(conn, address, int(req), threading.Event())
+        successor = _Successor(conn, Offer.from_wire(frame[2]), threading.Event())
         if idle.acquire(blocking=False):  # no client: nobody will send RESUME
             try:
                 self._hand_off(successor)
@@ -269,15 +289,9 @@ class Elasticity:
             self._changed.notify_all()
 
 
-def adopt(conn: Connection, own_address: str, executor: Executor, pin: bool) -> HostState:
+def adopt(conn: Connection, offer: Offer, executor: Executor) -> ClientState:
     """The successor's side: register with the predecessor, receive the state, restore it."""
-    conn.send([Kind.CONTROL, 1, {"op": "adopt", "address": own_address}])
+    ring = Ring(RING_SLOTS) if executor.device.type == "cuda" else None  # pinned before the pause
+    conn.send([Kind.CONTROL, 1, offer.to_wire()])
     conn.sock.settimeout(None)  # the client may take its time to reach a RESUME
-    try:
-        state = receive_state(conn, pin)
-    except DataPlaneError:
-        raise
-    executor.import_state(state)
-    with contextlib.suppress(DataPlaneError):
-        conn.send([Kind.RESULT, 1, {"ok": True, "bytes": state.nbytes}])
-    return state
+    return receive(conn, executor.device, executor.import_state, ring)

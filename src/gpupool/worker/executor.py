@@ -32,7 +32,7 @@ from gpupool.protocol.v1.tensors import (
 from gpupool.worker.activity import Activity
 from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
 from gpupool.worker.program import Programs
-from gpupool.worker.swap import HostState, capture, restore
+from gpupool.worker.swap import ClientState, restore, snapshot, to_host
 
 ALLOWED_NAMESPACES = frozenset({"aten"})
 DENIED_OPS = frozenset({"aten::from_file"})
@@ -478,26 +478,36 @@ class Executor:
 
     # ---- the state as a whole (swap-out, restore, migration) -------------------------------
 
-    def export_state(self) -> HostState:
-        """Move everything the client left here to host memory and free the device memory."""
+    def client_state(self) -> ClientState:
+        """The client's state where it is (no copy): what a successor on the same host opens
+        or a stream reads from, while this worker keeps serving if the handoff fails."""
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        # Captured programs (CUDA graphs) point at the device memory that is about to go: they
-        # are dropped, and the client captures its step again after the restore.
-        self.programs.clear()
-        state = capture(self.tensors, self.device)
+        state = snapshot(self.tensors)
         state.ops = {op_id: op.name for op_id, op in self.ops.items()}
         # Keep the generator state alive while its bytes are copied out of it.
         rng = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
         rng = torch.get_rng_state() if rng is None else rng
         state.rng = bytes(host_bytes(rng))
         state.error = None if self.error is None else self.error.to_wire()
+        return state
+
+    def export_state(self) -> ClientState:
+        """Move everything the client left here to host memory and free the device memory."""
+        state = to_host(self.client_state())
+        self.drop_state()
+        return state
+
+    def drop_state(self) -> None:
+        """Free the client's tensors: they live on elsewhere (host memory or a successor)."""
+        # Captured programs (CUDA graphs) point at the device memory that is about to go: they
+        # are dropped, and the client captures its step again after the restore.
+        self.programs.clear()
         self.tensors.clear()
         self.memory.reset()
         self.activity.memory_held_bytes = self.memory.held_bytes()
-        return state
 
-    def import_state(self, state: HostState) -> None:
+    def import_state(self, state: ClientState) -> None:
         """Put a captured state on this worker's device: the client continues where it was."""
         self.tensors = restore(state, self.device)
         self.memory.reset()

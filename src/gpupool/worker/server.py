@@ -45,7 +45,9 @@ from gpupool.protocol.v1.dataplane import (
 from gpupool.worker.activity import Activity, StatusFile
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor
+from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
 from gpupool.worker.memory import MiB, memory_limit_for
+from gpupool.worker.swap import ClientState
 
 log = logging.getLogger("gpupool.worker")
 
@@ -56,6 +58,8 @@ comes. Off by default: it helps only with a core to spare, and hurts on a busy h
 
 
 BUSY_WAIT_S = 2.0
+ADOPT_ATTEMPTS = 5
+ADOPT_RETRY_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -80,6 +84,8 @@ class WorkerConfig:
     """A worker of the same lease whose client state this one takes over before serving."""
     managed: bool = False
     """An agent runs this worker: after a swap-out, restore only once the agent says so."""
+    handoff_paths: tuple[str, ...] = PATHS
+    """How this worker, as a successor, accepts a client's state (`gpupool.worker.handoff`)."""
 
 
 class Worker:
@@ -99,9 +105,7 @@ class Worker:
             lease_id=config.lease_id, pid=os.getpid(), memory_limit_bytes=self.memory.limit_bytes
         )
         self.executor = Executor(config.lease_id, self.device, self.memory, self.activity)
-        self.elastic = Elasticity(
-            self.executor, self.memory, config.idle_timeout_s, config.managed
-        )
+        self.elastic = Elasticity(self.executor, self.memory, config.idle_timeout_s, config.managed)
         self._restored = threading.Event()
         self._restore_error: str | None = None
         if config.restore_from is None:
@@ -134,11 +138,42 @@ class Worker:
         return self.address
 
     def _adopt(self) -> None:
-        """Take the client's state over from the predecessor worker, then let the client in."""
+        """Take the client's state over from the predecessor worker, then let the client in.
+
+        A transfer cut off halfway leaves the predecessor with the state (it frees it only once
+        this worker confirms), so a broken connection is tried again; a predecessor that is gone
+        or refuses is final."""
         assert self.config.restore_from is not None and self.address is not None
         source = parse_address(self.config.restore_from)
         try:
-            sock = connect(source)
+            for attempt in range(1, ADOPT_ATTEMPTS + 1):
+                try:
+                    sock = connect(source)
+                except OSError as exc:
+                    raise DataPlaneError(f"the predecessor is not reachable: {exc}") from exc
+                try:
+                    state = self._adopt_over(sock)
+                    break
+                except ConnectionClosed as exc:
+                    if attempt == ADOPT_ATTEMPTS:
+                        raise
+                    log.warning("taking over lease %s from %s broke off (%s); trying again",
+                                self.config.lease_id, source, exc)  # fmt: skip
+                    self._stopping.wait(ADOPT_RETRY_S)
+            self.activity.adopted = True
+            log.info(
+                "took over lease %s from %s: %.1f MiB",
+                self.config.lease_id, source, state.nbytes / MiB,
+            )  # fmt: skip
+        except Exception as exc:  # never let a client in on a state that did not arrive
+            self._restore_error = f"could not take over from {source}: {exc}"
+            log.error("%s", self._restore_error)
+        finally:
+            self._restored.set()
+
+    def _adopt_over(self, sock: socket.socket) -> ClientState:
+        assert self.address is not None
+        with contextlib.closing(sock):
             hello = {"v": VERSION, "lease": self.config.lease_id, "token": self.config.token,
                      "role": Role.SUCCESSOR}  # fmt: skip
             send_handshake(sock, [Kind.HELLO, hello])
@@ -147,19 +182,16 @@ class Worker:
                 body = ErrorBody.from_wire(reply.head[2] if len(reply.head) > 2 else None)
                 raise DataPlaneError(f"the predecessor refused: {body.message}")
             conn = Connection(sock, self.config.max_frame_bytes)
+            cuda = self.device.type == "cuda"
+            offer = Offer(
+                address=str(self.address),
+                host=host_key(),
+                device_type=self.device.type,
+                gpus=tuple(visible_gpus()) if cuda else (),
+                paths=tuple(p for p in self.config.handoff_paths if cuda or p != "cuda_ipc"),
+            )
             with _device_stream(self.device), self._session_lock:
-                state = adopt(conn, str(self.address), self.executor, self.device.type == "cuda")
-            conn.close()
-            self.activity.adopted = True
-            log.info(
-                "took over lease %s from %s: %.1f MiB",
-                self.config.lease_id, source, state.nbytes / MiB,
-            )  # fmt: skip
-        except (DataPlaneError, OSError) as exc:
-            self._restore_error = f"could not take over from {source}: {exc}"
-            log.error("%s", self._restore_error)
-        finally:
-            self._restored.set()
+                return adopt(conn, offer, self.executor)
 
     def serve_forever(self) -> None:
         assert self._listener is not None, "start() first"

@@ -1,4 +1,4 @@
-"""A client's whole GPU state as host memory: swap-out, restore, and shipping it to a successor.
+"""A client's whole GPU state as flat storages: a snapshot in place, a swap-out, a restore.
 
 A worker's handle table may hold several tensors over one storage (a parameter and its views,
 an optimizer's flat buffers), and in-place ops on one must keep showing through the others
@@ -9,13 +9,12 @@ offset, shape, stride): the same aliasing comes back on the new device, whicheve
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from gpupool.protocol.v1.dataplane import CHUNK_BYTES, Connection, Kind, ProtocolError
+from gpupool.protocol.v1.dataplane import ProtocolError
 from gpupool.protocol.v1.tensors import dtype_from_name, dtype_name
 
 
@@ -43,14 +42,15 @@ class TensorView:
 
 
 @dataclass
-class HostState:
-    """Everything a client left on a worker, in host memory (pinned where the device allows).
+class ClientState:
+    """Everything a client left on a worker, as one flat uint8 tensor per distinct storage.
 
-    `ops` maps the client's op ids to schema names, so the client's DEF records stay valid on
-    whichever worker restores the state; `rng` is the device generator's state."""
+    The storages are on the device (a snapshot in place: the handle table's own memory, shared
+    with a successor without a copy) or in host memory (a swap-out: pinned where the device
+    allows). `ops` maps the client's op ids to schema names, so the client's DEF records stay
+    valid on whichever worker restores the state; `rng` is the device generator's state."""
 
     storages: list[torch.Tensor]
-    """One flat uint8 host tensor per distinct device storage."""
     tensors: list[TensorView]
     ops: dict[int, str] = field(default_factory=dict)
     rng: bytes | None = None
@@ -61,6 +61,10 @@ class HostState:
     def nbytes(self) -> int:
         return sum(s.numel() for s in self.storages)
 
+    @property
+    def on_host(self) -> bool:
+        return all(s.device.type == "cpu" for s in self.storages)
+
     def meta(self) -> dict[str, Any]:
         return {
             "storages": [int(s.numel()) for s in self.storages],
@@ -70,15 +74,38 @@ class HostState:
             "error": self.error,
         }
 
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any], storages: list[torch.Tensor]) -> ClientState:
+        """The other end of meta(), over storages the receiver filled."""
+        ops = {int(op_id): str(name) for op_id, name in meta.get("ops", [])}
+        tensors = [TensorView.from_wire(item) for item in meta.get("tensors", [])]
+        rng = meta.get("rng")
+        error = meta.get("error")
+        return cls(
+            storages,
+            tensors,
+            ops=ops,
+            rng=bytes(rng) if isinstance(rng, bytes | bytearray) else None,
+            error=error if isinstance(error, dict) else None,
+        )
 
-def _flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
+
+def storage_sizes(meta: dict[str, Any]) -> list[int]:
+    """The byte sizes a STATE frame announces, checked before anything is allocated for them."""
+    sizes = meta.get("storages")
+    if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
+        raise ProtocolError("STATE without valid storage sizes")
+    return sizes
+
+
+def flat_bytes(storage: torch.UntypedStorage, device: torch.device) -> torch.Tensor:
     """The storage as a 1-D uint8 tensor over the same memory (no copy)."""
     flat = torch.empty(0, dtype=torch.uint8, device=device)
     flat.set_(storage)
     return flat
 
 
-def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
+def host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     if pin:
         try:
             return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -87,11 +114,9 @@ def _host_buffer(nbytes: int, pin: bool) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8)
 
 
-def capture(tensors: dict[int, torch.Tensor], device: torch.device) -> HostState:
-    """Copy every storage the handles use to host memory; the caller then drops the device
-    tensors. Copies are queued on the current stream and waited for once, at the end."""
-    started = time.perf_counter()
-    pin = device.type == "cuda"
+def snapshot(tensors: dict[int, torch.Tensor]) -> ClientState:
+    """The handle table as flat storages over its own memory: nothing is copied or freed, so a
+    handoff that fails leaves the client's tensors exactly where they were."""
     index: dict[int, int] = {}
     storages: list[torch.Tensor] = []
     views: list[TensorView] = []
@@ -101,10 +126,7 @@ def capture(tensors: dict[int, torch.Tensor], device: torch.device) -> HostState
         number = index.get(key)
         if number is None:
             number = index[key] = len(storages)
-            host = _host_buffer(storage.nbytes(), pin)
-            if storage.nbytes():
-                host.copy_(_flat_bytes(storage, tensor.device), non_blocking=pin)
-            storages.append(host)
+            storages.append(flat_bytes(storage, tensor.device))
         views.append(
             TensorView(
                 handle,
@@ -115,18 +137,50 @@ def capture(tensors: dict[int, torch.Tensor], device: torch.device) -> HostState
                 int(tensor.storage_offset()),
             )
         )
+    return ClientState(storages, views)
+
+
+def to_host(state: ClientState) -> ClientState:
+    """The same state in host memory (pinned from a GPU). Copies are queued on the current
+    stream and waited for once, at the end."""
+    started = time.perf_counter()
+    pin = any(s.device.type == "cuda" for s in state.storages)
+    hosts: list[torch.Tensor] = []
+    for flat in state.storages:
+        if flat.device.type == "cpu":  # already host memory: the state keeps it alive
+            hosts.append(flat)
+            continue
+        host = host_buffer(flat.numel(), pin)
+        if flat.numel():
+            host.copy_(flat, non_blocking=host.is_pinned())
+        hosts.append(host)
     if pin:
+        torch.cuda.current_stream().synchronize()
+    return ClientState(
+        hosts, state.tensors, dict(state.ops), state.rng, state.error,
+        took_s=time.perf_counter() - started,
+    )  # fmt: skip
+
+
+def capture(tensors: dict[int, torch.Tensor], device: torch.device) -> ClientState:
+    """Copy every storage the handles use to host memory; the caller then drops the device
+    tensors."""
+    if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
-    return HostState(storages, views, took_s=time.perf_counter() - started)
+    return to_host(snapshot(tensors))
 
 
-def restore(state: HostState, device: torch.device) -> dict[int, torch.Tensor]:
-    """The handle table on `device`, with the captured aliasing; waits until the bytes are in."""
+def restore(state: ClientState, device: torch.device) -> dict[int, torch.Tensor]:
+    """The handle table on `device`, with the captured aliasing; waits until the bytes are in.
+    Storages already on `device` (a successor filled them) are used as they are."""
     on_device: list[torch.Tensor] = []
-    for host in state.storages:
-        flat = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        flat.copy_(host, non_blocking=host.is_pinned())
-        on_device.append(flat)
+    for flat in state.storages:
+        if flat.device == device or (device.type == "cpu" and flat.device.type == "cpu"):
+            on_device.append(flat)
+            continue
+        copy = torch.empty(flat.numel(), dtype=torch.uint8, device=device)
+        copy.copy_(flat, non_blocking=flat.is_pinned())
+        on_device.append(copy)
     tensors: dict[int, torch.Tensor] = {}
     for view in state.tensors:
         if not 0 <= view.storage < len(on_device):
@@ -140,57 +194,8 @@ def restore(state: HostState, device: torch.device) -> dict[int, torch.Tensor]:
     return tensors
 
 
-# ---- shipping a state to a successor worker -------------------------------------------------
-
-
-def send_state(conn: Connection, state: HostState) -> None:
-    """[STATE, meta], then each storage as PUT frames [PUT, storage, offset] with the bytes."""
-    conn.send([Kind.STATE, state.meta()])
-    for number, host in enumerate(state.storages):
-        data = _bytes_of(host)
-        for offset in range(0, len(data), CHUNK_BYTES):
-            conn.send([Kind.PUT, number, offset], data[offset : offset + CHUNK_BYTES])
-
-
-def receive_state(conn: Connection, pin: bool) -> HostState:
-    """The other end of send_state: a state in (pinned) host memory, checked as it arrives."""
-    head = conn.recv().head()
-    if head[0] != Kind.STATE or len(head) != 2 or not isinstance(head[1], dict):
-        raise ProtocolError(f"expected a STATE frame, got kind {head[0]}")
-    meta = head[1]
-    sizes = meta.get("storages")
-    if not isinstance(sizes, list) or not all(isinstance(n, int) and n >= 0 for n in sizes):
-        raise ProtocolError("STATE without valid storage sizes")
-    storages = [_host_buffer(n, pin) for n in sizes]
-    for number, host in enumerate(storages):
-        view = _bytes_of(host)
-        for offset in _chunks(len(view)):
-            frame = conn.recv()
-            part = frame.head()
-            if part[0] != Kind.PUT or part[1:] != [number, offset]:
-                raise ProtocolError(f"expected storage {number} at byte {offset}, got {part!r}")
-            if offset + frame.tail_len > len(view) or frame.tail_len == 0:
-                raise ProtocolError("state bytes do not fit their storage")
-            conn.read_tail_into(view[offset : offset + frame.tail_len])
-    ops = {int(op_id): str(name) for op_id, name in meta.get("ops", [])}
-    tensors = [TensorView.from_wire(item) for item in meta.get("tensors", [])]
-    rng = meta.get("rng")
-    error = meta.get("error")
-    return HostState(
-        storages,
-        tensors,
-        ops=ops,
-        rng=bytes(rng) if isinstance(rng, bytes | bytearray) else None,
-        error=error if isinstance(error, dict) else None,
-    )
-
-
-def _bytes_of(host: torch.Tensor) -> memoryview:
+def bytes_of(host: torch.Tensor) -> memoryview:
     """A flat uint8 host tensor's memory, writable, without a copy."""
     if not host.numel():
         return memoryview(bytearray())
     return memoryview(host.numpy()).cast("B")  # type: ignore[arg-type]
-
-
-def _chunks(total: int) -> Iterator[int]:
-    return iter(range(0, total, CHUNK_BYTES))

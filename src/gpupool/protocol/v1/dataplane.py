@@ -803,6 +803,7 @@ def worker_argv(
     idle_timeout_s: float | None = None,
     restore_from: str | None = None,
     managed: bool = False,
+    handoff_paths: Sequence[str] | None = None,
     python: str | None = None,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
@@ -828,6 +829,8 @@ def worker_argv(
         argv += ["--restore-from", restore_from]
     if managed:
         argv += ["--managed"]
+    if handoff_paths is not None:
+        argv += ["--handoff-paths", ",".join(handoff_paths)]
     return argv
 
 
