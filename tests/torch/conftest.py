@@ -2,46 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from torch_workers import TOKEN, WORKER_DEVICE, WorkerHandle, start_worker
 
-from gpupool.protocol.v1.dataplane import start_worker_process
-
-TOKEN = "test-token"
-WORKER_DEVICE = os.environ.get("GPUPOOL_TEST_WORKER_DEVICE", "cpu")
-"""cpu in CI; on a GPU machine `GPUPOOL_TEST_WORKER_DEVICE=cuda:0` runs the workers on the GPU
-(`GPUPOOL_TEST_WORKER_GPUS` is their CUDA_VISIBLE_DEVICES, default 0) while the test process
-itself runs with CUDA_VISIBLE_DEVICES="", as a client without a GPU."""
-
-
-@dataclass
-class WorkerHandle:
-    lease: str
-    address: str
-    proc: subprocess.Popen[str]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-
-def start_worker(lease: str, listen: str = "tcp://127.0.0.1:0", **options: object) -> WorkerHandle:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if WORKER_DEVICE != "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = os.environ.get("GPUPOOL_TEST_WORKER_GPUS", "0")
-    options.setdefault("device", WORKER_DEVICE)
-    proc, ready = start_worker_process(lease, TOKEN, env=env, listen=listen, threads=1, **options)
-    return WorkerHandle(lease, str(ready.address), proc)
+__all__ = ["TOKEN", "WORKER_DEVICE", "WorkerHandle", "start_worker"]
 
 
 @pytest.fixture(scope="session")

@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from torch_workers import TOKEN, WorkerHandle
 
 import gpupool.torch
-from conftest import TOKEN, WorkerHandle
 
 pytestmark = pytest.mark.slow
 SITE = Path(gpupool.torch.__file__).parent / "site"

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch_workers import TOKEN, WorkerHandle, start_worker
 
 import gpupool.torch
-from conftest import TOKEN, WorkerHandle, start_worker
 from gpupool.protocol.v1.dataplane import (
     VERSION,
     Connection,

@@ -204,7 +204,7 @@ def test_unsupported_things_fail_loudly_naming_what(attach: Callable[..., Any]) 
 def test_memory_limit_raises_out_of_memory_naming_the_lease(
     worker_factory: Callable[..., Any],
 ) -> None:
-    from conftest import TOKEN
+    from torch_workers import TOKEN
 
     worker = worker_factory("lease-small", memory_limit_mib=16)
     gpupool.torch.attach(workers=[worker.address], token=TOKEN, lease="lease-small")
