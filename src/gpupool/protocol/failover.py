@@ -10,6 +10,7 @@ releases of a released lease answer the same, and the SDK gives each lease reque
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import threading
 import time
@@ -81,9 +82,8 @@ class Rotation:
         with self._lock:
             return self.current
 
-    def answered(self, index: int, response: httpx.Response) -> None:
+    def answered(self, index: int, leader: str | None) -> None:
         """Follow a standby's hint: ask the leader it named first from now on."""
-        leader = response.headers.get(LEADER_HEADER)
         if leader is None:
             return
         leader = leader.rstrip("/")
@@ -100,6 +100,60 @@ class Rotation:
             return self.current
 
 
+class Outcome(enum.Enum):
+    """What one send to one controller came to, as far as failing over cares."""
+
+    ANSWERED = "answered"
+    """Any answer but a standby's `not_leader`, errors included: it is the caller's."""
+    NOT_LEADING = "not_leading"
+    """No controller leads yet: another one (or this one, soon) will."""
+    UNREACHABLE = "unreachable"
+    """No answer at all (refused, timed out, cut off)."""
+
+
+def outcome_of(response: httpx.Response) -> Outcome:
+    """Classify an answer; a 503's body must have been read."""
+    return Outcome.NOT_LEADING if not_leading(response) else Outcome.ANSWERED
+
+
+class Attempt:
+    """One request's way through the controllers: which one to send to, and after each
+    send whether to send again. It does no I/O and reads no clock, so the synchronous and
+    the asynchronous transport walk the same way and a test can walk it with made-up times.
+    """
+
+    def __init__(self, rotation: Rotation, now: float) -> None:
+        self.rotation = rotation
+        self.deadline = now + rotation.budget_s
+        self.index = rotation.start()
+        self.tried = 0
+
+    def request(self, request: httpx.Request) -> httpx.Request:
+        """`request` addressed to the controller this attempt asks now."""
+        return self.rotation.retarget(request, self.index)
+
+    def next_pause(self, outcome: Outcome, now: float, leader: str | None = None) -> float | None:
+        """After a send that came to `outcome` at time `now`: None when the request is done
+        (hand the answer back, or raise the transport error), else how long to rest before
+        sending to `self.index`, which has moved on to the next controller.
+
+        `leader` is the controller an answering standby named; later requests go there first.
+        """
+        if outcome is Outcome.ANSWERED:
+            self.rotation.answered(self.index, leader)
+            return None
+        if now >= self.deadline:
+            return None
+        self.index = self.rotation.moved_on(self.index)
+        self.tried += 1
+        # A full round found no leader: rest, so a pool without one is not hammered.
+        return PAUSE_S if self.tried % len(self.rotation.urls) == 0 else 0.0
+
+    def after_answer(self, response: httpx.Response, now: float) -> float | None:
+        """`next_pause` for an answer (a 503's body read)."""
+        return self.next_pause(outcome_of(response), now, response.headers.get(LEADER_HEADER))
+
+
 class FailoverTransport(httpx.BaseTransport):
     """A synchronous transport over several controllers (the SDK's `PoolClient`)."""
 
@@ -114,28 +168,23 @@ class FailoverTransport(httpx.BaseTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         request.read()
-        rotation = self.rotation
-        deadline = time.monotonic() + rotation.budget_s
-        index = rotation.start()
-        tried = 0
+        attempt = Attempt(self.rotation, time.monotonic())
         while True:
             try:
-                response = self.inner.handle_request(rotation.retarget(request, index))
+                response = self.inner.handle_request(attempt.request(request))
             except httpx.TransportError:
-                if time.monotonic() >= deadline:
+                pause = attempt.next_pause(Outcome.UNREACHABLE, time.monotonic())
+                if pause is None:
                     raise
             else:
-                if response.status_code != 503:
-                    rotation.answered(index, response)
-                    return response
-                response.read()
-                if not not_leading(response) or time.monotonic() >= deadline:
+                if response.status_code == 503:
+                    response.read()
+                pause = attempt.after_answer(response, time.monotonic())
+                if pause is None:
                     return response
                 response.close()
-            index = rotation.moved_on(index)
-            tried += 1
-            if tried % len(rotation.urls) == 0:
-                time.sleep(PAUSE_S)
+            if pause:
+                time.sleep(pause)
 
     def close(self) -> None:
         self.inner.close()
@@ -155,28 +204,23 @@ class AsyncFailoverTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         await request.aread()
-        rotation = self.rotation
-        deadline = time.monotonic() + rotation.budget_s
-        index = rotation.start()
-        tried = 0
+        attempt = Attempt(self.rotation, time.monotonic())
         while True:
             try:
-                response = await self.inner.handle_async_request(rotation.retarget(request, index))
+                response = await self.inner.handle_async_request(attempt.request(request))
             except httpx.TransportError:
-                if time.monotonic() >= deadline:
+                pause = attempt.next_pause(Outcome.UNREACHABLE, time.monotonic())
+                if pause is None:
                     raise
             else:
-                if response.status_code != 503:
-                    rotation.answered(index, response)
-                    return response
-                await response.aread()
-                if not not_leading(response) or time.monotonic() >= deadline:
+                if response.status_code == 503:
+                    await response.aread()
+                pause = attempt.after_answer(response, time.monotonic())
+                if pause is None:
                     return response
                 await response.aclose()
-            index = rotation.moved_on(index)
-            tried += 1
-            if tried % len(rotation.urls) == 0:
-                await asyncio.sleep(PAUSE_S)
+            if pause:
+                await asyncio.sleep(pause)
 
     async def aclose(self) -> None:
         await self.inner.aclose()
