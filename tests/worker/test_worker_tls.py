@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import gpupool.torch
+from gpupool.protocol.tls import CA_ENV
 from gpupool.protocol.v1.dataplane import (
-    CA_ENV,
     VERSION,
     DataPlaneError,
     Kind,

@@ -24,8 +24,8 @@ from gpupool.agent.health import is_fault, isolation_reason
 from gpupool.agent.metrics import HealthCounts
 from gpupool.agent.mps import MpsSupervisor
 from gpupool.agent.workers import WorkerSupervisor
-from gpupool.client.sdk import tls_verify
 from gpupool.protocol.failover import AsyncFailoverTransport, split_urls
+from gpupool.protocol.tls import tls_verify
 from gpupool.protocol.v1.api import (
     GpuDesired,
     GpuInventory,

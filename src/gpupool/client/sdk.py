@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import ssl
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -16,9 +15,9 @@ from uuid import uuid4
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from gpupool.core.errors import InvalidRequest
 from gpupool.protocol.failover import DEFAULT_BUDGET_S as DEFAULT_FAILOVER_S
 from gpupool.protocol.failover import FailoverTransport, split_urls
+from gpupool.protocol.tls import CA_ENV, tls_verify
 from gpupool.protocol.v1.api import (
     EventOut,
     GpuIsolate,
@@ -57,8 +56,6 @@ API_PREFIX = "/api/v1"
 ACTOR_HEADER = "X-Gpupool-Actor"
 TOKEN_ENV = "GPUPOOL_TOKEN"
 TOKEN_FILE_ENV = "GPUPOOL_TOKEN_FILE"
-CA_ENV = "GPUPOOL_CA"
-"""A CA bundle (PEM) to verify the controller's certificate with, for private CAs."""
 LOCAL_ADMIN_TOKEN = Path(".gpupool") / "admin.token"
 USER_TOKEN = Path("~/.config/gpupool/token")
 
@@ -135,17 +132,6 @@ def resolve_token(url: str, token: str | None = None) -> str | None:
         if text:
             return text
     return None
-
-
-def tls_verify() -> ssl.SSLContext | bool:
-    """httpx's `verify`: the CA bundle named by $GPUPOOL_CA, else the system's trust store."""
-    ca = os.environ.get(CA_ENV)
-    if not ca:
-        return True
-    try:
-        return ssl.create_default_context(cafile=ca)
-    except (OSError, ssl.SSLError) as exc:
-        raise InvalidRequest(f"{CA_ENV}={ca}: cannot load a CA bundle from it ({exc})") from None
 
 
 def _q(segment: str) -> str:

@@ -28,6 +28,9 @@ from typing import Any
 
 import msgpack
 
+from gpupool.core.errors import InvalidRequest
+from gpupool.protocol.tls import private_ca_context
+
 VERSION = 1
 MiB = 1 << 20
 
@@ -254,17 +257,14 @@ def parse_address(text: str) -> Address:
     raise ValueError(f"address must start with tcp://, tls:// or unix: — got {text!r}")
 
 
-CA_ENV = "GPUPOOL_CA"
-"""A CA bundle (PEM) the client trusts for tls:// workers (default: the system's store)."""
-
-
 def client_tls_context() -> ssl.SSLContext:
-    """What a client checks a tls:// worker's certificate against."""
-    ca = os.environ.get(CA_ENV)
+    """What a client checks a tls:// worker's certificate against: $GPUPOOL_CA, else the
+    system's store. A bad bundle is a DataPlaneError like any other failure to connect, so
+    the callers that handle those (the agent, a successor worker) handle it too."""
     try:
-        return ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
-    except (OSError, ssl.SSLError) as exc:
-        raise DataPlaneError(f"{CA_ENV}={ca}: cannot load a CA bundle from it ({exc})") from None
+        return private_ca_context() or ssl.create_default_context()
+    except InvalidRequest as exc:
+        raise DataPlaneError(exc.message) from None
 
 
 def server_tls_context(cert: Path, key: Path) -> ssl.SSLContext:
