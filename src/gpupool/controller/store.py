@@ -35,7 +35,7 @@ from gpupool.core import (
     Ratios,
     Slice,
 )
-from gpupool.core.migrate import SHADOW
+from gpupool.core.migrate import hold_old_place
 from gpupool.core.model import Access, Host, LeaseRequest, QueuedLease
 from gpupool.core.placement import policy_named
 
@@ -159,14 +159,14 @@ class Store:
                     )
                     moving = (lease.elastic or {}).get("handoff") or {}
                     if moving.get("shadow"):
-                        pool.grant(
-                            lease.id + SHADOW,
-                            lease.tenant,
+                        hold_old_place(
+                            pool,
+                            lease.id,
                             tuple(
                                 Slice(p["gpu_uuid"], p["compute_pct"], p["memory_mib"])
                                 for p in moving.get("from", [])
                             ),
-                            lease.priority,
+                            slices_of(lease),
                         )
                     if state is LeaseState.PREEMPTED:
                         # Its holder was told; the grace period runs on from the stored end.

@@ -76,6 +76,9 @@ class Pool:
     """Priority of each granted lease: preemption only ever takes lower ones."""
     preempting: dict[str, str] = field(default_factory=dict)
     """Lease being preempted → the queued lease it makes room for."""
+    charges: dict[str, Usage] = field(default_factory=dict)
+    """What a holding charges its tenant where that is not `usage_of` its slices: the old
+    place of a moving lease (core/migrate.py), which the GPUs hold but the quota counts once."""
     host_held: dict[str, tuple[tuple[str, int, int], ...]] = field(default_factory=dict)
     host_used: dict[str, tuple[int, int]] = field(default_factory=dict)
     index: NodeIndex = field(default_factory=NodeIndex)
@@ -379,7 +382,9 @@ class Pool:
         slices: tuple[Slice, ...],
         priority: int = 0,
         host: tuple[tuple[str, int, int], ...] = (),
+        charge: Usage | None = None,
     ) -> None:
+        """Hold `slices` for a lease; its tenant is charged `usage_of(slices)`, or `charge`."""
         if lease_id in self.holdings:
             raise Conflict(f"lease {lease_id} already holds GPUs")
         for s in slices:
@@ -406,7 +411,11 @@ class Pool:
         self.holdings[lease_id] = slices
         self.owners[lease_id] = tenant
         self.priorities[lease_id] = priority
-        self.tenant_usage.setdefault(tenant, Usage()).add(usage_of(slices))
+        if charge is not None:
+            self.charges[lease_id] = charge
+        self.tenant_usage.setdefault(tenant, Usage()).add(
+            usage_of(slices) if charge is None else charge
+        )
         self._ranking.touch(tenant)
         for node in touched:
             self._refresh(node)
@@ -422,10 +431,13 @@ class Pool:
         tenant = self.owners.pop(lease_id, None)
         self.priorities.pop(lease_id, None)
         host = self.host_held.pop(lease_id, ())
+        charge = self.charges.pop(lease_id, None)
         if slices is None:
             return []
         if tenant is not None:
-            self.tenant_usage.setdefault(tenant, Usage()).add(usage_of(slices), sign=-1)
+            self.tenant_usage.setdefault(tenant, Usage()).add(
+                usage_of(slices) if charge is None else charge, sign=-1
+            )
             self._ranking.touch(tenant)
         touched: dict[str, None] = {}
         for node, cpu, mem in host:

@@ -31,7 +31,13 @@ from gpupool.core import (
     Slice,
     transition,
 )
-from gpupool.core.migrate import SHADOW, migration_targets
+from gpupool.core.migrate import (
+    SHADOW,
+    begin_move,
+    end_move,
+    migration_targets,
+    resize_in_place,
+)
 from gpupool.core.model import GpuUsage
 from gpupool.protocol.v1.api import LeaseOut, RemoteLease, RemoteSlice, WorkerReport
 
@@ -146,9 +152,7 @@ def migrate(
         stay=stay,
     )
     # The old slices stay held (under the shadow id) until the state has moved.
-    pool.grant(lease_id + SHADOW, row.tenant, old, row.priority)
-    pool.release(lease_id)
-    pool.grant(lease_id, row.tenant, targets, row.priority)
+    begin_move(pool, lease_id, targets)
     _begin(row, reason)
     row.slices = _slice_rows(store, targets)
     if compute_pct is not None:
@@ -189,8 +193,7 @@ def resize(
         ]
         if not grown:
             new = tuple(Slice(s.gpu_uuid, s.compute_pct, memory_mib) for s in old)
-            pool.release(lease_id)
-            pool.grant(lease_id, row.tenant, new, row.priority)
+            resize_in_place(pool, lease_id, new)
             for piece in row.slices:
                 piece.memory_mib = memory_mib
             row.memory_mib = memory_mib
@@ -335,7 +338,8 @@ def _maybe_finish(
     adopted = {r.gpu_uuid for r in reports if r.generation == to_gen and r.alive and r.adopted}
     if not row.slices or not all(s.gpu_uuid in adopted for s in row.slices):
         return
-    store.pool.release(row.id + SHADOW)
+    # Draining GPUs that only the old slices held switch now.
+    changes = end_move(store.pool, row.id)
     row.elastic = {"gen": to_gen}
     was = LeaseState(row.state)
     if was is LeaseState.MIGRATING:
@@ -348,12 +352,6 @@ def _maybe_finish(
         row.id,
         f"state on {_where(row.slices)} after {took:.1f} s; old workers stop",
     )
-    # Draining GPUs that only the old slices held can switch now.
-    changes = []
-    for piece in current.get("from", []):
-        change = store.pool._finish_drain(str(piece["gpu_uuid"]))
-        if change is not None:
-            changes.append(change)
     persist_mode_changes(store, session, changes)
     persist_grants(store, session, store.pool.serve_queue(now=time.time()), utcnow())
 

@@ -31,7 +31,7 @@ from gpupool.core import (
     ReleaseReason,
     transition,
 )
-from gpupool.core.migrate import SHADOW
+from gpupool.core.migrate import end_move
 from gpupool.core.units import parse_cpu_milli, parse_memory_mib
 from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
 
@@ -263,7 +263,7 @@ def release(
     row.queue_seq = None
     store.live.preempt_deadline.pop(lease_id, None)
     changes = store.pool.release(lease_id)
-    changes += store.pool.release(lease_id + SHADOW)  # old slices of a lease that was moving
+    changes += end_move(store.pool, lease_id)  # old slices of a lease that was moving
     store.live.lease_seen.pop(lease_id, None)
     store.live.dirty_leases.discard(lease_id)
     store.lease_rows.pop(lease_id, None)
