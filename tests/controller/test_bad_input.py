@@ -87,7 +87,7 @@ def test_malformed_json_is_a_400_and_changes_nothing(client: httpx.Client) -> No
         ("post", "/gpus/GPU-sim-node-a-0/clear", None, 409),
         ("post", "/tenants", {"name": "bad name!"}, 422),
         ("post", "/tenants", {"name": "t", "quota": {"max_memory": "10"}}, 422),
-        ("post", "/tenants", {"name": "default"}, 409),
+        ("post", "/tenants", {"name": "default", "weight": 2}, 409),
         ("delete", "/tenants/default", None, 409),
         ("patch", "/tenants/nobody", {"weight": 2}, 404),
         ("get", "/leases?state=sleeping", None, 422),

@@ -23,11 +23,28 @@ async def list_tenants(
     return [t for t in rows if who.owns(t.name)]
 
 
-@router.post("/tenants", status_code=status.HTTP_201_CREATED, response_model=TenantOut)
+@router.post(
+    "/tenants",
+    status_code=status.HTTP_201_CREATED,
+    response_model=TenantOut,
+    responses={
+        status.HTTP_200_OK: {
+            "model": TenantOut,
+            "description": "The tenant existed already with exactly these settings (a resent "
+            "create); other settings answer 409 with the differences.",
+        }
+    },
+)
 async def create_tenant(
-    body: TenantCreate, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
+    body: TenantCreate,
+    response: Response,
+    store: Store = Depends(get_store),
+    who: Principal = Depends(ADMIN),
 ) -> TenantOut:
-    return await store.write(lambda s: tenants.create(store, s, body, who.actor))
+    tenant, created = await store.write(lambda s: tenants.create(store, s, body, who.actor))
+    if not created:
+        response.status_code = status.HTTP_200_OK
+    return tenant
 
 
 @router.get("/tenants/{name}", response_model=TenantOut)

@@ -49,18 +49,58 @@ def ensure_default(store: Store, session: Session) -> None:
         record(session, "controller", "tenant.created", DEFAULT_TENANT, "default tenant, no limits")
 
 
-def create(store: Store, session: Session, body: TenantCreate, actor: str) -> TenantOut:
-    if session.get(TenantRow, body.name) is not None:
-        raise Conflict(f"tenant {body.name!r} exists already")
+SETTINGS = (
+    "weight",
+    "max_gpus",
+    "max_memory_mib",
+    "max_compute_pct",
+    "max_leases",
+    "max_priority",
+    "guaranteed_gpus",
+    "idle_timeout_s",
+)
+"""What a create sets: a resent create must ask for the same, or it is another request."""
+
+
+def _row_of(body: TenantCreate) -> TenantRow:
     row = TenantRow(
         name=body.name, weight=body.weight, created_at=utcnow(), idle_timeout_s=body.idle_timeout_s
     )
     _apply_quota(row, body.quota, only_set=False)
-    session.add(row)
-    store.pool.quotas[row.name] = quota_of(row)
-    store.idle_timeouts[row.name] = row.idle_timeout_s
-    record(session, actor, "tenant.created", row.name, f"quota {quota_of(row)}")
-    return _out(store, row)
+    return row
+
+
+def _differences(existing: TenantRow, asked: TenantRow) -> list[str]:
+    return [
+        f"{name} is {getattr(existing, name)} (asked {getattr(asked, name)})"
+        for name in SETTINGS
+        if getattr(existing, name) != getattr(asked, name)
+    ]
+
+
+def create(
+    store: Store, session: Session, body: TenantCreate, actor: str
+) -> tuple[TenantOut, bool]:
+    """The tenant, and whether this call made it.
+
+    Creating is idempotent, as a lease request with a `request_id` is: a client that failed
+    over to another controller resends a create whose first send may have committed. The
+    same settings answer with the tenant as it is (nothing is changed or logged again);
+    other settings are a Conflict that names each difference (PATCH changes a tenant)."""
+    asked = _row_of(body)
+    existing = session.get(TenantRow, body.name)
+    if existing is not None:
+        differ = _differences(existing, asked)
+        if differ:
+            raise Conflict(
+                f"tenant {body.name!r} exists already with other settings: {'; '.join(differ)}"
+            )
+        return _out(store, existing), False
+    session.add(asked)
+    store.pool.quotas[asked.name] = quota_of(asked)
+    store.idle_timeouts[asked.name] = asked.idle_timeout_s
+    record(session, actor, "tenant.created", asked.name, f"quota {quota_of(asked)}")
+    return _out(store, asked), True
 
 
 def update(store: Store, session: Session, name: str, body: TenantUpdate, actor: str) -> TenantOut:

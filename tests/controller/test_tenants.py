@@ -1,0 +1,56 @@
+"""Creating a tenant is idempotent: a create resent (after a controller failover, say) with the
+same settings answers with the tenant it made; other settings are refused with the differences.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpupool.client.sdk import ApiError, PoolClient
+from gpupool.protocol.v1.api import QuotaIn, TenantCreate
+from tests.conftest import ADMIN_TOKEN
+
+BODY = {
+    "name": "team-a",
+    "weight": 2.5,
+    "quota": {"max_compute_pct": 400, "max_memory": "160GiB", "max_leases": 8},
+    "idle_timeout_s": 300,
+}
+
+
+def test_a_resent_create_answers_with_the_tenant_and_a_different_one_says_why(
+    start_controller, db_url
+) -> None:
+    ctl = start_controller(db_url)
+    with ctl.client() as client:
+        first = client.post("/tenants", json=BODY)
+        assert first.status_code == 201, first.text
+        again = client.post("/tenants", json=BODY)
+        assert again.status_code == 200, again.text
+        assert again.json() == first.json()
+        events = client.get("/events", params={"kind": "tenant.created", "subject": "team-a"})
+        assert len(events.json()) == 1, "a resent create is not a second creation"
+
+        other = {**BODY, "quota": {**BODY["quota"], "max_compute_pct": 300}, "weight": 1}
+        refused = client.post("/tenants", json=other)
+        assert refused.status_code == 409, refused.text
+        assert refused.json()["detail"] == (
+            "tenant 'team-a' exists already with other settings: "
+            "weight is 2.5 (asked 1.0); max_compute_pct is 400 (asked 300)"
+        )
+        # Leaving a limit out asks for none: that differs from the tenant's limit too.
+        unlimited = client.post("/tenants", json={**BODY, "quota": {"max_leases": 8}})
+        assert unlimited.status_code == 409
+        assert "max_memory_mib is 163840 (asked None)" in unlimited.json()["detail"]
+        assert client.get("/tenants/team-a").json() == first.json()
+
+
+def test_the_sdk_creating_a_tenant_twice_gets_the_same_tenant(start_controller, db_url) -> None:
+    ctl = start_controller(db_url)
+    body = TenantCreate(name="team-b", quota=QuotaIn(max_gpus=2))
+    with PoolClient(ctl.url, token=ADMIN_TOKEN) as sdk:
+        assert sdk.create_tenant(body) == sdk.create_tenant(body)
+        with pytest.raises(ApiError) as refused:
+            sdk.create_tenant(TenantCreate(name="team-b"))
+        assert (refused.value.status, refused.value.code) == (409, "conflict")
+        assert refused.value.detail.endswith("max_gpus is 2 (asked None)")
