@@ -317,9 +317,12 @@ def remove(store: Store, session: Session, name: str, actor: str) -> None:
 
 
 def list_nodes(store: Store, session: Session) -> list[NodeOut]:
-    counts = dict(
-        session.execute(select(GpuRow.node, func.count()).group_by(GpuRow.node)).tuples().all()
-    )
+    counts = {
+        node: count
+        for node, count in session.execute(
+            select(GpuRow.node, func.count()).group_by(GpuRow.node)
+        )
+    }
     rows = list(session.scalars(select(NodeRow).order_by(NodeRow.name)))
     return [node_out(r, counts.get(r.name, 0), store.live.host.get(r.name)) for r in rows]
 

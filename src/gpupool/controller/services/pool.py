@@ -12,18 +12,20 @@ from gpupool.protocol.v1.api import PoolSummary
 
 
 def summary(store: Store, session: Session) -> PoolSummary:
-    states = dict(
-        session.execute(
+    states = {
+        state: count
+        for state, count in session.execute(
             select(LeaseRow.state, func.count())
             .where(LeaseRow.state != LeaseState.RELEASED.value)
             .group_by(LeaseRow.state)
         )
-        .tuples()
-        .all()
-    )
-    nodes = dict(
-        session.execute(select(NodeRow.state, func.count()).group_by(NodeRow.state)).tuples().all()
-    )
+    }
+    nodes = {
+        state: count
+        for state, count in session.execute(
+            select(NodeRow.state, func.count()).group_by(NodeRow.state)
+        )
+    }
     with store.lock:
         pool = store.pool
         by_mode = {m.value: 0 for m in GpuMode}
