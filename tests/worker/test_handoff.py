@@ -23,7 +23,7 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
     start_worker_process,
 )
-from gpupool.worker.handoff import Offer, host_key, paths_for, receive, send
+from gpupool.worker.handoff import RING_SLOTS, Offer, Ring, host_key, paths_for, receive, send
 from gpupool.worker.swap import ClientState, restore, snapshot
 
 TOKEN = "handoff-token"
@@ -38,27 +38,31 @@ def table() -> dict[int, torch.Tensor]:
     return {1: big, 2: big[10:20], 3: other.t(), 4: torch.empty(0)}
 
 
-def hand_over(offer_paths: tuple[str, ...]) -> tuple[str, dict[int, torch.Tensor]]:
+def hand_over(
+    offer_paths: tuple[str, ...], device: torch.device = CPU
+) -> tuple[str, dict[int, torch.Tensor]]:
     """send() on one end of a socket pair, receive() on the other: the path and the table."""
-    tensors = table()
+    tensors = {handle: tensor.to(device) for handle, tensor in table().items()}
+    tensors[2] = tensors[1][10:20]  # .to() of a view makes a storage of its own: share again
     state = snapshot(tensors)
     state.ops, state.rng = {7: "aten::add.Tensor"}, b"\x01\x02"
     left, right = socket.socketpair()
     installed: list[ClientState] = []
+    ring = Ring(RING_SLOTS) if device.type == "cuda" else None
     try:
         receiver = threading.Thread(
-            target=lambda: receive(Connection(right), CPU, installed.append, None)
+            target=lambda: receive(Connection(right), device, installed.append, ring)
         )
         receiver.start()
-        offer = Offer("tcp://127.0.0.1:9", host_key(), "cpu", (), offer_paths)
-        path = send(Connection(left), state, offer, CPU)
+        offer = Offer("tcp://127.0.0.1:9", host_key(), device.type, (), offer_paths)
+        path = send(Connection(left), state, offer, device)
         receiver.join(10)
     finally:
         left.close()
         right.close()
     (got,) = installed
     assert got.ops == {7: "aten::add.Tensor"} and got.rng == b"\x01\x02"
-    return path, restore(got, CPU)
+    return path, restore(got, device)
 
 
 @pytest.mark.parametrize("paths", [("shm", "stream"), ("stream",)], ids=["shm", "stream"])
@@ -72,6 +76,24 @@ def test_handed_over_tensors_are_bit_identical_and_keep_their_aliasing(
         assert got[handle].shape == tensor.shape and got[handle].stride() == tensor.stride()
         assert torch.equal(got[handle], tensor)
     got[2].fill_(-1.0)  # a view of tensor 1 in the original: still one after the handoff
+    assert torch.all(got[1][10:20] == -1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("paths", [("shm",), ("stream",)], ids=["shm", "stream"])
+def test_gpu_state_handed_over_through_host_memory_is_bit_identical(
+    paths: tuple[str, ...],
+) -> None:
+    """The staged GPU paths (shared memory through the pinned ring, the chunked stream); CUDA
+    IPC needs two processes and is measured by bench/migration.py."""
+    device = torch.device("cuda", 0)
+    path, got = hand_over(paths, device)
+    assert path == paths[0]
+    for handle, tensor in table().items():
+        assert got[handle].device == device and got[handle].shape == tensor.shape
+        assert torch.equal(got[handle].cpu(), tensor)
+    got[2].fill_(-1.0)
     assert torch.all(got[1][10:20] == -1.0)
 
 

@@ -186,12 +186,17 @@ class _Staging:
         return len(self.buffers)
 
 
-def staged_to_host(flats: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of GPU storages (flat uint8) in pageable host memory, made chunk by chunk through
-    the pinned ring: the GPU fills one slot while the CPU empties another."""
+def staged_to_host(
+    flats: list[torch.Tensor], into: list[torch.Tensor] | None = None
+) -> list[torch.Tensor]:
+    """Copies of GPU storages (flat uint8) in pageable host memory (fresh, or `into`: flat
+    uint8 host tensors of the same sizes, such as a shared-memory region), made chunk by chunk
+    through the pinned ring: the GPU fills one slot while the CPU empties another."""
     if not flats:
         return []
-    hosts = [torch.empty(flat.numel(), dtype=torch.uint8) for flat in flats]
+    hosts = into if into is not None else [torch.empty(f.numel(), dtype=torch.uint8) for f in flats]
+    if [h.numel() for h in hosts] != [f.numel() for f in flats]:
+        raise ValueError("staging targets differ in size from their storages")
     chunks = _stage_chunks([flat.numel() for flat in flats])
     with torch.cuda.device(flats[0].device):
         ring = _Staging(len(chunks))
