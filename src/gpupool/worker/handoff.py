@@ -135,10 +135,16 @@ def paths_for(state: ClientState, offer: Offer, device: torch.device) -> list[st
         and gpu_uuid(device.index or 0) in offer.gpus
     ):
         paths.append("cuda_ipc")
-    if same_host and "shm" in offer.paths:
+    shm = same_host and "shm" in offer.paths
+    # From host memory (CPU workers, a swapped state) shared memory is one copy on each side;
+    # from a GPU the stream overlaps its copies and was faster on an H200 (5 GiB GPU 0 -> GPU 1:
+    # 3.3 GB/s against 2.3 GB/s through the memfd), so it goes first there.
+    if shm and state.on_host:
         paths.append("shm")
     if "stream" in offer.paths:
         paths.append("stream")
+    if shm and not state.on_host:
+        paths.append("shm")
     return paths
 
 
