@@ -4,22 +4,33 @@ A CPU worker (`python -m gpupool.worker --device cpu`, one thread, Unix socket) 
 the client process drives a small ResNet-shaped network (bottleneck blocks, batch norm, bf16
 autocast, SGD with momentum and weight decay) with tiny tensors, so the worker's arithmetic
 is negligible and what is measured is the client: dispatch, plan-cache lookups, autocast,
-record encoding, handle bookkeeping and autograd.
+record encoding, handle bookkeeping and autograd. `--workload gpt2` drives a transformers
+GPT2LMHeadModel built from a GPT-2-small-shaped config (12 layers, 12 heads, bf16 autocast,
+AdamW) with a tiny hidden size, vocabulary and sequence: the op structure of
+bench/remote_overhead.py's gpt2 step (the one issue 4 measures on the GPU) at no arithmetic.
+Attention dropout is off: with it a CPU worker's SDPA choice is the math kernel, where the
+GPU's is flash (one fused op, as here without it).
 
 - `issue_ms`: wall time for the client to issue one training step (every record queued or
   sent; the worker is not waited for), mean over the timed steps;
 - `issue_cpu_ms`: the client thread's CPU time for the same;
 - `us_per_op`: issue_ms / records per step (OP, DEF, FREE and PUT records alike);
-- `round_trip_ms`: `x.add_(1).item()` on a 0-d tensor: one op and one read, a full wait.
+- `round_trip_ms`: `x.add_(1).item()` on a 0-d tensor: one op and one read, a full wait;
+- `worker_busy_ms`: the worker's own time per step (decoding records, looking up handles,
+  calling ops), from its `busy_s` counter, measured over steps the client issued back to back
+  (`worker_us_per_record` = that / records): on a GPU the step is only as fast as the largest
+  of the client's issue time, the worker's time and the GPU's time, when they overlap.
 
 Numbers in bench/results/remote_client_cost.json come from a 2-core CPU box (client and
 worker share the two cores), not the GPU server; compare "before" and "after" with each other,
 not with bench/results/remote_overhead.json.
 
-    python bench/remote_client_cost.py [--steps 30] [--repeat 3] [--label after] [--profile F]
+    python bench/remote_client_cost.py [--workload resnet|gpt2] [--steps 30] [--repeat 3]
+                                       [--label after] [--profile F]
 
 Each number is the median over --repeat runs (each with a fresh worker): the box is shared and
-noisy. `before` was measured with the previous sources first on PYTHONPATH.
+noisy. `before` was measured with the previous sources first on PYTHONPATH. gpt2 numbers are
+stored under `gpt2_<label>`.
 """
 
 from __future__ import annotations
@@ -86,7 +97,32 @@ def build(batch: int, blocks: int) -> Any:
     return step
 
 
-def measure(steps: int, blocks: int, profile: str | None, spin_us: int) -> dict[str, Any]:
+def build_gpt2(batch: int) -> Any:
+    import torch
+    import transformers
+
+    config = transformers.GPT2Config(
+        vocab_size=96, n_positions=32, n_embd=96, n_layer=12, n_head=12, attn_pdrop=0.0
+    )
+    config._attn_implementation = "sdpa"
+    model = transformers.GPT2LMHeadModel(config).cuda()
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, config.vocab_size, (batch, 16), device="cuda")
+
+    def step() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=tokens, labels=tokens).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def measure(
+    workload: str, steps: int, blocks: int, profile: str | None, spin_us: int
+) -> dict[str, Any]:
     import torch
 
     import gpupool.torch
@@ -102,7 +138,7 @@ def measure(steps: int, blocks: int, profile: str | None, spin_us: int) -> dict[
         gpupool.torch.attach(workers=[str(ready.address)], token=TOKEN, lease=LEASE)
         stream = runtime.stream(0)
         torch.manual_seed(0)
-        step = build(batch=2, blocks=blocks)
+        step = build_gpt2(batch=2) if workload == "gpt2" else build(batch=2, blocks=blocks)
 
         counted = [0]
         original_emit = stream.emit
@@ -144,6 +180,14 @@ def measure(steps: int, blocks: int, profile: str | None, spin_us: int) -> dict[
         if profiler and profile:
             profiler.dump_stats(profile)
 
+        # The worker's own time: steps issued back to back, so it always has records queued.
+        busy_steps = max(5, steps // 2)
+        start_stats = stream.sync()
+        for _ in range(busy_steps):
+            step()
+        end_stats = stream.sync()
+        busy_ms = (end_stats["busy_s"] - start_stats["busy_s"]) / busy_steps * 1e3
+
         x = torch.zeros((), device="cuda")
         for _ in range(200):
             x.add_(1).item()
@@ -164,6 +208,8 @@ def measure(steps: int, blocks: int, profile: str | None, spin_us: int) -> dict[
             "us_per_op": issue / ops * 1e6,
             "ops_per_s": ops / issue,
             "round_trip_ms": round_trip * 1e3,
+            "worker_busy_ms": busy_ms,
+            "worker_us_per_record": busy_ms / records * 1e3,
         }
     finally:
         gpupool.torch.detach()
@@ -178,6 +224,7 @@ def _records_sent(stream: Any) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", choices=["resnet", "gpt2"], default="resnet")
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--blocks", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3, help="fresh workers; medians kept")
@@ -192,7 +239,7 @@ def main() -> None:
     import torch
 
     runs = [
-        measure(args.steps, args.blocks, args.profile, args.spin_us)
+        measure(args.workload, args.steps, args.blocks, args.profile, args.spin_us)
         for _ in range(max(1, args.repeat))
     ]
     result: dict[str, Any] = {
@@ -200,6 +247,7 @@ def main() -> None:
     }
     result["runs"] = runs
     result["spin_us"] = args.spin_us
+    result["workload"] = args.workload
     result["machine"] = (
         f"{platform.machine()} x{os.cpu_count()} CPU only (client and CPU worker share it); "
         f"torch {torch.__version__}; python {sys.version.split()[0]}"
@@ -212,7 +260,7 @@ def main() -> None:
             "on the GPU server: client cost per op and Unix-socket round trip, before and after "
             "the client hot-path work."
         )
-        data[args.label] = result
+        data[args.label if args.workload == "resnet" else f"gpt2_{args.label}"] = result
         RESULTS.parent.mkdir(parents=True, exist_ok=True)
         RESULTS.write_text(json.dumps(data, indent=2) + "\n")
 

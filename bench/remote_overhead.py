@@ -143,17 +143,44 @@ def synchronize(device: str) -> None:
 def time_steps(step: Any, steps: int, warmup: int, device: str = "cuda") -> dict[str, float]:
     """Mean milliseconds per step, GPU work included (ms), and of it the time the program
     spent in its step calls (issue_ms: what the client's Python costs while the device
-    works; on a busy host the least noisy measure of what capture saves)."""
+    works; on a busy host the least noisy measure of what capture saves). Through a worker,
+    also the worker's own time per step (worker_busy_ms: decoding records, calling ops,
+    launching kernels) and its records per step: a step cannot be faster than the larger of
+    issue_ms, worker_busy_ms and the GPU's time."""
     for _ in range(warmup):
         step()
     synchronize(device)
+    before = _worker_stats()
     start = time.perf_counter()
     for _ in range(steps):
         step()
     issued = time.perf_counter()
     synchronize(device)
     done = time.perf_counter()
-    return {"ms": (done - start) / steps * 1e3, "issue_ms": (issued - start) / steps * 1e3}
+    timed = {"ms": (done - start) / steps * 1e3, "issue_ms": (issued - start) / steps * 1e3}
+    after = _worker_stats()
+    if before and after:
+        records = (after["ops_total"] - before["ops_total"]) / steps
+        busy_ms = (after["busy_s"] - before["busy_s"]) / steps * 1e3
+        timed |= {
+            "worker_busy_ms": busy_ms,
+            "records_per_step": records,
+            "worker_us_per_record": busy_ms / records * 1e3 if records else 0.0,
+            "client_us_per_record": timed["issue_ms"] / records * 1e3 if records else 0.0,
+        }
+    return timed
+
+
+def _worker_stats() -> dict[str, Any] | None:
+    """The worker's counters when this process is attached to one (waits for its queue)."""
+    if "gpupool.torch" not in sys.modules:  # a local run never imports it
+        return None
+    from gpupool.torch import runtime
+
+    if not runtime.attached():
+        return None
+    stats = runtime.stream(0).sync()
+    return stats if "busy_s" in stats else None
 
 
 CAPTURE_WARMUP = 6

@@ -21,6 +21,9 @@ class Activity:
     last_op_at: float | None = None
     """Unix time of the last batch of ops run; None until the first."""
     ops_total: int = 0
+    busy_s: float = 0.0
+    """Seconds spent running batches (decoding records, calling ops, launching kernels): with
+    ops_total, what the worker's own Python costs per record, the bound it sets on a step."""
     memory_held_bytes: int = 0
     memory_limit_bytes: int | None = None
     swapped: bool = False
@@ -42,7 +45,8 @@ class Activity:
         build than a small batch takes to run (it made every read wait for it)."""
         self._memory_probe = probe
 
-    def ran(self, ops: int, memory_held_bytes: int | None = None) -> None:
+    def ran(self, ops: int, memory_held_bytes: int | None = None, busy_s: float = 0.0) -> None:
+        self.busy_s += busy_s
         if ops:
             self.ops_total += ops
             self.last_op_at = time.time()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -170,6 +171,7 @@ class Executor:
     # ---- the stream ----------------------------------------------------------------------
 
     def run_batch(self, records: Iterator[Any], link: Link) -> None:
+        started = time.perf_counter()
         count = 0
         for record in records:
             if not isinstance(record, list) or not record or not isinstance(record[0], int):
@@ -182,7 +184,7 @@ class Executor:
             except _MALFORMED as exc:
                 raise ProtocolError(f"malformed record {Rec(record[0]).name}: {exc}") from exc
             count += 1
-        self.activity.ran(count)
+        self.activity.ran(count, busy_s=time.perf_counter() - started)
 
     def reset(self) -> None:
         """Forget everything the previous client left (it disconnected)."""
@@ -431,6 +433,7 @@ class Executor:
             "memory_limit_bytes": self.memory.limit_bytes,
             "tensors": len(self.tensors),
             "ops_total": self.activity.ops_total,
+            "busy_s": self.activity.busy_s,
             "programs": self.programs.describe(),
         }
 
