@@ -91,6 +91,12 @@ class _Op:
     name: str
     fn: Callable[..., Any] | None
     problem: str | None = None
+    call: Callable[..., Any] | None = field(init=False, default=None)
+    """What runs the op: an OpOverload's C++ callable itself (`_op`, what its __call__ calls),
+    one Python frame less for every op of a stream."""
+
+    def __post_init__(self) -> None:
+        self.call = getattr(self.fn, "_op", self.fn)
 
 
 class _BatchNormNoUpdate:
@@ -226,16 +232,34 @@ class Executor:
             return
         op = self.ops[op_id]
         try:
-            result = self._invoke(op, args, kwargs)
+            call = op.call
+            if call is None:
+                raise Unsupported(op.problem)
+            result = call(*args, **kwargs) if kwargs else call(*args)
             if outs:
-                self._store(result, outs)
+                if len(outs) == 1 and type(result) is torch.Tensor and outs[0] is not None:
+                    self._store_one(result, outs[0])  # most ops: one new tensor
+                else:
+                    self._store(result, outs)
         except Exception as exc:
             self._fail(exc, op.name, args, kwargs)
 
     def _invoke(self, op: _Op, args: list[Any], kwargs: dict[str, Any] | None) -> Any:
-        if op.fn is None:
+        call = op.call
+        if call is None:
             raise Unsupported(op.problem)
-        return op.fn(*args, **kwargs) if kwargs else op.fn(*args)
+        return call(*args, **kwargs) if kwargs else call(*args)
+
+    def _store_one(self, value: torch.Tensor, handle: int) -> None:
+        tensors = self.tensors
+        if handle in tensors:
+            self._drop(handle)
+        tensors[handle] = value
+        try:
+            self.memory.charge([value])
+        except LimitExceeded:
+            tensors.pop(handle, None)
+            raise
 
     def _store(self, result: Any, outs: list[int | None]) -> None:
         flat = [result] if type(result) is torch.Tensor else list(_flatten(result))
@@ -410,7 +434,10 @@ class Executor:
         self.programs.drop(rec[1])
 
     def _free(self, rec: list[Any], link: Link) -> None:
-        self._drop(rec[1])
+        if len(rec) < 2:
+            raise ProtocolError("FREE names no handle")
+        for handle in rec[1:]:
+            self._drop(handle)
 
     def _sync(self, rec: list[Any], link: Link) -> None:
         _, req = rec
