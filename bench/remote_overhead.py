@@ -411,6 +411,23 @@ CPU_PLAN = [("mlp", 32), ("cnn", 32), ("gpt_tiny", 16)]
 """What `--worker-device cpu` measures: small models a CPU runs in milliseconds."""
 
 
+def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row.get("workload"), row.get("batch"), row.get("mode"), row.get("spin_us", 0))
+
+
+def merged(path: Path, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows already in `path` that this run did not measure again (other modes, other
+    workloads, other polling settings), then this run's rows."""
+    try:
+        kept = json.loads(path.read_text()) if path.exists() else []
+    except (OSError, ValueError):
+        kept = []
+    if not isinstance(kept, list):
+        kept = []
+    fresh = {_row_key(row) for row in results}
+    return [row for row in kept if isinstance(row, dict) and _row_key(row) not in fresh] + results
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -509,7 +526,7 @@ def main() -> int:
                 worker.kill()
                 worker.wait()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2) + "\n")
+    args.out.write_text(json.dumps(merged(args.out, results), indent=2) + "\n")
     print(f"wrote {args.out}")
     return 0
 

@@ -98,11 +98,6 @@ class DeviceStream:
         self.conn = conn
         self.welcome = welcome
         self.records: deque[list[Any]] = deque()
-        self.freed: deque[int] = deque()
-        """Handles released since the last record: they go out as one FREE record, placed
-        before the next record, so the worker frees them exactly where single FREEs would."""
-        self._free_many = bool(welcome.get("free_many"))
-        """The worker takes several handles per FREE record (older workers one)."""
         self.lock = threading.RLock()
         self.open = True
         self._forked = False
@@ -159,8 +154,6 @@ class DeviceStream:
 
     def emit(self, record: list[Any]) -> None:
         records = self.records
-        if self.freed:
-            self._drain_frees()
         records.append(record)
         if self.recorder is not None:
             self.recorder.on_emit(self, record)
@@ -180,22 +173,11 @@ class DeviceStream:
     def release(self, handle: int) -> None:
         """A handle's last client reference died (called from __del__: append only)."""
         if self.open:
-            if self._free_many:
-                self.freed.append(handle)
-            else:
-                self.records.append([Rec.FREE, handle])
+            self.records.append([Rec.FREE, handle])
             if handle in self.watched:
                 self.released.add(handle)
             if self.recorder is not None:
                 self.recorder.on_release(handle)
-
-    def _drain_frees(self) -> None:
-        """One FREE record for the handles released so far (popleft: a release may come from
-        another thread's __del__ while this runs, and must land in this record or the next)."""
-        freed = self.freed
-        n = len(freed)
-        if n:
-            self.records.append([Rec.FREE, *[freed.popleft() for _ in range(n)]])
 
     # ---- sending -------------------------------------------------------------------------
 
@@ -208,7 +190,6 @@ class DeviceStream:
         the worker's notices (swap, move) when the program is not waiting for a reply."""
         if self.open and self.lock.acquire(blocking=False):
             try:
-                self._drain_frees()
                 session.poll_notices(self)
                 if self.elastic.event:
                     session.settle(self, idle=not self.records)
@@ -219,7 +200,6 @@ class DeviceStream:
 
     def _flush_locked(self) -> None:
         self._check_open()
-        self._drain_frees()
         if self.elastic.event or self.elastic.swapped:
             session.settle(self, idle=False)
         records = self.records
@@ -251,13 +231,11 @@ class DeviceStream:
         self._forked = True
         self.open = False
         self.records = deque()
-        self.freed = deque()
         self.lock = threading.RLock()
 
     def _lost(self, exc: BaseException) -> NoReturn:
         self.open = False
         self.records.clear()
-        self.freed.clear()
         raise WorkerLost(
             f"lease {self.lease}: lost the connection to {self.device} (worker "
             f"{self.address}): {exc}. The worker died, was stopped (the lease ended) or cannot "
@@ -292,11 +270,9 @@ class DeviceStream:
                     host.reshape(-1).view(torch.uint8)
                 )
                 self._arena_cursor += nbytes
-                self._drain_frees()
                 self.records.append([Rec.PUT, handle.id, dtype, shape, None, nbytes, offset])
                 self._flush_locked()
                 return
-            self._drain_frees()
             self.records.append([Rec.PUT, handle.id, dtype, shape, None, nbytes, None])
             self._flush_locked()
             data = host_bytes(host)
@@ -361,7 +337,6 @@ class DeviceStream:
 
     def _request_locked(self, kind: Rec, *fields: Any) -> int:
         req = next(self._requests)
-        self._drain_frees()
         self.records.append([kind, req, *fields])
         self._flush_locked()
         self.round_trips += 1
@@ -442,7 +417,6 @@ class DeviceStream:
             if arena is not None:
                 arena.close()
         self.conn, self.address, self.welcome = fresh.conn, fresh.address, fresh.welcome
-        self._free_many = fresh._free_many
         self._client_arena, self._worker_arena = fresh._client_arena, fresh._worker_arena
         self._arena_cursor = 0
 

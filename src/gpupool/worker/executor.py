@@ -434,10 +434,7 @@ class Executor:
         self.programs.drop(rec[1])
 
     def _free(self, rec: list[Any], link: Link) -> None:
-        if len(rec) < 2:
-            raise ProtocolError("FREE names no handle")
-        for handle in rec[1:]:
-            self._drop(handle)
+        self._drop(rec[1])
 
     def _sync(self, rec: list[Any], link: Link) -> None:
         _, req = rec

@@ -428,7 +428,6 @@ class Worker:
             "memory_limit_bytes": self.memory.limit_bytes,
             "max_frame_bytes": self.config.max_frame_bytes,
             "shm": link.worker_arena is not None,
-            "free_many": True,
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }

@@ -95,8 +95,7 @@ class Rec(IntEnum):
     CALL = 5
     """[CALL, req, op_id, args, kwargs, handle_base]: run now, reply with output specs."""
     FREE = 6
-    """[FREE, handle, ...]: the client dropped its last reference to these tensors. Several
-    handles in one record only to a worker whose WELCOME says `free_many` (older: one)."""
+    """[FREE, handle]: the client dropped its last reference."""
     SYNC = 7
     """[SYNC, req]: reply once everything before it has finished."""
     SEED = 8
