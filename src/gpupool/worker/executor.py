@@ -224,7 +224,14 @@ class Executor:
             return
         op = self.ops[op_id]
         try:
-            result = self._invoke(op, args, kwargs)
+            try:
+                result = self._invoke(op, args, kwargs)
+            except torch.OutOfMemoryError as exc:
+                # Within the lease's limit but not the GPU's free memory (oversubscription):
+                # others give way, then the op runs again (the allocation failed before its kernel).
+                if not self.memory.make_room(exc):
+                    raise
+                result = self._invoke(op, args, kwargs)
             if outs:
                 self._store(result, outs)
         except Exception as exc:
