@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import subprocess
 import sys
 import textwrap
 import time
@@ -17,8 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from e2e_pool import START_TIMEOUT_S, Pool, finish, free_port, gpu_count, gpupool_argv, healthy
-from e2e_pool import stop as stop_process
+from e2e_pool import Pool, finish, start_pool, stop_pool
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -79,35 +77,11 @@ def expected_digest() -> str:
 @pytest.fixture
 def small_pool(tmp_path: Path) -> Iterator[Pool]:
     """A controller that grants 1.5 x a GPU's memory, and one simulated GPU of 1 GiB."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    args = ["controller", "--port", str(port), "--data-dir", str(tmp_path / "ctl")]
-    with (tmp_path / "controller.log").open("wb") as log:
-        controller = subprocess.Popen(
-            gpupool_argv(*args, "--memory-ratio", "1.5"), stdout=log, stderr=subprocess.STDOUT
-        )
-    agent: subprocess.Popen[bytes] | None = None
+    started = start_pool(tmp_path, "1xH100-1GB", "--memory-ratio", "1.5")
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not healthy(url):
-            assert controller.poll() is None, (tmp_path / "controller.log").read_text()
-            assert time.monotonic() < deadline, "controller did not start"
-            time.sleep(0.1)
-        agent_args = ["--url", url, "--fake", "1xH100-1GB", "--interval", "0.3"]
-        agent_args += ["--data-dir", str(tmp_path / "agent")]
-        with (tmp_path / "agent.log").open("wb") as log:
-            agent = subprocess.Popen(
-                gpupool_argv("agent", *agent_args), stdout=log, stderr=subprocess.STDOUT
-            )
-        while gpu_count(url) < 1:
-            assert agent.poll() is None, (tmp_path / "agent.log").read_text()
-            assert time.monotonic() < deadline, "agent did not register its GPU"
-            time.sleep(0.1)
-        yield Pool(url, tmp_path, controller, agent)
+        yield started
     finally:
-        if agent is not None:
-            stop_process(agent)
-        stop_process(controller)
+        stop_pool(started)
 
 
 class Program:
