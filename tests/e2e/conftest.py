@@ -3,25 +3,12 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from e2e_pool import (
-    FAKE_SPEC,
-    START_TIMEOUT_S,
-    HaPool,
-    Pool,
-    free_port,
-    gpu_count,
-    gpupool_argv,
-    healthy,
-    start_ha_pool,
-    stop,
-    stop_ha_pool,
-)
+from e2e_pool import HaPool, Pool, start_ha_pool, start_pool, stop_ha_pool, stop_pool
 from netns import unavailable_reason
 from netpool import NetPool, build
 from pool_checks import FaultRecord
@@ -29,38 +16,11 @@ from pool_checks import FaultRecord
 
 @pytest.fixture
 def pool(tmp_path: Path) -> Iterator[Pool]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with (tmp_path / "controller.log").open("wb") as log:
-        controller = subprocess.Popen(
-            gpupool_argv("controller", "--port", str(port), "--data-dir", str(tmp_path / "ctl")),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
-    agent: subprocess.Popen[bytes] | None = None
+    started = start_pool(tmp_path)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not healthy(url):
-            assert controller.poll() is None, (tmp_path / "controller.log").read_text()
-            assert time.monotonic() < deadline, "controller did not start"
-            time.sleep(0.1)
-        agent_args = ["--url", url, "--fake", FAKE_SPEC, "--interval", "0.3"]
-        agent_args += ["--data-dir", str(tmp_path / "agent")]
-        with (tmp_path / "agent.log").open("wb") as log:
-            agent = subprocess.Popen(
-                gpupool_argv("agent", *agent_args),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-        while gpu_count(url) < 2:
-            assert agent.poll() is None, (tmp_path / "agent.log").read_text()
-            assert time.monotonic() < deadline, "agent did not register its GPUs"
-            time.sleep(0.1)
-        yield Pool(url, tmp_path, controller, agent)
+        yield started
     finally:
-        if agent is not None:
-            stop(agent)
-        stop(controller)
+        stop_pool(started)
 
 
 @pytest.fixture

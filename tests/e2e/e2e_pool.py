@@ -121,6 +121,45 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
         proc.communicate()
 
 
+def start_pool(workdir: Path, fake_spec: str = FAKE_SPEC, *controller_args: str) -> Pool:
+    """`gpupool controller` and a fake-GPU agent on loopback, once the agent's GPUs are in;
+    stop it with stop_pool, also when this fails half-way (the processes are in `started`)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["controller", "--port", str(port), "--data-dir", str(workdir / "ctl")]
+    with (workdir / "controller.log").open("wb") as log:
+        controller = subprocess.Popen(
+            gpupool_argv(*args, *controller_args), stdout=log, stderr=subprocess.STDOUT
+        )
+    pool = Pool(url, workdir, controller, controller)
+    try:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not healthy(url):
+            assert controller.poll() is None, (workdir / "controller.log").read_text()
+            assert time.monotonic() < deadline, "controller did not start"
+            time.sleep(0.1)
+        agent_args = ["--url", url, "--fake", fake_spec, "--interval", "0.3"]
+        agent_args += ["--data-dir", str(workdir / "agent")]
+        with (workdir / "agent.log").open("wb") as log:
+            pool.agent = subprocess.Popen(
+                gpupool_argv("agent", *agent_args), stdout=log, stderr=subprocess.STDOUT
+            )
+        gpus = sum(int(item.split("x")[0]) for item in fake_spec.split(","))
+        while gpu_count(url) < gpus:
+            assert pool.agent.poll() is None, (workdir / "agent.log").read_text()
+            assert time.monotonic() < deadline, "agent did not register its GPUs"
+            time.sleep(0.1)
+    except BaseException:
+        stop_pool(pool)
+        raise
+    return pool
+
+
+def stop_pool(pool: Pool) -> None:
+    stop(pool.agent)
+    stop(pool.controller)
+
+
 @dataclass
 class HaPool(Pool):
     """Several `gpupool controller --ha` sharing one PostgreSQL, and an agent that knows them

@@ -84,6 +84,9 @@ class AgentSettings:
     tls_cert: Path | None = None
     tls_key: Path | None = None
     """With both, the workers serve their remote clients over TLS (tls://host:port)."""
+    room_timeout_s: float | None = None
+    """How long a worker's allocation that its GPU lacks memory for waits for other sessions
+    to be swapped out (memory oversubscription); None: the worker's default, 60 s."""
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -92,6 +95,8 @@ class AgentSettings:
             )
         if self.heartbeat_interval_s <= 0:
             raise ValueError(f"heartbeat interval must be > 0 s, got {self.heartbeat_interval_s}")
+        if self.room_timeout_s is not None and self.room_timeout_s <= 0:
+            raise ValueError(f"room timeout must be > 0 s, got {self.room_timeout_s}")
         if self.retry_max_s <= 0:
             raise ValueError(f"retry_max_s must be > 0 s, got {self.retry_max_s}")
         for url in self.controller_url.split(","):
@@ -196,6 +201,8 @@ class Agent:
             tls=(self.settings.tls_cert, self.settings.tls_key)
             if self.settings.tls_cert and self.settings.tls_key
             else None,
+            simulated_gpus=await asyncio.to_thread(_simulated_gpus, backend),
+            room_timeout_s=self.settings.room_timeout_s,
         )
         done = asyncio.Event()
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")
@@ -550,6 +557,13 @@ def _embedded_server_class() -> Any:
             yield
 
     return EmbeddedServer
+
+
+def _simulated_gpus(backend: Backend) -> dict[str, int]:
+    """The simulated GPUs' memory (MiB) for the workers to share; none on real GPUs."""
+    if not backend.simulated:
+        return {}
+    return {gpu.uuid: gpu.memory_mib for gpu in backend.inventory()}
 
 
 def host_stats(data_dir: Path) -> dict[str, Any]:

@@ -27,9 +27,11 @@ import psutil
 
 from gpupool.agent.mps import MpsSupervisor, client_env
 from gpupool.protocol.v1.api import RemoteLease, RemoteSlice, WorkerReport
+from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
 
 log = logging.getLogger("gpupool.agent.workers")
 
+MIB = 1 << 20
 STOP_GRACE_S = 10.0
 REGISTRY = "workers.json"
 GONE_WHILE_AWAY = "worker exited while the agent was not running"
@@ -112,6 +114,10 @@ class Worker:
     generation: int = 0
     memory_mib: int | None = None
     """The memory limit the worker runs with now (a resize changes it in place)."""
+    swap_ordered: str | None = None
+    """The reason of the swap-out the controller ordered and this agent passed on."""
+    room_denied: int = 0
+    """The last refused request for room this agent passed on."""
 
     def report(self) -> WorkerReport:
         alive = self.proc.poll() is None
@@ -121,12 +127,16 @@ class Worker:
         last_op = activity.get("last_op_at")
         held = activity.get("memory_held_bytes")
         moved_to = activity.get("moved_to")
+        room_seq = activity.get("room_seq")
+        wanted = activity.get("room_wanted_bytes")
         return WorkerReport(
             generation=self.generation,
             swapped=activity.get("swapped") is True,
             wants_gpu=activity.get("wants_gpu") is True,
             adopted=activity.get("adopted") is True,
             moved_to=moved_to if isinstance(moved_to, str) else None,
+            room_seq=room_seq if isinstance(room_seq, int) else 0,
+            room_wanted_mib=-(-wanted // (1024 * 1024)) if isinstance(wanted, int) else 0,
             lease_id=self.lease_id,
             gpu_uuid=self.gpu_uuid,
             endpoint=self.endpoint if alive else None,
@@ -180,8 +190,18 @@ class WorkerSupervisor:
         simulated: bool,
         listen_host: str = "127.0.0.1",
         tls: tuple[Path, Path] | None = None,
+        simulated_gpus: Mapping[str, int] | None = None,
+        room_timeout_s: float | None = None,
     ) -> None:
         self.root = root
+        self.room_timeout_s = room_timeout_s
+        """How long a worker's allocation waits for room on its GPU (None: the worker's own)."""
+        # The fake backend's GPUs have no driver to count their memory: a ledger per GPU,
+        # shared by its workers, stands in for it (gpupool.protocol.v1.simgpu).
+        self.ledgers = {
+            uuid: SimulatedGpuMemory.create(root / "simulated-gpus" / f"{uuid}.json", mib * MIB)
+            for uuid, mib in (simulated_gpus or {}).items()
+        }
         self.tls = tls
         """(certificate, key): remote clients then reach the workers over TLS only."""
         self.mps = mps
@@ -281,6 +301,8 @@ class WorkerSupervisor:
         with self._lock:
             for key in ended:
                 self.workers.pop(key, None)
+        if ended:
+            self._forget_in_ledgers()
         changed = bool(ended or forgotten)
         for key, (lease, piece) in wanted.items():
             # A dead worker stays reported as dead: its client's tensors are gone, and
@@ -300,8 +322,49 @@ class WorkerSupervisor:
                 with self._lock:
                     self.workers[key] = started
             changed = True
+        self._pass_orders(wanted)
         if changed or not self.registry.exists():
             self._save()
+
+    def _pass_orders(self, wanted: Mapping[Key, tuple[RemoteLease, RemoteSlice]]) -> None:
+        """The controller's answers to oversubscription: swap-outs it ordered, and requests for
+        room it found nobody to give way for. Each is sent once (both are idempotent anyway)."""
+        for key, (lease, piece) in wanted.items():
+            worker = self.workers.get(key)
+            if worker is None:
+                continue
+            ordered = lease.swap_reason
+            if ordered != worker.swap_ordered and (
+                ordered is None or self._control(worker, {"op": "swap"})
+            ):
+                worker.swap_ordered = ordered
+            denied = piece.room_denied_seq or 0
+            if denied > worker.room_denied and self._control(
+                worker, {"op": "room", "denied_seq": denied}
+            ):
+                worker.room_denied = denied
+
+    def _control(self, worker: Worker, body: dict[str, object]) -> bool:
+        from gpupool.protocol.v1.dataplane import parse_address, send_control
+
+        try:
+            send_control(parse_address(worker.endpoint), worker.lease_id, worker.token, body)
+        except Exception as exc:  # retried at the next reconcile
+            log.warning("cannot send %s to the worker of lease %s: %s", body, worker.lease_id, exc)
+            return False
+        log.info("lease %s on %s: %s", worker.lease_id, worker.gpu_uuid, body)
+        return True
+
+    def _forget_in_ledgers(self) -> None:
+        """What stopped workers held on a simulated GPU is free again."""
+        with self._lock:
+            pids = {uuid: [str(w.proc.pid) for w in self.workers.values() if w.gpu_uuid == uuid]
+                    for uuid in self.ledgers}  # fmt: skip
+        for uuid, ledger in self.ledgers.items():
+            try:
+                ledger.prune(pids[uuid])
+            except OSError as exc:
+                log.error("cannot update the simulated memory of %s: %s", uuid, exc)
 
     def _resize(self, worker: Worker, memory_mib: int) -> None:
         """A live resize of memory: the worker's allocator limit changes, the client stays."""
@@ -353,6 +416,10 @@ class WorkerSupervisor:
             idle_timeout_s=lease.idle_timeout_s,
             restore_from=piece.restore_from,
             managed=True,
+            room_timeout_s=self.room_timeout_s,
+            simulated_gpu=self.ledgers[piece.gpu_uuid].path
+            if piece.gpu_uuid in self.ledgers
+            else None,
         )
         endpoint = str(ready.address)
         log.info("worker for lease %s on %s listens on %s", lease_id, piece.gpu_uuid, endpoint)

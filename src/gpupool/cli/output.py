@@ -255,6 +255,8 @@ def leases_table(leases: Iterable[LeaseOut], title: str = "leases") -> Table:
             remark = f"{position}{lease.waiting_reason or ''}".strip()
         elif lease.state == "released":
             remark = lease.release_reason or ""
+        elif lease.swap_reason:
+            remark = _swap_remark(lease)
         else:
             remark = ""
         table.add_row(
@@ -269,6 +271,12 @@ def leases_table(leases: Iterable[LeaseOut], title: str = "leases") -> Table:
             remark or "-",
         )
     return table
+
+
+def _swap_remark(lease: LeaseOut) -> str:
+    """`swapped out: oversubscription` or, before the client answered, `swap asked: ...`."""
+    done = "swapped out" if lease.state == "swapped" else "swap asked"
+    return f"{done}: {lease.swap_reason}"
 
 
 def lease_detail(lease: LeaseOut) -> Group:
@@ -294,6 +302,8 @@ def lease_detail(lease: LeaseOut) -> Group:
     if lease.state == "queued":
         rows.append(("queue position", str(lease.queue_position or "-")))
         rows.append(("waiting for", lease.waiting_reason or "-"))
+    if lease.swap_reason:
+        rows.append(("swap", _swap_remark(lease)))
     if lease.released_at is not None:
         rows.append(("released", clock(lease.released_at)))
         rows.append(("why", lease.release_reason or "-"))

@@ -52,7 +52,15 @@ def lease_out(
         node=row.node,
         gpu_models=list(row.gpu_models or []),
         idle_timeout_s=row.idle_timeout_s,
+        swap_reason=_swap_reason(row),
     )
+
+
+def _swap_reason(row: LeaseRow) -> str | None:
+    """Why a swapped lease is out, or why a running one is asked to go (oversubscription)."""
+    from gpupool.controller.services.oversubscription import swap_reason
+
+    return swap_reason(row) if row.state in ("swapped", "granted", "active", "idle") else None
 
 
 def gpu_out(row: GpuRow, pool: Pool, telemetry: dict[str, object] | None = None) -> GpuOut:

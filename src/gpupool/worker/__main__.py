@@ -10,6 +10,7 @@ from pathlib import Path
 
 from gpupool.protocol.v1.dataplane import TOKEN_ENV, parse_address
 from gpupool.worker.handoff import PATHS
+from gpupool.worker.room import ROOM_TIMEOUT_S
 from gpupool.worker.server import SPIN_US, WorkerConfig, run
 
 
@@ -60,6 +61,20 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         help="as a successor, take the state by these ways, in this order of preference "
         "(cuda_ipc, shm: same host only; stream: any host)",
     )
+    parser.add_argument(
+        "--room-timeout-s",
+        type=float,
+        default=ROOM_TIMEOUT_S,
+        help="an allocation the GPU lacks memory for waits this long for other sessions to be "
+        "swapped out (memory oversubscription; managed workers only)",
+    )
+    parser.add_argument(
+        "--simulated-gpu",
+        type=Path,
+        default=None,
+        help="the ledger file of a simulated GPU's physical memory (fake backend): the CPU "
+        "worker's allocations must fit it together with the other workers of that GPU",
+    )
     args = parser.parse_args(argv)
     paths = tuple(p.strip() for p in args.handoff_paths.split(",") if p.strip())
     if not paths or not set(paths) <= set(PATHS):
@@ -71,6 +86,10 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         parser.error(f"--token or ${TOKEN_ENV} is required")
     if args.memory_limit_mib is not None and args.memory_limit_mib <= 0:
         parser.error("--memory-limit-mib must be positive")
+    if args.room_timeout_s <= 0:
+        parser.error("--room-timeout-s must be positive")
+    if args.simulated_gpu is not None and args.device != "cpu":
+        parser.error("--simulated-gpu is for a CPU worker (a real GPU has real memory)")
     if args.idle_timeout_s is not None and args.idle_timeout_s <= 0:
         parser.error("--idle-timeout-s must be positive")
     if args.restore_from is not None:
@@ -93,6 +112,8 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         restore_from=args.restore_from,
         managed=args.managed,
         handoff_paths=paths,
+        room_timeout_s=args.room_timeout_s,
+        simulated_gpu=args.simulated_gpu,
     )
 
 

@@ -34,6 +34,10 @@ class Activity:
     """The successor worker that took the client's state (migration)."""
     adopted: bool = False
     """This worker took its predecessor's state over and serves the client now."""
+    room_seq: int = 0
+    """The number of the last request for room on the GPU (memory oversubscription)."""
+    room_wanted_bytes: int = 0
+    """While an allocation waits for others to free memory: how much the GPU lacks; else 0."""
 
     _memory_probe: Callable[[], int] | None = field(
         default=None, init=False, repr=False, compare=False
@@ -73,6 +77,8 @@ class StatusFile:
         self.period_s = period_s
         self._stop = threading.Event()
         self._last: dict[str, object] | None = None
+        # The periodic thread and an urgent write (a request for room) share the file.
+        self._writing = threading.Lock()
         self._thread = threading.Thread(target=self._loop, name="gpupool-status", daemon=True)
 
     def start(self) -> None:
@@ -88,6 +94,10 @@ class StatusFile:
             self.write()
 
     def write(self) -> None:
+        with self._writing:
+            self._write()
+
+    def _write(self) -> None:
         snapshot = self.activity.snapshot()
         if snapshot == self._last:
             return

@@ -38,6 +38,7 @@ from gpupool.worker.swap import ClientState
 
 if TYPE_CHECKING:
     from gpupool.worker.memory import MemoryLimit
+    from gpupool.worker.room import Room
 
 log = logging.getLogger("gpupool.worker.elastic")
 
@@ -70,8 +71,10 @@ class Elasticity:
         memory: MemoryLimit,
         idle_timeout_s: float | None,
         managed: bool,
+        room: Room | None = None,
     ) -> None:
         self.executor = executor
+        self.room = room
         self.memory = memory
         self.idle_timeout_s = idle_timeout_s
         self.managed = managed
@@ -255,8 +258,16 @@ class Elasticity:
         successor.done.wait()
 
     def control(self, body: dict[str, Any]) -> dict[str, Any]:
-        """The agent's requests: resume in place, new limits, swap now."""
+        """The agent's requests: resume in place, new limits, swap now (another session needs
+        the memory, or the client idles), no room for a request (nobody can give way)."""
         op = body.get("op")
+        if op == "room":
+            seq = body.get("denied_seq")
+            if not isinstance(seq, int) or isinstance(seq, bool) or seq <= 0:
+                raise ProtocolError("room needs denied_seq, a positive integer")
+            if self.room is not None:
+                self.room.deny(seq)
+            return {"room_seq": self.executor.activity.room_seq}
         with self._changed:
             if op == "resume":
                 self._resume_here = True

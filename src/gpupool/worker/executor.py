@@ -235,7 +235,14 @@ class Executor:
             call = op.call
             if call is None:
                 raise Unsupported(op.problem)
-            result = call(*args, **kwargs) if kwargs else call(*args)
+            try:
+                result = call(*args, **kwargs) if kwargs else call(*args)
+            except torch.OutOfMemoryError as exc:
+                # Within the lease's limit but not the GPU's free memory (oversubscription):
+                # others give way, then the op runs again (the allocation failed before its kernel).
+                if not self.memory.make_room(exc):
+                    raise
+                result = call(*args, **kwargs) if kwargs else call(*args)
             if outs:
                 if len(outs) == 1 and type(result) is torch.Tensor and outs[0] is not None:
                     self._store_one(result, outs[0])  # most ops: one new tensor

@@ -42,11 +42,13 @@ from gpupool.protocol.v1.dataplane import (
     token_matches,
     tune,
 )
+from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
 from gpupool.worker.activity import Activity, StatusFile
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor
 from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
 from gpupool.worker.memory import MiB, memory_limit_for
+from gpupool.worker.room import ROOM_TIMEOUT_S, Room
 from gpupool.worker.swap import ClientState
 
 log = logging.getLogger("gpupool.worker")
@@ -86,6 +88,10 @@ class WorkerConfig:
     """An agent runs this worker: after a swap-out, restore only once the agent says so."""
     handoff_paths: tuple[str, ...] = PATHS
     """How this worker, as a successor, accepts a client's state (`gpupool.worker.handoff`)."""
+    room_timeout_s: float = ROOM_TIMEOUT_S
+    """How long an allocation the GPU lacks memory for waits for others to give way."""
+    simulated_gpu: Path | None = None
+    """The ledger of the simulated GPU's physical memory (fake backend, CPU worker)."""
 
 
 class Worker:
@@ -100,12 +106,22 @@ class Worker:
             raise ValueError(f"a worker runs on cuda:N or cpu, not {config.device}")
         if config.threads:
             torch.set_num_threads(config.threads)
-        self.memory = memory_limit_for(self.device, config.memory_limit_mib)
-        self.activity = Activity(
-            lease_id=config.lease_id, pid=os.getpid(), memory_limit_bytes=self.memory.limit_bytes
+        self.activity = Activity(lease_id=config.lease_id, pid=os.getpid())
+        self._status = StatusFile(config.status_file, self.activity) if config.status_file else None
+        # Only an agent's worker asks for room: the agent carries the request to the controller.
+        self.room = (
+            Room(self.activity, config.room_timeout_s, self._status.write)
+            if config.managed and self._status is not None
+            else None
         )
+        simulated = SimulatedGpuMemory(config.simulated_gpu) if config.simulated_gpu else None
+        self._simulated_gpu = simulated
+        self.memory = memory_limit_for(self.device, config.memory_limit_mib, self.room, simulated)
+        self.activity.memory_limit_bytes = self.memory.limit_bytes
         self.executor = Executor(config.lease_id, self.device, self.memory, self.activity)
-        self.elastic = Elasticity(self.executor, self.memory, config.idle_timeout_s, config.managed)
+        self.elastic = Elasticity(
+            self.executor, self.memory, config.idle_timeout_s, config.managed, self.room
+        )
         self._restored = threading.Event()
         self._restore_error: str | None = None
         if config.restore_from is None:
@@ -116,7 +132,6 @@ class Worker:
         self._tls: ssl.SSLContext | None = None
         self._active: Connection | None = None
         self._threads: list[threading.Thread] = []
-        self._status = StatusFile(config.status_file, self.activity) if config.status_file else None
         self.address: Address | None = None
 
     # ---- lifecycle -----------------------------------------------------------------------
@@ -216,6 +231,11 @@ class Worker:
     def stop(self) -> None:
         self._stopping.set()
         self.elastic.stop()
+        if self.room is not None:
+            self.room.stop()
+        if self._simulated_gpu is not None:  # what this process held is free again
+            with contextlib.suppress(OSError):
+                self._simulated_gpu.record(str(os.getpid()), 0)
         if self._listener is not None:
             with contextlib.suppress(OSError):
                 self._listener.shutdown(socket.SHUT_RDWR)

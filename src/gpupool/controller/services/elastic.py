@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 from gpupool.controller.models import LeaseRow, LeaseSliceRow, utcnow
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, persist_mode_changes
+from gpupool.controller.services.oversubscription import room_denied_seq, swap_order, swap_reason
 from gpupool.controller.store import Store, request_of, slices_of
 from gpupool.controller.views import lease_out
 from gpupool.core import (
@@ -296,6 +297,10 @@ def note_reports(
 
 
 def _swapped(store: Store, session: Session, row: LeaseRow) -> None:
+    """The worker swapped its client out: because the controller ordered it (another session
+    of the GPU needed the memory) or because the client idled; the reason stays shown."""
+    reason = swap_reason(row) or "idle"
+    row.elastic = {**(row.elastic or {}), "swap": {**(swap_order(row) or {}), "reason": reason}}
     row.state = transition(LeaseState(row.state), LeaseState.SWAPPED).value
     changes = store.pool.release(row.id)
     record(
@@ -303,7 +308,7 @@ def _swapped(store: Store, session: Session, row: LeaseRow) -> None:
         "controller",
         "lease.swapped",
         row.id,
-        f"idle: tensors in host memory on {_where(row.slices)}; slice back in the pool",
+        f"{reason}: tensors in host memory on {_where(row.slices)}; slice back in the pool",
     )
     persist_mode_changes(store, session, changes)
     persist_grants(store, session, store.pool.serve_queue(now=time.time()), utcnow())
@@ -408,12 +413,17 @@ def remote_lease_for(store: Store, row: LeaseRow, node: str) -> RemoteLease | No
                 )
     if not pieces:
         return None
+    for piece in pieces:
+        piece.room_denied_seq = room_denied_seq(row, piece.gpu_uuid)
     idle = (
         row.idle_timeout_s
         if row.idle_timeout_s is not None
         else store.idle_timeouts.get(row.tenant)
     )
-    return RemoteLease(token=row.worker_token, slices=pieces, idle_timeout_s=idle)
+    ordered = swap_reason(row) if state in MOVABLE and current is None else None
+    return RemoteLease(
+        token=row.worker_token, slices=pieces, idle_timeout_s=idle, swap_reason=ordered
+    )
 
 
 def _remote(

@@ -9,7 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from gpupool.controller.models import GpuRow, NodeRow, utcnow
-from gpupool.controller.services import elastic
+from gpupool.controller.services import elastic, oversubscription
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, release
 from gpupool.controller.store import Store, gpu_of, host_of
@@ -122,6 +122,7 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
     store.live.host[name] = body.host
     store.live.dirty_nodes.add(name)
     note_workers(store, body.workers, session)
+    oversubscription.note_room_requests(store, session, body.workers)
     end_leases_of_dead_workers(store, session, body.workers)
     # A node back from an outage may still run workers of leases that ended meanwhile (the
     # node-lost policy released them): it stays out of placement until its agent, told by

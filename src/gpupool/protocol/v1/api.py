@@ -144,6 +144,9 @@ class RemoteSlice(BaseModel):
     the destination (maybe the same GPU) while generation n still holds the state."""
     restore_from: str | None = None
     """The endpoint of the worker whose state this one takes over before serving."""
+    room_denied_seq: int | None = None
+    """The worker's request for room (memory oversubscription) with this number found nobody
+    to give way: the allocation that waits for it fails now."""
 
 
 class RemoteLease(BaseModel):
@@ -153,6 +156,9 @@ class RemoteLease(BaseModel):
     slices: list[RemoteSlice]
     idle_timeout_s: float | None = None
     """Ask the client to swap out after this long without ops (None: never)."""
+    swap_reason: str | None = None
+    """Swap the client out now ("oversubscription": another session of the GPU needs the
+    memory); None: only when idle."""
 
 
 class WorkerReport(BaseModel):
@@ -173,6 +179,10 @@ class WorkerReport(BaseModel):
     adopted: bool = False
     """This worker took its predecessor's state over."""
     moved_to: str | None = None
+    room_seq: int = 0
+    """The number of the worker's last request for room on its GPU."""
+    room_wanted_mib: int = 0
+    """While an allocation waits for room: how much the GPU lacks (oversubscription); else 0."""
 
 
 class NodeHeartbeatReply(BaseModel):
@@ -346,6 +356,9 @@ class LeaseOut(BaseModel):
     node: str | None = None
     gpu_models: list[str] = Field(default_factory=list)
     idle_timeout_s: float | None = None
+    swap_reason: str | None = None
+    """Why a swapped lease was swapped out ("idle", "oversubscription"), or why it is asked
+    to swap now."""
 
 
 class LeaseHeartbeat(Strict):

@@ -807,6 +807,8 @@ def worker_argv(
     python: str | None = None,
     tls_cert: Path | None = None,
     tls_key: Path | None = None,
+    room_timeout_s: float | None = None,
+    simulated_gpu: Path | None = None,
 ) -> list[str]:
     """The command that starts a worker; pass the token in the environment as TOKEN_ENV."""
     import sys
@@ -831,6 +833,10 @@ def worker_argv(
         argv += ["--managed"]
     if handoff_paths is not None:
         argv += ["--handoff-paths", ",".join(handoff_paths)]
+    if room_timeout_s is not None:
+        argv += ["--room-timeout-s", f"{room_timeout_s:g}"]
+    if simulated_gpu is not None:
+        argv += ["--simulated-gpu", str(simulated_gpu)]
     return argv
 
 
