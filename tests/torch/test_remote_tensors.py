@@ -153,6 +153,29 @@ def test_composite_ops_reach_the_worker_whole(attach: Callable[..., Any]) -> Non
     assert "aten::_softmax" not in names and "aten::bernoulli_" not in names
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_by_the_math_kernel_equals_local_and_trains_with_dropout(
+    attach: Callable[..., Any], causal: bool
+) -> None:
+    """With the fused kernels switched off (or attention dropout on a CPU worker) the math
+    kernel runs; its boolean and causal masks once reached the worker on the meta device."""
+    attach()
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 6, 8, generator=g) for _ in range(3))
+    mask = None if causal else torch.rand(6, 6, generator=g) > 0.3
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        got = F.scaled_dot_product_attention(
+            q.cuda(), k.cuda(), v.cuda(),
+            attn_mask=None if mask is None else mask.cuda(), is_causal=causal,
+        )  # fmt: skip
+    torch.testing.assert_close(got.cpu(), expected)
+    qr = q.cuda().requires_grad_()
+    out = F.scaled_dot_product_attention(qr, qr, qr, dropout_p=0.1, is_causal=causal)
+    out.sum().backward()
+    assert qr.grad is not None and bool(torch.isfinite(qr.grad).all().cpu())
+
+
 def test_large_tensors_travel_in_chunks_and_through_shared_memory(
     attach: Callable[..., Any],
 ) -> None:

@@ -103,6 +103,13 @@ def _math(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None,
     dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
 ) -> torch.Tensor:  # fmt: skip
+    if is_causal and isinstance(query, RemoteTensor):
+        # The math kernel builds its causal mask with a factory call that, under a tensor
+        # subclass, comes out on the meta device; the same mask made here is a remote tensor.
+        if attn_mask is not None:
+            raise RuntimeError("scaled_dot_product_attention: attn_mask and is_causal both set")
+        causal = torch.ones(query.size(-2), key.size(-2), dtype=torch.bool, device=query.device)
+        attn_mask, is_causal = causal.tril(), False
     mask = _float_mask(attn_mask, query.dtype)
     return aten._scaled_dot_product_attention_math.default(
         query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
@@ -149,8 +156,11 @@ def _signature(tensor: torch.Tensor | None) -> Any:
 def _float_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     if mask is None or mask.dtype != torch.bool:
         return mask
+    # Both sides as device tensors: a Python scalar here is wrapped into a tensor that, under
+    # a tensor subclass, lands on the meta device.
     zero = torch.zeros((), dtype=dtype, device=mask.device)
-    return torch.where(mask, zero, float("-inf"))
+    minus_inf = torch.full((), float("-inf"), dtype=dtype, device=mask.device)
+    return torch.where(mask, zero, minus_inf)
 
 
 def _efficient_bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
