@@ -22,6 +22,7 @@ from gpupool.cli.main import app
         (["k8s", "serve", "--sweep-interval", "0"], "--sweep-interval must be more than 0"),
         (["k8s", "serve"], "not in a Kubernetes pod"),
         (["agent", "--fake", "1xH100-80GB", "--vgpu-slots", "0"], "--vgpu-slots must be 1..100"),
+        (["agent", "--fake", "1xH100-80GB", "--room-timeout", "0"], "--room-timeout must be in"),
         (
             ["agent", "--fake", "1xH100-80GB", "--device-plugin", "--kubelet-dir", "{missing}"],
             "is not a directory",

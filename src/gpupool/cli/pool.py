@@ -516,7 +516,17 @@ def agent(
             "slices' containers share it with the MPS daemons.",
         ),
     ] = None,
+    room_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--room-timeout",
+            help="Seconds a remote slice's allocation waits for memory under oversubscription "
+            "before it fails (default 60).",
+        ),
+    ] = None,
 ) -> None:
+    if room_timeout is not None and not 0 < room_timeout <= 3600:
+        raise BadInput(f"--room-timeout must be in (0, 3600] seconds, got {room_timeout:g}")
     if interval <= 0:
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
     if not 1 <= vgpu_slots <= 100:
@@ -551,6 +561,7 @@ def agent(
             device_plugin_dir=kubelet_dir if device_plugin else None,
             device_plugin_slots=vgpu_slots,
             mps_shm_dir=mps_shm_dir,
+            room_timeout_s=room_timeout,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None
