@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from gpupool.cli.pool import stop_process
 from gpupool.protocol.v1.tokens import new_token
 
 PG_ADMIN = os.environ.get("GPUPOOL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
@@ -108,13 +109,7 @@ class ControllerProcess:
         self.proc.wait(timeout=10)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
     def restart(self) -> None:
         self.stop()

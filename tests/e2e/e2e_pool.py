@@ -14,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from gpupool.cli.pool import stop_process
 from tests.conftest import AUTH
 
 FAKE_SPEC = "2xH100-80GB"
@@ -101,13 +102,7 @@ def gpu_count(url: str) -> int:
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    stop_process(proc)
 
 
 def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> None:

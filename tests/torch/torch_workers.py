@@ -8,6 +8,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 
+from gpupool.cli.pool import stop_process
 from gpupool.protocol.v1.dataplane import start_worker_process
 
 TOKEN = "test-token"
@@ -24,13 +25,7 @@ class WorkerHandle:
     proc: subprocess.Popen[str]
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)
 
 
 def start_worker(lease: str, listen: str = "tcp://127.0.0.1:0", **options: object) -> WorkerHandle:
