@@ -255,15 +255,13 @@ def _supervise(
 ) -> int:
     """Run CMD while heartbeating its lease; stop it when the lease is taken away."""
     supervisor = Supervisor(cmd, env, grace_s)
-    keeper = LeaseKeeper(
+    keeper = LeaseKeeper.for_lease(
         context.url,
-        lease.id,
-        interval_s=max(lease.ttl_s / 3, 0.2),
+        lease,
         actor=context.actor,
         token=context.token,
         on_end=supervisor.lease_lost,
         on_error=_Warner(lease.id),
-        expire_after_s=lease.ttl_s,
     )
     with signals_to(supervisor.forward, _FORWARDED):
         try:

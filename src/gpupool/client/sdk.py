@@ -591,6 +591,29 @@ class LeaseKeeper:
         self.ended: LeaseOut | None = None
         self.end_reason: str | None = None
 
+    @classmethod
+    def for_lease(
+        cls,
+        url: str,
+        lease: LeaseOut,
+        actor: str | None = None,
+        on_end: Callable[[LeaseOut | None, str], None] | None = None,
+        on_error: Callable[[Exception], None] | None = None,
+        token: str | None = None,
+    ) -> LeaseKeeper:
+        """A keeper for a lease its holder must fence: three heartbeats per ttl, and the lease
+        ends here once the controller has not answered for a whole ttl."""
+        return cls(
+            url,
+            lease.id,
+            interval_s=max(lease.ttl_s / 3, 0.2),
+            actor=actor,
+            on_end=on_end,
+            on_error=on_error,
+            token=token,
+            expire_after_s=lease.ttl_s,
+        )
+
     def start(self) -> LeaseKeeper:
         self._thread.start()
         return self

@@ -161,13 +161,8 @@ class LazyLease:
                 raise
         self.lease = lease
         self.waited_s = time.monotonic() - started
-        self._keeper = LeaseKeeper(
-            client.url,
-            lease.id,
-            interval_s=max(lease.ttl_s / 3, 0.2),
-            token=self.api_token,
-            on_end=self._lost,
-            expire_after_s=lease.ttl_s,
+        self._keeper = LeaseKeeper.for_lease(
+            client.url, lease, token=self.api_token, on_end=self._lost
         ).start()
         return streams
 
