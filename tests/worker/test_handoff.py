@@ -23,8 +23,8 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
     start_worker_process,
 )
-from gpupool.worker.handoff import RING_SLOTS, Offer, Ring, host_key, paths_for, receive, send
-from gpupool.worker.swap import ClientState, restore, snapshot
+from gpupool.worker.handoff import RING_SLOTS, Offer, host_key, paths_for, receive, send
+from gpupool.worker.swap import ClientState, Ring, restore, snapshot
 
 TOKEN = "handoff-token"
 CPU = torch.device("cpu")
@@ -48,7 +48,7 @@ def hand_over(
     state.ops, state.rng = {7: "aten::add.Tensor"}, b"\x01\x02"
     left, right = socket.socketpair()
     installed: list[ClientState] = []
-    ring = Ring(RING_SLOTS) if device.type == "cuda" else None
+    ring = Ring(RING_SLOTS, CHUNK_BYTES) if device.type == "cuda" else None
     try:
         receiver = threading.Thread(
             target=lambda: receive(Connection(right), device, installed.append, ring)

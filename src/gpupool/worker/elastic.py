@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from gpupool.protocol.v1.dataplane import (
+    CHUNK_BYTES,
     Connection,
     ConnectionClosed,
     DataPlaneError,
@@ -33,8 +34,8 @@ from gpupool.protocol.v1.dataplane import (
     ProtocolError,
 )
 from gpupool.worker.executor import Executor, Link
-from gpupool.worker.handoff import RING_SLOTS, HandoffFailed, Offer, Ring, receive, send
-from gpupool.worker.swap import ClientState
+from gpupool.worker.handoff import RING_SLOTS, HandoffFailed, Offer, receive, send
+from gpupool.worker.swap import ClientState, Ring
 
 if TYPE_CHECKING:
     from gpupool.worker.memory import MemoryLimit
@@ -302,7 +303,8 @@ class Elasticity:
 
 def adopt(conn: Connection, offer: Offer, executor: Executor) -> ClientState:
     """The successor's side: register with the predecessor, receive the state, restore it."""
-    ring = Ring(RING_SLOTS) if executor.device.type == "cuda" else None  # pinned before the pause
+    # Pinned before the pause.
+    ring = Ring(RING_SLOTS, CHUNK_BYTES) if executor.device.type == "cuda" else None
     conn.send([Kind.CONTROL, 1, offer.to_wire()])
     conn.sock.settimeout(None)  # the client may take its time to reach a RESUME
     return receive(conn, executor.device, executor.import_state, ring)

@@ -38,9 +38,9 @@ from gpupool.protocol.v1.dataplane import (
 )
 from gpupool.worker.swap import (
     ClientState,
+    Ring,
     bytes_of,
     flat_bytes,
-    host_buffer,
     staged_to_device,
     staged_to_host,
     storage_sizes,
@@ -265,7 +265,7 @@ def _send_chunks(conn: Connection, state: ClientState) -> None:
                 [Kind.PUT, number, offset], bytes_of(state.storages[number])[offset : offset + size]
             )
         return
-    ring = Ring(RING_SLOTS)
+    ring = Ring(RING_SLOTS, CHUNK_BYTES)
 
     def stage(i: int) -> None:
         number, offset, size = chunks[i]
@@ -286,24 +286,6 @@ def _send_chunks(conn: Connection, state: ClientState) -> None:
 
 
 # ---- the successor's side ------------------------------------------------------------------
-
-
-class Ring:
-    """Pinned chunk buffers, each with the event of the last copy that used it."""
-
-    def __init__(self, slots: int) -> None:
-        self.buffers = [host_buffer(CHUNK_BYTES, pin=True) for _ in range(slots)]
-        self.events = [torch.cuda.Event() for _ in range(slots)]
-        self._views = [bytes_of(b) for b in self.buffers]
-
-    def record(self, slot: int) -> None:
-        self.events[slot].record()
-
-    def wait(self, slot: int) -> None:
-        self.events[slot].synchronize()  # an event never recorded returns at once
-
-    def view(self, slot: int) -> memoryview:
-        return self._views[slot]
 
 
 def receive(

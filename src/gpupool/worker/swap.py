@@ -174,16 +174,30 @@ def _stage_chunks(sizes: list[int]) -> list[tuple[int, int, int]]:
     ]
 
 
-class _Staging:
-    """The pinned ring: each slot with the event of the last device copy that used it."""
+class Ring:
+    """Pinned chunk buffers, each with the event of the last device copy that used it: what
+    swaps and handoffs stage their copies between a GPU and pageable memory or a socket in."""
 
-    def __init__(self, chunk_count: int) -> None:
-        slots = min(STAGE_SLOTS, max(chunk_count, 1))
-        self.buffers = [host_buffer(STAGE_BYTES, pin=True) for _ in range(slots)]
+    def __init__(self, slots: int, chunk_bytes: int) -> None:
+        self.buffers = [host_buffer(chunk_bytes, pin=True) for _ in range(slots)]
         self.events = [torch.cuda.Event() for _ in range(slots)]
+        self._views = [bytes_of(b) for b in self.buffers]
 
     def __len__(self) -> int:
         return len(self.buffers)
+
+    def record(self, slot: int) -> None:
+        self.events[slot].record()
+
+    def wait(self, slot: int) -> None:
+        self.events[slot].synchronize()  # an event never recorded returns at once
+
+    def view(self, slot: int) -> memoryview:
+        return self._views[slot]
+
+
+def _staging_ring(chunk_count: int) -> Ring:
+    return Ring(min(STAGE_SLOTS, max(chunk_count, 1)), STAGE_BYTES)
 
 
 def staged_to_host(
@@ -199,12 +213,12 @@ def staged_to_host(
         raise ValueError("staging targets differ in size from their storages")
     chunks = _stage_chunks([flat.numel() for flat in flats])
     with torch.cuda.device(flats[0].device):
-        ring = _Staging(len(chunks))
+        ring = _staging_ring(len(chunks))
         waiting: deque[tuple[int, int, int, int]] = deque()
 
         def empty_oldest() -> None:
             number, offset, size, slot = waiting.popleft()
-            ring.events[slot].synchronize()
+            ring.wait(slot)
             hosts[number][offset : offset + size].copy_(ring.buffers[slot][:size])
 
         for index, (number, offset, size) in enumerate(chunks):
@@ -213,7 +227,7 @@ def staged_to_host(
             slot = index % len(ring)
             chunk = flats[number][offset : offset + size]
             ring.buffers[slot][:size].copy_(chunk, non_blocking=True)
-            ring.events[slot].record()
+            ring.record(slot)
             waiting.append((number, offset, size, slot))
         while waiting:
             empty_oldest()
@@ -231,16 +245,16 @@ def staged_to_device(hosts: list[torch.Tensor], device: torch.device) -> list[to
             if host.is_pinned() and host.numel():
                 outs[number].copy_(host, non_blocking=True)
         chunks = _stage_chunks([hosts[number].numel() for number in pageable])
-        ring = _Staging(len(chunks)) if chunks else None
+        ring = _staging_ring(len(chunks)) if chunks else None
         for index, (position, offset, size) in enumerate(chunks):
             assert ring is not None
             number = pageable[position]
             slot = index % len(ring)
-            ring.events[slot].synchronize()  # the slot's last copy to the device is done
+            ring.wait(slot)  # the slot's last copy to the device is done
             ring.buffers[slot][:size].copy_(hosts[number][offset : offset + size])
             target = outs[number][offset : offset + size]
             target.copy_(ring.buffers[slot][:size], non_blocking=True)
-            ring.events[slot].record()
+            ring.record(slot)
         torch.cuda.current_stream().synchronize()
     return outs
 
