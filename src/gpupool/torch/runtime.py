@@ -73,7 +73,8 @@ def stream(index: int | None = None) -> DeviceStream:
         _check_ordinal(_current if index is None else index)
         _acquire()
     i = _current if index is None else index
-    _check_ordinal(i)
+    if not 0 <= i < len(_streams):  # inline: factory ops of every step come through here
+        _check_ordinal(i)
     return _streams[i]
 
 
