@@ -250,3 +250,46 @@ def test_detach_restores_torch(attach: Callable[..., Any]) -> None:
     assert torch.ones(2).to("cpu").device.type == "cpu"
     with pytest.raises((RuntimeError, AssertionError)):
         torch.zeros(1, device="cuda")
+
+
+def test_the_background_flusher_sends_what_a_quiet_program_left(
+    attach: Callable[..., Any],
+) -> None:
+    """Ops a program issues and then goes quiet on reach the worker without a read."""
+    import time
+
+    attach()
+    stream = runtime.stream(0)
+    x = torch.ones(4, device="cuda")
+    x.add_(1)
+    sent = stream._sends
+    assert stream.records  # younger than a batch's age: still queued
+    deadline = time.monotonic() + 5
+    while stream.records and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert not stream.records and stream._sends > sent
+    assert x.sum().item() == 8.0
+
+
+def test_the_flusher_leaves_a_busy_program_alone_and_takes_its_tail_later(
+    attach: Callable[..., Any],
+) -> None:
+    """While the program sends its own batches, the flusher touches neither lock nor socket;
+    once the program stops sending, the next look sends the tail."""
+    attach()
+    stream = runtime.stream(0)
+    x = torch.ones(4, device="cuda")
+    flusher = runtime._flusher
+    assert flusher is not None
+    flusher.stop()  # this test plays the flusher
+    flusher.join()
+    stream.flush()
+    x.add_(1)
+    now = stream._first_at
+    stream._sends_seen = stream._sends - 1  # the program sent since the last look
+    assert stream.try_flush(now) is True
+    assert stream.records  # busy: left for the program
+    now = stream._first_at + 0.0001
+    assert stream.try_flush(now) is False  # no send since: it is the tail
+    assert not stream.records
+    assert x.sum().item() == 8.0

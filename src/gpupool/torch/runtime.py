@@ -9,12 +9,15 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from typing import Protocol
 
 from gpupool.torch.stream import DeviceStream
 
 FLUSH_INTERVAL_S = 0.002
 """The background flusher sends what sat unsent this long (the user's code went quiet)."""
+FLUSH_MAX_INTERVAL_S = 0.016
+"""How far the flusher backs off while the program flushes its own batches."""
 
 _streams: list[DeviceStream] = []
 _current = 0
@@ -157,11 +160,17 @@ class _Flusher(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
-        while not self._stop_event.wait(FLUSH_INTERVAL_S):
+        interval = FLUSH_INTERVAL_S
+        while not self._stop_event.wait(interval):
+            now = time.perf_counter()
+            busy = False
             for s in list(_streams):
                 # A broken stream is reported by the next op the program runs on it.
                 with contextlib.suppress(Exception):
-                    s.try_flush()
+                    busy = s.try_flush(now) or busy
+            # Every wake-up takes the GIL from the program's thread: while the program sends
+            # its batches itself, look less often (a tail it leaves waits at most this long).
+            interval = min(interval * 2, FLUSH_MAX_INTERVAL_S) if busy else FLUSH_INTERVAL_S
 
     def stop(self) -> None:
         self._stop_event.set()

@@ -60,6 +60,8 @@ comes. Off by default: it helps only with a core to spare, and hurts on a busy h
 
 
 BUSY_WAIT_S = 2.0
+ACCEPT_TICK_S = 0.5
+"""How soon the accept loop notices stop() when no signal interrupted it."""
 ADOPT_ATTEMPTS = 5
 ADOPT_RETRY_S = 0.5
 
@@ -145,6 +147,9 @@ class Worker:
         elif requested.is_tls:
             raise DataPlaneError(f"{requested} needs a certificate and key (--tls-cert, --tls-key)")
         self._listener = listen(requested)
+        # accept() wakes up now and then: SIGTERM may be delivered to any thread (CUDA's
+        # own among them), and then nothing interrupts a main thread blocked in accept().
+        self._listener.settimeout(ACCEPT_TICK_S)
         self.address = bound_address(self._listener, requested)
         if self._status:
             self._status.start()
@@ -213,6 +218,8 @@ class Worker:
         while not self._stopping.is_set():
             try:
                 sock, peer = self._listener.accept()
+            except TimeoutError:
+                continue
             except OSError:
                 if self._stopping.is_set():
                     break
