@@ -151,17 +151,24 @@ def time_steps(step: Any, steps: int, warmup: int, device: str = "cuda") -> dict
         step()
     synchronize(device)
     before = _worker_stats()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     for _ in range(steps):
         step()
-    issued = time.perf_counter()
+    issued, issued_cpu = time.perf_counter(), time.thread_time()
     synchronize(device)
     done = time.perf_counter()
-    timed = {"ms": (done - start) / steps * 1e3, "issue_ms": (issued - start) / steps * 1e3}
+    timed = {
+        "ms": (done - start) / steps * 1e3,
+        "issue_ms": (issued - start) / steps * 1e3,
+        "issue_cpu_ms": (issued_cpu - start_cpu) / steps * 1e3,
+    }
     after = _worker_stats()
     if before and after:
         records = (after["ops_total"] - before["ops_total"]) / steps
         busy_ms = (after["busy_s"] - before["busy_s"]) / steps * 1e3
+        if "busy_cpu_s" in after:
+            cpu_s = after["busy_cpu_s"] - before["busy_cpu_s"]
+            timed["worker_busy_cpu_ms"] = cpu_s / steps * 1e3
         timed |= {
             "worker_busy_ms": busy_ms,
             "records_per_step": records,

@@ -121,6 +121,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     }
     if "busy_s" in stats1:
         out["worker_busy_ms"] = (stats1["busy_s"] - stats0["busy_s"]) / steps * 1e3
+        if "busy_cpu_s" in stats1:
+            cpu = stats1["busy_cpu_s"] - stats0["busy_cpu_s"]
+            out["worker_busy_cpu_ms"] = cpu / steps * 1e3
         out["records"] = (stats1["ops_total"] - stats0["ops_total"]) / steps
     del torch
     return out

@@ -22,6 +22,10 @@ class Activity:
     """Unix time of the last batch of ops run; None until the first."""
     ops_total: int = 0
     busy_s: float = 0.0
+    busy_cpu_s: float = 0.0
+    """Of busy_s, what the serving thread spent on the CPU; the rest it waited (for the GPU's
+    launch queue, an allocation, a copy): tells a worker bound by Python from one bound by
+    its device."""
     """Seconds spent running batches (decoding records, calling ops, launching kernels): with
     ops_total, what the worker's own Python costs per record, the bound it sets on a step."""
     memory_held_bytes: int = 0
@@ -49,8 +53,15 @@ class Activity:
         build than a small batch takes to run (it made every read wait for it)."""
         self._memory_probe = probe
 
-    def ran(self, ops: int, memory_held_bytes: int | None = None, busy_s: float = 0.0) -> None:
+    def ran(
+        self,
+        ops: int,
+        memory_held_bytes: int | None = None,
+        busy_s: float = 0.0,
+        busy_cpu_s: float = 0.0,
+    ) -> None:
         self.busy_s += busy_s
+        self.busy_cpu_s += busy_cpu_s
         if ops:
             self.ops_total += ops
             self.last_op_at = time.time()

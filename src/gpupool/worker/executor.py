@@ -118,6 +118,9 @@ class _BatchNormNoUpdate:
 SHIMS: dict[str, Callable[..., Any]] = {"aten::_batch_norm_no_update": _BatchNormNoUpdate()}
 
 
+_FREE = int(Rec.FREE)
+
+
 @dataclass
 class Executor:
     lease_id: str
@@ -177,9 +180,20 @@ class Executor:
     # ---- the stream ----------------------------------------------------------------------
 
     def run_batch(self, records: Iterator[Any], link: Link) -> None:
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         count = 0
+        tensors, release = self.tensors, self.memory.release
         for record in records:
+            # FREE is half of a training step's records: handled inline.
+            if type(record) is list and len(record) == 2 and record[0] == _FREE:
+                try:
+                    old = tensors.pop(record[1], None)
+                except TypeError as exc:
+                    raise ProtocolError(f"malformed record FREE: {exc}") from exc
+                if old is not None:
+                    release(old)
+                count += 1
+                continue
             if not isinstance(record, list) or not record or not isinstance(record[0], int):
                 raise ProtocolError("a record must be a list starting with its type")
             handler = self._handlers.get(record[0])
@@ -190,7 +204,12 @@ class Executor:
             except _MALFORMED as exc:
                 raise ProtocolError(f"malformed record {Rec(record[0]).name}: {exc}") from exc
             count += 1
-        self.activity.ran(count, busy_s=time.perf_counter() - started)
+            tensors = self.tensors  # a RESUME record may have put a restored table in place
+        self.activity.ran(
+            count,
+            busy_s=time.perf_counter() - started,
+            busy_cpu_s=time.thread_time() - started_cpu,
+        )
 
     def reset(self) -> None:
         """Forget everything the previous client left (it disconnected)."""
@@ -465,6 +484,7 @@ class Executor:
             "tensors": len(self.tensors),
             "ops_total": self.activity.ops_total,
             "busy_s": self.activity.busy_s,
+            "busy_cpu_s": self.activity.busy_cpu_s,
             "programs": self.programs.describe(),
         }
 
