@@ -13,7 +13,8 @@ that sees no GPU, and reports besides the step time where the client's wall time
 Variants (comma-separated `--variants`):
   local    plain PyTorch with the GPU in the process (the reference);
   base     as shipped;
-  pin      client and worker on disjoint cores (all threads), to see scheduler effects;
+  pin      client and worker on one CPU each, of different physical cores (all threads);
+  pinsib   client and worker on the two SMT siblings of one physical core;
   spin     worker and client poll their sockets 200 us before sleeping;
   nopoll   the client's background flusher does not poll for worker notices;
   flush10  the background flusher wakes every 10 ms instead of 2 ms;
@@ -65,7 +66,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     variant = spec["variant"]
     if variant == "local":
         return _local(spec)
-    if variant == "pin":
+    if variant in ("pin", "pinsib"):
         os.sched_setaffinity(0, set(spec["client_cpus"]))
     from gpupool.torch import runtime
 
@@ -153,21 +154,41 @@ def _local(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _cores() -> list[list[int]]:
+    """The CPUs this process may use, grouped by physical core (SMT siblings together)."""
+    allowed = os.sched_getaffinity(0)
+    groups: dict[str, list[int]] = {}
+    for cpu in sorted(allowed):
+        path = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        key = path.read_text().strip() if path.exists() else str(cpu)
+        groups.setdefault(key, []).append(cpu)
+    return list(groups.values())
+
+
+def _placement(variant: str) -> tuple[list[int], list[int]]:
+    """pin: client and worker on different physical cores (their siblings idle);
+    pinsib: the two SMT siblings of one core, to see what sharing a core costs."""
+    cores = _cores()
+    if variant == "pinsib" and len(cores[0]) > 1:
+        return [cores[0][0]], [cores[0][1]]
+    if len(cores) >= 2:
+        return [cores[0][0]], [cores[1][0]]
+    return [cores[0][0]], [cores[0][0]]
+
+
 def run_variant(
     variant: str, workloads: list[tuple[str, int]], steps: int, device: str, warmup: int = 5
 ) -> None:
     from gpupool.protocol.v1.dataplane import start_worker_process
 
-    cpus = sorted(os.sched_getaffinity(0))
-    half = len(cpus) // 2
-    client_cpus, worker_cpus = cpus[: max(1, half // 2)], cpus[half : half + max(1, half // 2)]
+    client_cpus, worker_cpus = _placement(variant)
     options: dict[str, Any] = {"spin_us": 200} if variant == "spin" else {}
     with tempfile.TemporaryDirectory(prefix="gp-probe-") as tmp:
         worker, ready = start_worker_process(
             LEASE, TOKEN, device=device, listen=f"unix:{tmp}/w.sock", **options
         )
         try:
-            if variant == "pin":
+            if variant in ("pin", "pinsib"):
                 subprocess.run(
                     ["taskset", "-a", "-cp", ",".join(map(str, worker_cpus)), str(worker.pid)],
                     check=True, capture_output=True,

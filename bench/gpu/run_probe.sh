@@ -14,7 +14,7 @@ if [ -d .whl ]; then
   SITE=/tmp/site:
 fi
 export PYTHONUNBUFFERED=1
-nproc > "$OUT/probe.log"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/probe.log"
+nproc > "$OUT/probe.log"; lscpu | grep -E "Thread|Core|Socket|Model name|NUMA node" >> "$OUT/probe.log"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/probe.log"
 PROBE_TAG=head_ PYTHONPATH=$SITE$PWD/src timeout -k 5 ${LIMIT:-400} python3 bench/gpu/eager_probe.py --variants "$VARIANTS" \
   --workloads "$WORKLOADS" --steps ${STEPS:-20} 2>> "$OUT/probe.err" | sed 's/^/head: /' >> "$OUT/probe.log"
 for tree in ${TREES:-}; do
