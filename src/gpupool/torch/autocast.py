@@ -201,6 +201,18 @@ def _float32_output_of_16bit_input(args: tuple[Any, ...]) -> bool:
 def _cast(
     args: tuple[Any, ...], dtype: torch.dtype, sources: tuple[torch.dtype, ...]
 ) -> tuple[Any, ...]:
+    # Most calls cast nothing (activations already in the target dtype): look first, with
+    # the dtype kept in each wrapper's signature, before building a new tuple.
+    for a in args:
+        kind = type(a)
+        if kind is RemoteTensor:
+            current = a._sig[3]
+            if current in sources and current != dtype:
+                break
+        elif kind is list or kind is tuple or isinstance(a, RemoteTensor):
+            break
+    else:
+        return args
     return tuple(_cast_value(a, dtype, sources) for a in args)
 
 
@@ -243,7 +255,11 @@ def _cached_cast(weight: RemoteTensor, dtype: torch.dtype) -> Any:
 def _float_dtypes(args: tuple[Any, ...]) -> set[torch.dtype]:
     found: set[torch.dtype] = set()
     for value in args:
-        if isinstance(value, RemoteTensor):
+        if type(value) is RemoteTensor:
+            dtype = value._sig[3]
+            if dtype in _ELIGIBLE:
+                found.add(dtype)
+        elif isinstance(value, RemoteTensor):
             if value.dtype in _ELIGIBLE:
                 found.add(value.dtype)
         elif isinstance(value, list | tuple):
