@@ -10,13 +10,7 @@
 # behind cannot hold a pipe open).
 set -u
 OUT=${OUT:?set OUT to a directory for the results}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --find-links .whl --target /tmp/site -r .whl/requirements.txt > "$OUT/pip.log" 2>&1 || exit 1
-  export PYTHONPATH=/tmp/site:$PWD/src
-else
-  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1
+. bench/gpu/site.sh
 cp bench/results/remote_overhead.json "$OUT/remote_overhead.json"
 timeout -k 5 480 python3 bench/remote_overhead.py --steps 15 --timeout 120 \
   --only resnet50,gpt2,op_throughput,round_trip,copy,isolation \

@@ -6,13 +6,7 @@
 # a copy of bench/results/remote_overhead.json in $OUT (the micro-benchmark rows are kept).
 set -u
 OUT=${OUT:?set OUT to a directory for the results}
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --find-links .whl --target /tmp/site -r .whl/requirements.txt > "$OUT/pip.log" 2>&1 || exit 1
-  export PYTHONPATH=/tmp/site:$PWD/src
-else
-  export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-fi
-export PYTHONUNBUFFERED=1
+. bench/gpu/site.sh
 cp bench/results/remote_overhead.json "$OUT/remote_overhead.json"
 timeout -k 5 ${LIMIT:-450} python3 bench/remote_overhead.py --steps 20 --repeat 3 --timeout 120 \
   --only resnet50,gpt2 --out "$OUT/remote_overhead.json" > "$OUT/ro_repeat.log" 2>&1
