@@ -19,7 +19,8 @@ EAGER step of the same run; rows have mode "captured" and say how the worker rep
 the whole comparison on the CPU (a CPU worker against plain CPU PyTorch), for the small
 workloads (mlp, cnn, gpt_tiny) on a machine without a GPU.
 
-    python bench/remote_overhead.py [--steps 20] [--repeat 3] [--only resnet50,gpt2,ops,roundtrip,copy]
+    python bench/remote_overhead.py [--steps 20] [--repeat 3]
+                                    [--only resnet50,gpt2,ops,roundtrip,copy]
     python bench/remote_overhead.py --mode captured --only resnet50,gpt2
     python bench/remote_overhead.py --mode captured --worker-device cpu --only mlp,cnn,gpt_tiny
 
