@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -115,3 +116,31 @@ def test_worker_stops_on_sigterm_and_removes_its_socket(tmp_path: Path) -> None:
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=10) == 0
     assert not path.exists()
+
+
+def test_a_worker_whose_device_broke_says_so_after_its_client_leaves(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A sticky CUDA error (a device-side assert) fails every call after it: the reset after
+    the client left reports it (the worker then ends with WORKER_EXIT_DEVICE_BROKEN) instead
+    of raising inside the connection's cleanup and leaving the worker busy for good."""
+    from gpupool.worker.server import Worker, WorkerConfig
+
+    worker = Worker(WorkerConfig(lease_id="lease-broken", token="t", device="cpu"))
+
+    def broken_reset() -> None:
+        raise RuntimeError("CUDA error: device-side assert triggered\nmore detail")
+
+    assert worker._reset_after_client() is None
+    monkeypatch.setattr(worker.executor, "reset", broken_reset)
+    assert worker._reset_after_client() == "CUDA error: device-side assert triggered"
+
+
+def test_the_agent_names_a_worker_that_ended_on_a_broken_device() -> None:
+    from gpupool.agent.workers import Worker as AgentWorker
+    from gpupool.protocol.v1.dataplane import WORKER_EXIT_DEVICE_BROKEN
+
+    proc = subprocess.Popen([sys.executable, "-c", f"raise SystemExit({WORKER_EXIT_DEVICE_BROKEN})"])
+    proc.wait()
+    text = AgentWorker._exit_text(type("W", (), {"proc": proc})())  # type: ignore[arg-type]
+    assert "GPU context unusable" in text

@@ -147,11 +147,18 @@ class Worker:
         )
 
     def _exit_text(self) -> str:
+        from gpupool.protocol.v1.dataplane import WORKER_EXIT_DEVICE_BROKEN
+
         code = self.proc.returncode
         if code is None:
             return "worker exited (it was started by an earlier agent: its status is unknown)"
         if code < 0:
             return f"worker killed by signal {-code}"
+        if code == WORKER_EXIT_DEVICE_BROKEN:
+            return (
+                "worker ended: the client's error left the GPU context unusable "
+                "(a sticky CUDA error, as a device-side assert)"
+            )
         return f"worker exited with {code}"
 
     def record(self) -> dict[str, object]:

@@ -22,6 +22,7 @@ from gpupool.protocol.v1.dataplane import (
     HELLO_TIMEOUT_S,
     MAX_FRAME_BYTES,
     VERSION,
+    WORKER_EXIT_DEVICE_BROKEN,
     Address,
     Connection,
     ConnectionClosed,
@@ -299,20 +300,46 @@ class Worker:
                 os.close(fd)
             return
         link = _Link(Connection(sock, self.config.max_frame_bytes))
+        broken: str | None = None
         try:
             problem = self._serve(link, fds, str(peer or "unix"))
         finally:
             # Free the worker before the client sees its connection close, so that it can
             # connect again at once.
             self._active = None
-            self.elastic.client_left()
-            self.executor.reset()
-            self.activity.client_connected, self.activity.client_peer = False, None
-            self._session_lock.release()
+            try:
+                self.elastic.client_left()
+                broken = self._reset_after_client()
+            finally:
+                self.activity.client_connected, self.activity.client_peer = False, None
+                self._session_lock.release()
         if problem is not None:
             with contextlib.suppress(DataPlaneError, OSError):
                 link.conn.send([Kind.ERROR, None, problem.to_wire()])
-        link.close()
+        with contextlib.suppress(Exception):
+            link.close()
+        if broken is not None:
+            # As a local program's after a device-side assert or an illegal address: the CUDA
+            # context is gone for good. The worker ends, so its slice goes back to the pool
+            # and the agent reports the lease's worker lost, rather than refusing or failing
+            # every later client.
+            log.error("lease %s: the device is unusable after the client's error (%s); the "
+                      "worker ends", self.config.lease_id, broken)  # fmt: skip
+            self.stop()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(WORKER_EXIT_DEVICE_BROKEN)
+
+    def _reset_after_client(self) -> str | None:
+        """Forget the client's state; on a CUDA worker, first check the context still works
+        (a sticky error fails every call after it). Returns that error, if any."""
+        try:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.executor.reset()
+        except Exception as exc:
+            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return None
 
     def _authenticate(self, sock: socket.socket) -> tuple[list[int], str]:
         sock.settimeout(HELLO_TIMEOUT_S)

@@ -788,6 +788,9 @@ def send_control(
 # ---- starting a worker (the agent's side of the worker's command line) --------------------
 
 TOKEN_ENV = "GPUPOOL_WORKER_TOKEN"
+WORKER_EXIT_DEVICE_BROKEN = 3
+"""A worker's exit status when the client's error broke its CUDA context (a sticky error such
+as a device-side assert): the worker ends on purpose, it did not crash."""
 """The worker reads its lease token from this variable, so it never shows in `ps`."""
 
 
