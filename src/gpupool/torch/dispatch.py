@@ -343,6 +343,10 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking")
         }
         return run(op_info(func), args, rest)
+    if device.type == "cuda":
+        target = runtime.stream(device.index)
+        if direct_copy(here, target):
+            return _transfer(source, target, kwargs.get("dtype") or source.dtype)
     host = download(source)
     dtype = kwargs.get("dtype")
     if dtype is not None and dtype != host.dtype:
@@ -357,12 +361,57 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     raise NotImplementedError(f"gpupool cannot copy a remote tensor to {device}")
 
 
+_TRANSFER_IDS = itertools.count(1)
+
+
+def direct_copy(source: DeviceStream, target: DeviceStream) -> bool:
+    """Whether a copy between two devices of the lease can go worker to worker: both workers
+    take part, neither stream is being captured, and the target's address as this process
+    reaches it also works from the source's worker (both Unix sockets, i.e. all on this host,
+    or both plain TCP). TLS workers have no client certificate for each other: via the client."""
+    if not (source.welcome.get("peer_copy") and target.welcome.get("peer_copy")):
+        return False
+    if source.recorder is not None or target.recorder is not None:
+        return False
+    kinds = (source.address.scheme, target.address.scheme)
+    return kinds in (("unix", "unix"), ("tcp", "tcp"))
+
+
+def _transfer(source: RemoteTensor, target: DeviceStream, dtype: torch.dtype) -> RemoteTensor:
+    """`source` copied to another device of the lease as a new contiguous tensor."""
+    handle = target.new_handle()
+    _send(source, target, handle.id, dtype, into=False)
+    shape = tuple(source.shape)
+    return wrap(shape, _contiguous_strides(shape), 0, dtype, handle)
+
+
+def _send(
+    source: RemoteTensor, target: DeviceStream, handle: int, dtype: torch.dtype | None, into: bool
+) -> None:
+    here = source._gp.stream
+    xid = next(_TRANSFER_IDS)
+    here.emit([Rec.SEND, xid, source._gp.ext, str(target.address)])
+    here.flush()  # the target's worker waits for these bytes: nothing may hold them back
+    target.emit([Rec.RECV, xid, handle, None if dtype is None else DTYPE_EXT[dtype], into])
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     target, source = args[0], args[1]
     if isinstance(target, RemoteTensor):
         if isinstance(source, RemoteTensor):
             if source._gp.stream is target._gp.stream:
                 return run(op_info(func), args, kwargs)
+            if direct_copy(source._gp.stream, target._gp.stream):
+                _send(source, target._gp.stream, target._gp.id, None, into=True)
+                return target
             source = download(source)
         elif source.device.type == "meta":
             raise NotImplementedError("copy_ from a meta tensor into a remote tensor")

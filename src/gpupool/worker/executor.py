@@ -34,6 +34,7 @@ from gpupool.worker.activity import Activity
 from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
 from gpupool.worker.program import Programs
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
+from gpupool.worker.transfer import Arrivals, PeerLinks, TransferFailed
 
 ALLOWED_NAMESPACES = frozenset({"aten"})
 DENIED_OPS = frozenset({"aten::from_file"})
@@ -132,6 +133,10 @@ class Executor:
     error: ErrorBody | None = None
     programs: Programs = field(default_factory=Programs)
     elastic: Elastic | None = None
+    arrivals: Arrivals = field(default_factory=Arrivals)
+    """Tensors other workers of the lease sent for RECV records."""
+    peers: PeerLinks | None = None
+    """Connections to the lease's other workers, for SEND records (set by the server)."""
 
     def __post_init__(self) -> None:
         self._host = torch.device("cpu")
@@ -152,6 +157,8 @@ class Executor:
             Rec.RUN: self._run,
             Rec.DROP_PROGRAM: self._drop_program,
             Rec.SWAP: self._swap,
+            Rec.SEND: self._send,
+            Rec.RECV: self._recv,
             Rec.RESUME: self._resume,
         }
 
@@ -213,6 +220,9 @@ class Executor:
 
     def reset(self) -> None:
         """Forget everything the previous client left (it disconnected)."""
+        self.arrivals.clear()
+        if self.peers is not None:
+            self.peers.close()
         self.tensors.clear()
         self.ops.clear()
         self.programs.clear()
@@ -458,6 +468,49 @@ class Executor:
 
     def _drop_program(self, rec: list[Any], link: Link) -> None:
         self.programs.drop(rec[1])
+
+    def _send(self, rec: list[Any], link: Link) -> None:
+        _, xid, tensor, address = rec
+        if not isinstance(xid, int) or not isinstance(address, str):
+            raise ProtocolError("SEND needs a transfer id and an address")
+        if self.peers is None:
+            raise ProtocolError("this worker does not send to other workers")
+        if self.error is not None:
+            # An earlier op failed: the receiver must not wait for its timeout.
+            self.peers.send_failure(address, xid, f"an earlier op failed: {self.error.message}")
+            return
+        try:
+            if not isinstance(tensor, torch.Tensor):
+                raise RuntimeError("copy to another device: the source is not a tensor")
+            host = tensor.detach().to(self._host).contiguous()
+            self.peers.send(address, xid, host)
+        except Exception as exc:
+            self.peers.send_failure(address, xid, str(exc).splitlines()[0] if str(exc) else "")
+            self._fail(exc, "copy to another device", [tensor], None)
+
+    def _recv(self, rec: list[Any], link: Link) -> None:
+        _, xid, handle, dtype, into = rec
+        if not isinstance(xid, int) or not isinstance(handle, int) or not isinstance(into, bool):
+            raise ProtocolError("RECV needs a transfer id, a handle and whether to copy into it")
+        try:
+            host = self.arrivals.take(xid)
+        except TransferFailed as exc:
+            self._fail(exc, "copy from another device", [], None)
+            return
+        if self.error is not None:
+            return
+        try:
+            if into:
+                target = self.tensors.get(handle)
+                if target is None:
+                    raise RuntimeError(f"copy into tensor {handle}, which the worker does not hold")
+                target.copy_(host)
+            else:
+                cast = dtype if isinstance(dtype, torch.dtype) else None
+                value = host.to(self.device, dtype=cast)
+                self._store_one(value, handle)
+        except Exception as exc:
+            self._fail(exc, "copy from another device", [], None)
 
     def _free(self, rec: list[Any], link: Link) -> None:
         self._drop(rec[1])

@@ -51,6 +51,7 @@ from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
 from gpupool.worker.memory import MiB, memory_limit_for
 from gpupool.worker.room import ROOM_TIMEOUT_S, Room
 from gpupool.worker.swap import ClientState
+from gpupool.worker.transfer import PeerLinks
 
 log = logging.getLogger("gpupool.worker")
 
@@ -122,6 +123,7 @@ class Worker:
         self.memory = memory_limit_for(self.device, config.memory_limit_mib, self.room, simulated)
         self.activity.memory_limit_bytes = self.memory.limit_bytes
         self.executor = Executor(config.lease_id, self.device, self.memory, self.activity)
+        self.executor.peers = PeerLinks(config.lease_id, config.token)
         self.elastic = Elasticity(
             self.executor, self.memory, config.idle_timeout_s, config.managed, self.room
         )
@@ -369,7 +371,7 @@ class Worker:
         sock.settimeout(None)
         assert isinstance(body, dict)
         role = body.get("role", Role.CLIENT)
-        if role not in (Role.CLIENT, Role.CONTROL, Role.SUCCESSOR):
+        if role not in (Role.CLIENT, Role.CONTROL, Role.SUCCESSOR, Role.PEER):
             for fd in hello.fds:
                 os.close(fd)
             self._refuse(sock, ErrorBody(ErrorKind.PROTOCOL, f"unknown role {role!r}"))
@@ -383,13 +385,18 @@ class Worker:
         return [], role
 
     def _serve_side(self, sock: socket.socket, role: str) -> None:
-        """The agent's control requests, or a successor taking the client's state over."""
+        """The agent's control requests, a successor taking the client's state over, or another
+        worker of the lease sending tensors (copies between the lease's devices)."""
         conn = Connection(sock, self.config.max_frame_bytes)
         try:
             send_handshake(sock, [Kind.WELCOME, {"v": VERSION, "lease": self.config.lease_id}])
             sock.settimeout(HELLO_TIMEOUT_S)
             if role == Role.SUCCESSOR:
                 self.elastic.serve_successor(conn, self._session_lock)
+                return
+            if role == Role.PEER:
+                sock.settimeout(None)  # open for the whole session, idle between copies
+                self.executor.arrivals.serve_peer(conn)
                 return
             head = conn.recv().head()
             if head[0] != Kind.CONTROL or len(head) != 3 or not isinstance(head[2], dict):
@@ -482,6 +489,7 @@ class Worker:
             "memory_limit_bytes": self.memory.limit_bytes,
             "max_frame_bytes": self.config.max_frame_bytes,
             "shm": link.worker_arena is not None,
+            "peer_copy": True,
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }

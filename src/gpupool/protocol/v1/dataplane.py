@@ -75,6 +75,10 @@ class Kind(IntEnum):
     `successor`): [CONTROL, req, {"op": ...}]; answered with RESULT or ERROR."""
     STATE = 10
     """worker → successor: [STATE, meta]; the storages follow as PUT frames (see worker/swap)."""
+    TRANSFER = 11
+    """worker → worker of the same lease (role `peer`): [TRANSFER, transfer_id, dtype, shape,
+    nbytes], the bytes following as [PUT, transfer_id, offset] chunks; or [TRANSFER,
+    transfer_id, None, message] when the sender could not produce the tensor."""
 
 
 class Rec(IntEnum):
@@ -122,6 +126,13 @@ class Rec(IntEnum):
     RESUME = 16
     """[RESUME, req]: the client's next records need its state on a GPU: the worker restores
     it in place, or hands it to its successor and replies {"to": address} before it closes."""
+    SEND = 17
+    """[SEND, transfer_id, tensor, address]: send the tensor's values to the lease's worker at
+    `address` (a copy between two devices of one lease, not through the client)."""
+    RECV = 18
+    """[RECV, transfer_id, handle, dtype | None, into]: take what another worker of the lease
+    sent under transfer_id; store it as a new tensor `handle` (cast to dtype), or with `into`
+    copy it into the existing tensor `handle`. Waits for the bytes, in stream order."""
 
 
 class Ext(IntEnum):
@@ -418,6 +429,8 @@ class Role:
     """the agent: resume in place, change limits, ask for a swap."""
     SUCCESSOR = "successor"
     """a fresh worker of the same lease that takes over the client's state."""
+    PEER = "peer"
+    """another worker of the same lease, sending tensors for copies between its devices."""
 
 
 class _Reader:

@@ -1,0 +1,178 @@
+"""Copies between two devices of one lease, worker to worker, not through the client.
+
+A lease of several GPUs may span servers. For `t.to("cuda:1")` the client places a SEND
+record in cuda:0's stream and a RECV record in cuda:1's, at the same point of its program;
+the first worker sends the values to the second over a connection of their own (HELLO role
+`peer`, the lease's token), and the second stores them when its stream reaches the RECV. Each
+stream stays ordered, and the client neither waits nor carries the bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from typing import Any
+
+import torch
+
+from gpupool.protocol.v1.dataplane import (
+    CHUNK_BYTES,
+    VERSION,
+    Connection,
+    DataPlaneError,
+    ErrorBody,
+    Kind,
+    ProtocolError,
+    Role,
+    connect,
+    parse_address,
+    recv_handshake,
+    send_handshake,
+)
+from gpupool.protocol.v1.tensors import dtype_from_name, dtype_name, host_bytes
+
+log = logging.getLogger(__name__)
+
+RECV_TIMEOUT_S = 120.0
+"""How long a RECV waits for its bytes before the op fails (the sender is gone or stuck)."""
+MAX_TRANSFER_BYTES = 256 << 30
+"""A claim beyond this is refused before anything is allocated (a hostile or broken peer)."""
+
+
+class TransferFailed(RuntimeError):
+    pass
+
+
+class Arrivals:
+    """Tensors other workers of the lease sent here, by transfer id, until a RECV takes them."""
+
+    def __init__(self) -> None:
+        self._arrived: dict[int, tuple[Any, ...]] = {}
+        self._changed = threading.Condition()
+
+    def serve_peer(self, conn: Connection) -> None:
+        """A peer worker's connection (its own thread): receive transfers until it closes."""
+        while True:
+            frame = conn.recv()
+            head = frame.head()
+            if head[0] != Kind.TRANSFER or len(head) < 4 or not isinstance(head[1], int):
+                raise ProtocolError("a peer sends [TRANSFER, id, dtype, shape, nbytes]")
+            xid = head[1]
+            if head[2] is None:  # the sender failed: the receiver reports why
+                self._arrive(xid, ("error", str(head[3])[:2000]))
+                continue
+            if len(head) != 5:
+                raise ProtocolError("a TRANSFER head has five fields")
+            _, _, dtype, shape, nbytes = head
+            torch_dtype = dtype_from_name(dtype)
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise ProtocolError("a TRANSFER shape is a list of sizes")
+            expected = math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
+            if nbytes != expected or nbytes > MAX_TRANSFER_BYTES:
+                raise ProtocolError(f"TRANSFER of {nbytes} bytes for {dtype} {shape}")
+            buffer = bytearray(nbytes)
+            view = memoryview(buffer)
+            filled = 0
+            while filled < nbytes:
+                chunk = conn.recv()
+                part = chunk.head()
+                if part[0] != Kind.PUT or part[1] != xid or part[2] != filled or not chunk.tail_len:
+                    raise ProtocolError(f"transfer {xid}: expected bytes at offset {filled}")
+                if filled + chunk.tail_len > nbytes:
+                    raise ProtocolError(f"transfer {xid}: more bytes than announced")
+                conn.read_tail_into(view[filled : filled + chunk.tail_len])
+                filled += chunk.tail_len
+            self._arrive(xid, ("ok", torch_dtype, shape, buffer))
+
+    def _arrive(self, xid: int, value: tuple[Any, ...]) -> None:
+        with self._changed:
+            self._arrived[xid] = value
+            self._changed.notify_all()
+
+    def take(self, xid: int, timeout_s: float = RECV_TIMEOUT_S) -> torch.Tensor:
+        """The host tensor sent under xid, waiting for it; raises TransferFailed."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while xid not in self._arrived:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferFailed(
+                        f"no data arrived from the other device within {timeout_s:g} s "
+                        f"(transfer {xid}): its worker failed or cannot reach this one"
+                    )
+                self._changed.wait(left)
+            entry = self._arrived.pop(xid)
+        if entry[0] == "error":
+            raise TransferFailed(f"the other device could not send the tensor: {entry[1]}")
+        _, dtype, shape, payload = entry
+        if not payload:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(payload, dtype=dtype).reshape(shape)
+
+    def clear(self) -> None:
+        with self._changed:
+            self._arrived.clear()
+
+
+class PeerLinks:
+    """This worker's connections to the other workers of its lease, one per address."""
+
+    def __init__(self, lease: str, token: str) -> None:
+        self.lease = lease
+        self.token = token
+        self._conns: dict[str, Connection] = {}
+
+    def send(self, address: str, xid: int, host: torch.Tensor) -> None:
+        conn = self._conn(address)
+        host = host.contiguous()
+        nbytes = host.numel() * host.element_size()
+        try:
+            conn.send([Kind.TRANSFER, xid, dtype_name(host.dtype), list(host.shape), nbytes])
+            data = host_bytes(host)
+            for offset in range(0, nbytes, CHUNK_BYTES):
+                conn.send([Kind.PUT, xid, offset], data[offset : offset + CHUNK_BYTES])
+        except (DataPlaneError, OSError):
+            self._drop(address)
+            raise
+
+    def send_failure(self, address: str, xid: int, message: str) -> None:
+        """Tell the receiver at once that nothing will come (it would wait for its timeout)."""
+        with contextlib.suppress(DataPlaneError, OSError, TransferFailed):
+            self._conn(address).send([Kind.TRANSFER, xid, None, message])
+
+    def _conn(self, address: str) -> Connection:
+        conn = self._conns.get(address)
+        if conn is not None:
+            return conn
+        try:
+            target = parse_address(address)
+            sock = connect(target)
+        except (ValueError, OSError, DataPlaneError) as exc:
+            raise TransferFailed(f"cannot reach the lease's worker at {address}: {exc}") from exc
+        try:
+            hello = {"v": VERSION, "lease": self.lease, "token": self.token, "role": Role.PEER}
+            sock.settimeout(30)
+            send_handshake(sock, [Kind.HELLO, hello])
+            reply = recv_handshake(sock)
+            sock.settimeout(None)
+        except (OSError, DataPlaneError) as exc:
+            sock.close()
+            raise TransferFailed(f"handshake with the worker at {address} failed: {exc}") from exc
+        if reply.head[0] != Kind.WELCOME:
+            sock.close()
+            error = ErrorBody.from_wire(reply.head[2] if len(reply.head) > 2 else None)
+            raise TransferFailed(f"the worker at {address} refused: {error.message}")
+        conn = self._conns[address] = Connection(sock)
+        return conn
+
+    def _drop(self, address: str) -> None:
+        conn = self._conns.pop(address, None)
+        if conn is not None:
+            conn.close()
+
+    def close(self) -> None:
+        for address in list(self._conns):
+            self._drop(address)
