@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch_workers import TOKEN, WorkerHandle
 
 import gpupool.torch
 from gpupool.torch import dispatch, runtime
-from torch_workers import TOKEN, WorkerHandle
 
 LEASE = "lease-peer"
 

@@ -194,12 +194,28 @@ def _encode_call(
 # ---- the generic path ----------------------------------------------------------------------
 
 
+_ROUTES: dict[int, tuple[Any, OpInfo | None, bool]] = {}
+"""id(op) → (its special handler or None, its OpInfo, whether autocast has a policy for it):
+one lookup per op (by id(): OpOverload hashes in Python; overloads live as long as torch)."""
+
+
+def _route(func: Any) -> tuple[Any, OpInfo | None, bool]:
+    special = _SPECIAL.get(id(func))
+    if special is not None:
+        route: tuple[Any, OpInfo | None, bool] = (special, None, False)
+    else:
+        info = op_info(func)
+        route = (None, info, info.short_name in autocast.POLICY_OPS)
+    _ROUTES[id(func)] = route
+    return route
+
+
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    special = _SPECIAL.get(id(func))  # by id(): OpOverload hashes in Python
+    special, info, policy = _ROUTES.get(id(func)) or _route(func)
     if special is not None:
         return special(func, args, kwargs)
-    info = op_info(func)
-    if info.short_name in autocast.POLICY_OPS:
+    assert info is not None
+    if policy:
         args, kwargs = autocast.adjust(info, args, kwargs)
     return run(info, args, kwargs)
 
@@ -213,7 +229,7 @@ def run(
     stream = enc.stream or runtime.stream(enc.device_index)
     if info.metadata_inplace:
         return _metadata_inplace(info, args, kwargs, stream)
-    op_id = stream.op_id(info)
+    op_id = stream._op_ids.get(info) or stream.op_id(info)  # ids start at 1
     if info.all_alias:
         stream.emit([_OP, op_id, wire_args, wire_kwargs, None])
         return _aliased_result(info, args, kwargs)
