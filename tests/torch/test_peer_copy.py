@@ -90,3 +90,15 @@ def test_a_failed_source_fails_the_copy_at_the_next_read(two_devices: Any) -> No
         moved.cpu()
     with pytest.raises((IndexError, RuntimeError), match="out of bounds"):
         bad.cpu()
+
+
+def test_peer_copies_can_be_turned_off(two_devices: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GPUPOOL_PEER_COPY=0 (workers that cannot reach each other): through the client."""
+    monkeypatch.setattr(dispatch, "PEER_COPY", False)
+    assert not dispatch.direct_copy(runtime.stream(0), runtime.stream(1))
+    host = torch.randn(8)
+    a = host.cuda(0)
+    before = _reads(0)
+    b = a.to("cuda:1")
+    assert _reads(0) == before + 1  # the client read it from cuda:0
+    assert torch.equal(b.cpu(), host)

@@ -8,6 +8,7 @@ with fresh client-chosen handles, append one record. Nothing waits for the worke
 from __future__ import annotations
 
 import itertools
+import os
 from typing import Any
 
 import torch
@@ -378,6 +379,9 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 _TRANSFER_IDS = itertools.count(1)
+PEER_COPY = os.environ.get("GPUPOOL_PEER_COPY", "1") != "0"
+"""`GPUPOOL_PEER_COPY=0`: copies between devices go through the client even where the workers
+could exchange them (workers of one lease must reach each other's data-plane endpoints)."""
 
 
 def direct_copy(source: DeviceStream, target: DeviceStream) -> bool:
@@ -385,7 +389,7 @@ def direct_copy(source: DeviceStream, target: DeviceStream) -> bool:
     take part, neither stream is being captured, and the target's address as this process
     reaches it also works from the source's worker (both Unix sockets, i.e. all on this host,
     or both plain TCP). TLS workers have no client certificate for each other: via the client."""
-    if not (source.welcome.get("peer_copy") and target.welcome.get("peer_copy")):
+    if not PEER_COPY or not (source.welcome.get("peer_copy") and target.welcome.get("peer_copy")):
         return False
     if source.recorder is not None or target.recorder is not None:
         return False
