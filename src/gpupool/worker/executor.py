@@ -492,12 +492,13 @@ class Executor:
         _, xid, handle, dtype, into = rec
         if not isinstance(xid, int) or not isinstance(handle, int) or not isinstance(into, bool):
             raise ProtocolError("RECV needs a transfer id, a handle and whether to copy into it")
+        if self.error is not None:  # the client learns of the earlier error at its next read
+            self.arrivals.abandon(xid)
+            return
         try:
             host = self.arrivals.take(xid)
         except TransferFailed as exc:
             self._fail(exc, "copy from another device", [], None)
-            return
-        if self.error is not None:
             return
         try:
             if into:

@@ -51,6 +51,8 @@ class Arrivals:
 
     def __init__(self) -> None:
         self._arrived: dict[int, tuple[Any, ...]] = {}
+        self._abandoned: set[int] = set()
+        """Transfers whose RECV will not take them (the stream had failed): dropped on arrival."""
         self._changed = threading.Condition()
 
     def serve_peer(self, conn: Connection) -> None:
@@ -89,8 +91,17 @@ class Arrivals:
 
     def _arrive(self, xid: int, value: tuple[Any, ...]) -> None:
         with self._changed:
+            if xid in self._abandoned:
+                self._abandoned.discard(xid)
+                return
             self._arrived[xid] = value
             self._changed.notify_all()
+
+    def abandon(self, xid: int) -> None:
+        """The RECV of xid will not wait for it: drop it now, or when it comes."""
+        with self._changed:
+            if self._arrived.pop(xid, None) is None:
+                self._abandoned.add(xid)
 
     def take(self, xid: int, timeout_s: float = RECV_TIMEOUT_S) -> torch.Tensor:
         """The host tensor sent under xid, waiting for it; raises TransferFailed."""
@@ -115,6 +126,7 @@ class Arrivals:
     def clear(self) -> None:
         with self._changed:
             self._arrived.clear()
+            self._abandoned.clear()
 
 
 class PeerLinks:
