@@ -22,12 +22,12 @@ class Activity:
     """Unix time of the last batch of ops run; None until the first."""
     ops_total: int = 0
     busy_s: float = 0.0
+    """Seconds spent running batches (decoding records, calling ops, launching kernels): with
+    ops_total, what the worker's own Python costs per record, the bound it sets on a step."""
     busy_cpu_s: float = 0.0
     """Of busy_s, what the serving thread spent on the CPU; the rest it waited (for the GPU's
     launch queue, an allocation, a copy): tells a worker bound by Python from one bound by
     its device."""
-    """Seconds spent running batches (decoding records, calling ops, launching kernels): with
-    ops_total, what the worker's own Python costs per record, the bound it sets on a step."""
     memory_held_bytes: int = 0
     memory_limit_bytes: int | None = None
     swapped: bool = False

@@ -122,6 +122,12 @@ SHIMS: dict[str, Callable[..., Any]] = {"aten::_batch_norm_no_update": _BatchNor
 _FREE = int(Rec.FREE)
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message for a one-line report (CUDA's run on for several lines)."""
+    text = str(exc)
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 @dataclass
 class Executor:
     lease_id: str
@@ -189,16 +195,14 @@ class Executor:
     def run_batch(self, records: Iterator[Any], link: Link) -> None:
         started, started_cpu = time.perf_counter(), time.thread_time()
         count = 0
-        tensors, release = self.tensors, self.memory.release
+        drop = self._drop
         for record in records:
-            # FREE is half of a training step's records: handled inline.
+            # FREE is half of a training step's records: no handler lookup for it.
             if type(record) is list and len(record) == 2 and record[0] == _FREE:
                 try:
-                    old = tensors.pop(record[1], None)
+                    drop(record[1])
                 except TypeError as exc:
                     raise ProtocolError(f"malformed record FREE: {exc}") from exc
-                if old is not None:
-                    release(old)
                 count += 1
                 continue
             if not isinstance(record, list) or not record or not isinstance(record[0], int):
@@ -211,7 +215,6 @@ class Executor:
             except _MALFORMED as exc:
                 raise ProtocolError(f"malformed record {Rec(record[0]).name}: {exc}") from exc
             count += 1
-            tensors = self.tensors  # a RESUME record may have put a restored table in place
         self.activity.ran(
             count,
             busy_s=time.perf_counter() - started,
@@ -485,7 +488,7 @@ class Executor:
             host = tensor.detach().to(self._host).contiguous()
             self.peers.send(address, xid, host)
         except Exception as exc:
-            self.peers.send_failure(address, xid, str(exc).splitlines()[0] if str(exc) else "")
+            self.peers.send_failure(address, xid, first_line(exc))
             self._fail(exc, "copy to another device", [tensor], None)
 
     def _recv(self, rec: list[Any], link: Link) -> None:
@@ -656,7 +659,7 @@ class Executor:
         limit = self.memory.limit_bytes
         limit_text = "no limit" if limit is None else f"a limit of {limit // MiB} MiB"
         held = self.memory.held_bytes() / MiB
-        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        detail = first_line(exc)
         return (
             f"gpupool lease {self.lease_id} is out of GPU memory ({limit_text}, "
             f"{held:.1f} MiB held) in {op}: {detail}"

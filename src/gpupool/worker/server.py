@@ -31,6 +31,7 @@ from gpupool.protocol.v1.dataplane import (
     ErrorKind,
     Kind,
     ProtocolError,
+    RemoteError,
     Role,
     SharedArena,
     bound_address,
@@ -38,6 +39,7 @@ from gpupool.protocol.v1.dataplane import (
     listen,
     parse_address,
     recv_handshake,
+    role_handshake,
     send_handshake,
     server_tls_context,
     token_matches,
@@ -46,7 +48,7 @@ from gpupool.protocol.v1.dataplane import (
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
 from gpupool.worker.activity import Activity, StatusFile
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
-from gpupool.worker.executor import Executor
+from gpupool.worker.executor import Executor, first_line
 from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
 from gpupool.worker.memory import MiB, memory_limit_for
 from gpupool.worker.room import ROOM_TIMEOUT_S, Room
@@ -197,13 +199,10 @@ class Worker:
     def _adopt_over(self, sock: socket.socket) -> ClientState:
         assert self.address is not None
         with contextlib.closing(sock):
-            hello = {"v": VERSION, "lease": self.config.lease_id, "token": self.config.token,
-                     "role": Role.SUCCESSOR}  # fmt: skip
-            send_handshake(sock, [Kind.HELLO, hello])
-            reply = recv_handshake(sock)
-            if reply.head[0] != Kind.WELCOME:
-                body = ErrorBody.from_wire(reply.head[2] if len(reply.head) > 2 else None)
-                raise DataPlaneError(f"the predecessor refused: {body.message}")
+            try:
+                role_handshake(sock, self.config.lease_id, self.config.token, Role.SUCCESSOR)
+            except RemoteError as exc:
+                raise DataPlaneError(f"the predecessor refused: {exc.body.message}") from None
             conn = Connection(sock, self.config.max_frame_bytes)
             cuda = self.device.type == "cuda"
             offer = Offer(
@@ -340,7 +339,7 @@ class Worker:
                 torch.cuda.synchronize(self.device)
             self.executor.reset()
         except Exception as exc:
-            return str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            return first_line(exc)
         return None
 
     def _authenticate(self, sock: socket.socket) -> tuple[list[int], str]:

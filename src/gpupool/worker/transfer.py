@@ -20,17 +20,15 @@ import torch
 
 from gpupool.protocol.v1.dataplane import (
     CHUNK_BYTES,
-    VERSION,
     Connection,
     DataPlaneError,
-    ErrorBody,
     Kind,
     ProtocolError,
+    RemoteError,
     Role,
     connect,
     parse_address,
-    recv_handshake,
-    send_handshake,
+    role_handshake,
 )
 from gpupool.protocol.v1.tensors import dtype_from_name, dtype_name, host_bytes
 
@@ -165,18 +163,15 @@ class PeerLinks:
         except (ValueError, OSError, DataPlaneError) as exc:
             raise TransferFailed(f"cannot reach the lease's worker at {address}: {exc}") from exc
         try:
-            hello = {"v": VERSION, "lease": self.lease, "token": self.token, "role": Role.PEER}
             sock.settimeout(30)
-            send_handshake(sock, [Kind.HELLO, hello])
-            reply = recv_handshake(sock)
+            role_handshake(sock, self.lease, self.token, Role.PEER)
             sock.settimeout(None)
+        except RemoteError as exc:
+            sock.close()
+            raise TransferFailed(f"the worker at {address} refused: {exc.body.message}") from exc
         except (OSError, DataPlaneError) as exc:
             sock.close()
             raise TransferFailed(f"handshake with the worker at {address} failed: {exc}") from exc
-        if reply.head[0] != Kind.WELCOME:
-            sock.close()
-            error = ErrorBody.from_wire(reply.head[2] if len(reply.head) > 2 else None)
-            raise TransferFailed(f"the worker at {address} refused: {error.message}")
         conn = self._conns[address] = Connection(sock)
         return conn
 

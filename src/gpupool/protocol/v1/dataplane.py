@@ -772,6 +772,17 @@ class SharedArena:
             os.close(self.fd)
 
 
+def role_handshake(sock: socket.socket, lease: str, token: str, role: str) -> None:
+    """Open a connection to a worker of `lease` as something other than its client (the
+    agent, a successor, a peer worker): HELLO with the role and the lease's token, then
+    WELCOME; a refusal raises RemoteError with the worker's reason."""
+    hello = {"v": VERSION, "lease": lease, "token": token, "role": role}
+    send_handshake(sock, [Kind.HELLO, hello])
+    reply = recv_handshake(sock)
+    if reply.head[0] != Kind.WELCOME:
+        raise RemoteError(ErrorBody.from_wire(reply.head[2] if len(reply.head) > 2 else None))
+
+
 def send_control(
     address: Address, lease: str, token: str, body: dict[str, Any], timeout_s: float = 10.0
 ) -> dict[str, Any]:
@@ -779,12 +790,7 @@ def send_control(
     sock = connect(address, timeout_s)
     try:
         sock.settimeout(timeout_s)
-        hello = {"v": VERSION, "lease": lease, "token": token, "role": Role.CONTROL}
-        send_handshake(sock, [Kind.HELLO, hello])
-        reply = recv_handshake(sock)
-        if reply.head[0] != Kind.WELCOME:
-            error = ErrorBody.from_wire(reply.head[2] if len(reply.head) > 2 else None)
-            raise RemoteError(error)
+        role_handshake(sock, lease, token, Role.CONTROL)
         conn = Connection(sock)
         conn.send([Kind.CONTROL, 1, body])
         head = conn.recv().head()
@@ -801,10 +807,10 @@ def send_control(
 # ---- starting a worker (the agent's side of the worker's command line) --------------------
 
 TOKEN_ENV = "GPUPOOL_WORKER_TOKEN"
+"""The worker reads its lease token from this variable, so it never shows in `ps`."""
 WORKER_EXIT_DEVICE_BROKEN = 3
 """A worker's exit status when the client's error broke its CUDA context (a sticky error such
 as a device-side assert): the worker ends on purpose, it did not crash."""
-"""The worker reads its lease token from this variable, so it never shows in `ps`."""
 
 
 def worker_argv(
