@@ -33,9 +33,8 @@ from gpupool.torch.shapes import (
     infer_plan,
     op_info,
 )
-from gpupool.torch.stream import HANDLE_IDS, DeviceStream
+from gpupool.torch.stream import DeviceStream
 from gpupool.torch.tensor import (
-    META,
     Handle,
     RemoteTensor,
     bind_dispatch,
@@ -46,7 +45,6 @@ from gpupool.torch.tensor import (
 
 aten = torch.ops.aten
 _OP = Rec.OP
-_make_wrapper = torch.Tensor._make_wrapper_subclass
 _PLANS: dict[tuple[Any, ...], Plan] = {}
 
 CALL_BLOCK = 1 << 16
@@ -230,7 +228,7 @@ def run(
     stream = enc.stream or runtime.stream(enc.device_index)
     if info.metadata_inplace:
         return _metadata_inplace(info, args, kwargs, stream)
-    op_id = stream._op_ids.get(info) or stream.op_id(info)  # ids start at 1
+    op_id = stream.op_id(info)
     if info.all_alias:
         stream.emit([_OP, op_id, wire_args, wire_kwargs, None])
         return _aliased_result(info, args, kwargs)
@@ -246,17 +244,6 @@ def run(
         if len(_PLANS) >= PLAN_CACHE_MAX:
             _PLANS.clear()
         _PLANS[key] = plan
-    sig = plan.single
-    if sig is not None and stream.recorder is None:
-        # Plan.build's common case inline (one new tensor): three calls fewer on every op.
-        handle = Handle(next(HANDLE_IDS), stream)
-        result = _make_wrapper(
-            RemoteTensor, sig[0], strides=sig[1], storage_offset=sig[2], dtype=sig[3], device=META
-        )
-        result._gp = handle
-        result._sig = sig
-        stream.emit([_OP, op_id, wire_args, wire_kwargs, [handle.id]])
-        return result
     outs, result = plan.build(stream.new_handle, args, kwargs)
     stream.emit([_OP, op_id, wire_args, wire_kwargs, outs])
     return result

@@ -11,18 +11,14 @@ import copy
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import msgpack
 import torch
 
-from gpupool.protocol.v1.dataplane import Ext
+from gpupool.protocol.v1.tensors import handle_ext
 
 if TYPE_CHECKING:
     from gpupool.torch.stream import DeviceStream
 
 META = torch.device("meta")
-_new_tuple = tuple.__new__
-_ExtType = msgpack.ExtType
-_TENSOR_EXT = int(Ext.TENSOR)
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _NO_KWARGS: dict[str, Any] = {}
 _DATA: Any = torch._C.TensorBase.__dict__["data"]
@@ -49,7 +45,7 @@ class Handle:
 
     def __init__(self, handle_id: int, stream: DeviceStream) -> None:
         self.id = handle_id
-        self.ext = _new_tuple(_ExtType, (_TENSOR_EXT, handle_id.to_bytes(8, "big")))  # handle_ext
+        self.ext = handle_ext(handle_id)
         self.stream = stream
 
     def __del__(self) -> None:
