@@ -61,7 +61,6 @@ def _ctx(pid: int) -> tuple[int, int]:
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
     import remote_overhead as ro
-    import torch
 
     variant = spec["variant"]
     if variant == "local":
@@ -126,32 +125,17 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             cpu = stats1["busy_cpu_s"] - stats0["busy_cpu_s"]
             out["worker_busy_cpu_ms"] = cpu / steps * 1e3
         out["records"] = (stats1["ops_total"] - stats0["ops_total"]) / steps
-    del torch
     return out
 
 
 def _local(spec: dict[str, Any]) -> dict[str, Any]:
-    """The same step with the GPU in this process (plain PyTorch)."""
+    """The same step with the GPU in this process (plain PyTorch), timed as remote_overhead
+    times it."""
     import remote_overhead as ro
-    import torch
 
     workload, batch = spec["workload"], spec["batch"]
     step = ro.resnet50_step(batch) if workload == "resnet50" else ro.gpt2_step(batch)
-    for _ in range(spec.get("warmup", 5)):
-        step()
-    torch.cuda.synchronize()
-    steps = spec["steps"]
-    c0, w0 = time.thread_time(), time.perf_counter()
-    for _ in range(steps):
-        step()
-    w1, c1 = time.perf_counter(), time.thread_time()
-    torch.cuda.synchronize()
-    w2 = time.perf_counter()
-    return {
-        "ms": (w2 - w0) / steps * 1e3,
-        "issue_ms": (w1 - w0) / steps * 1e3,
-        "issue_cpu_ms": (c1 - c0) / steps * 1e3,
-    }
+    return ro.time_steps(step, spec["steps"], spec.get("warmup", 5))
 
 
 def _cores() -> list[list[int]]:

@@ -7,18 +7,14 @@ OUT=${OUT:?set OUT to a directory for the results}
 VARIANTS=${VARIANTS:-local,base,pin,spin,nopoll,flush10,noflusher}
 WORKLOADS=${WORKLOADS:-resnet50:32,gpt2:8}
 TREE_VARIANTS=${TREE_VARIANTS:-base}
-SITE=""
 if [ -d .whl/extra ]; then python3 -m pip install -q --no-index --find-links .whl/extra --target /tmp/tools py-spy > "$OUT/pip_extra.log" 2>&1; export PATH=/tmp/tools/bin:$PATH; fi
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --find-links .whl --target /tmp/site -r .whl/requirements.txt > "$OUT/pip.log" 2>&1 || exit 1
-  SITE=/tmp/site:
-fi
-export PYTHONUNBUFFERED=1
+. bench/gpu/site.sh
+HEAD_PATH=$PYTHONPATH
 nproc > "$OUT/probe.log"; lscpu | grep -E "Thread|Core|Socket|Model name|NUMA node" >> "$OUT/probe.log"; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader >> "$OUT/probe.log"
-PROBE_TAG=head_ PYTHONPATH=$SITE$PWD/src timeout -k 5 ${LIMIT:-400} python3 bench/gpu/eager_probe.py --variants "$VARIANTS" \
+PROBE_TAG=head_ PYTHONPATH=$HEAD_PATH timeout -k 5 ${LIMIT:-400} python3 bench/gpu/eager_probe.py --variants "$VARIANTS" \
   --workloads "$WORKLOADS" --steps ${STEPS:-20} 2>> "$OUT/probe.err" | sed 's/^/head: /' >> "$OUT/probe.log"
 for tree in ${TREES:-}; do
-  PROBE_TAG=${tree}_ PYTHONPATH=$SITE$PWD/.gl/$tree/src timeout -k 5 200 python3 bench/gpu/eager_probe.py --variants "$TREE_VARIANTS" \
+  PROBE_TAG=${tree}_ PYTHONPATH=${HEAD_PATH/$PWD\/src/$PWD/.gl/$tree/src} timeout -k 5 200 python3 bench/gpu/eager_probe.py --variants "$TREE_VARIANTS" \
     --workloads "${TREE_WORKLOADS:-$WORKLOADS}" --steps ${STEPS:-20} 2>> "$OUT/probe.err" | sed "s/^/$tree: /" >> "$OUT/probe.log"
 done
 cat "$OUT/probe.log" | cut -c1-700
