@@ -11,7 +11,9 @@ between. This measures, per op, in one process:
 - `gpupool_us`: the same op on a gpupool remote tensor (encoding, plan cache, handles,
   record), streamed to a worker on this host (the worker's time is not included: nothing
   waits for it);
-- `gpupool_extra_us` = gpupool_us - entry_wrap_us: what gpupool's own Python adds.
+- `gpupool_extra_us` = gpupool_us - entry_wrap_us: what gpupool's own code adds;
+- `gpupool_python_us` / `gpupool_python_extra_us`: the same with the compiled hot path off
+  (`fastpath` says whether it was on for `gpupool_us`: it is where the C module was built).
 
     python bench/dispatch_floor.py [--device cuda:0|cpu] [--out bench/results/dispatch_floor.json]
 
@@ -43,6 +45,7 @@ def measure(device: str) -> dict[str, Any]:
 
     import gpupool.torch
     from gpupool.protocol.v1.dataplane import start_worker_process
+    from gpupool.torch import dispatch
 
     meta = torch.device("meta")
     make = torch.Tensor._make_wrapper_subclass
@@ -95,10 +98,16 @@ def measure(device: str) -> dict[str, Any]:
             if entry is None:
                 entry = per_op_us(lambda op=op: op(ea, eb))
             wrap = per_op_us(lambda op=op: op(wa, wb))
+            fast = dispatch.use_fastpath(True)
             remote = per_op_us(lambda op=op: op(ga, gb))
+            dispatch.use_fastpath(False)
+            python = per_op_us(lambda op=op: op(ga, gb))
+            dispatch.use_fastpath(True)
             torch.cuda.synchronize()
             rows.append({"op": name, "entry_us": entry, "entry_wrap_us": wrap,
-                         "gpupool_us": remote, "gpupool_extra_us": remote - wrap})  # fmt: skip
+                         "gpupool_us": remote, "gpupool_extra_us": remote - wrap,
+                         "fastpath": fast, "gpupool_python_us": python,
+                         "gpupool_python_extra_us": python - wrap})  # fmt: skip
             print(json.dumps(rows[-1]), flush=True)
         gpupool.torch.detach()
     finally:

@@ -26,7 +26,7 @@ worker share the two cores), not the GPU server; compare "before" and "after" wi
 not with bench/results/remote_overhead.json.
 
     python bench/remote_client_cost.py [--workload resnet|gpt2] [--steps 30] [--repeat 3]
-                                       [--label after] [--profile F]
+                                       [--label after] [--profile F] [--ab]
 
 Each number is the median over --repeat runs (each with a fresh worker): the box is shared and
 noisy. `before` was measured with the previous sources first on PYTHONPATH. gpt2 numbers are
@@ -121,13 +121,13 @@ def build_gpt2(batch: int) -> Any:
 
 
 def measure(
-    workload: str, steps: int, blocks: int, profile: str | None, spin_us: int
+    workload: str, steps: int, blocks: int, profile: str | None, spin_us: int, ab: bool = False
 ) -> dict[str, Any]:
     import torch
 
     import gpupool.torch
     from gpupool.protocol.v1.dataplane import start_worker_process
-    from gpupool.torch import runtime
+    from gpupool.torch import dispatch, runtime
 
     tmp = tempfile.mkdtemp(prefix="gp-bench-")
     options: dict[str, Any] = {"spin_us": spin_us} if spin_us else {}
@@ -152,6 +152,7 @@ def measure(
         torch.cuda.synchronize()
         # Records per step: ops plus frees (appended directly), counted over one step.
         before = _records_sent(stream)
+        dispatch.use_fastpath(False)  # the compiled path appends records without emit()
         stream.emit = counting_emit  # type: ignore[method-assign]
         step()
         stream.emit = original_emit  # type: ignore[method-assign]
@@ -159,13 +160,21 @@ def measure(
         records = _records_sent(stream) - before
         ops = counted[0]
 
+        fast = dispatch.use_fastpath(True)
         walls, cpus = [], []
+        py_walls: list[float] = []
+        py_cpus: list[float] = []
         profiler = None
         if profile:
             import cProfile
 
             profiler = cProfile.Profile()
-        for _ in range(steps):
+        for i in range(steps * 2 if ab else steps):
+            # --ab: steps alternate between the compiled hot path and the Python one, so
+            # both see the same process, worker and machine load.
+            python = ab and i % 2 == 1
+            if ab:
+                dispatch.use_fastpath(not python)
             torch.cuda.synchronize()  # start each step with an idle worker and an empty queue
             if profiler:
                 profiler.enable()
@@ -174,8 +183,9 @@ def measure(
             w1, c1 = time.perf_counter(), time.thread_time()
             if profiler:
                 profiler.disable()
-            walls.append(w1 - w0)
-            cpus.append(c1 - c0)
+            (py_walls if python else walls).append(w1 - w0)
+            (py_cpus if python else cpus).append(c1 - c0)
+        dispatch.use_fastpath(True)
         torch.cuda.synchronize()
         if profiler and profile:
             profiler.dump_stats(profile)
@@ -196,11 +206,16 @@ def measure(
         for _ in range(reads):
             x.add_(1).item()
         round_trip = (time.perf_counter() - start) / reads
-        walls.sort()
-        cpus.sort()
-        issue = sum(walls[: len(walls) // 2 + 1]) / (len(walls) // 2 + 1)  # lower half: less noise
-        issue_cpu = sum(cpus[: len(cpus) // 2 + 1]) / (len(cpus) // 2 + 1)
+        issue, issue_cpu = _lower_half(walls), _lower_half(cpus)
+        extra: dict[str, Any] = {}
+        if ab:
+            extra = {
+                "python_issue_ms": _lower_half(py_walls) * 1e3,
+                "python_issue_cpu_ms": _lower_half(py_cpus) * 1e3,
+            }
         return {
+            "fastpath": fast,
+            **extra,
             "ops_per_step": ops,
             "records_per_step": records,
             "issue_ms": issue * 1e3,
@@ -215,6 +230,13 @@ def measure(
         gpupool.torch.detach()
         worker.terminate()
         worker.wait(10)
+
+
+def _lower_half(samples: list[float]) -> float:
+    """Mean of the lower half: a shared box's noise only ever adds time."""
+    ordered = sorted(samples)
+    half = ordered[: len(ordered) // 2 + 1]
+    return sum(half) / len(half)
 
 
 def _records_sent(stream: Any) -> int:
@@ -233,18 +255,23 @@ def main() -> None:
     )
     parser.add_argument("--label", default=None, help="store the numbers under this key")
     parser.add_argument("--profile", default=None, help="write cProfile stats of the steps")
+    parser.add_argument(
+        "--ab",
+        action="store_true",
+        help="alternate steps between the compiled hot path and the Python one (python_* keys)",
+    )
     args = parser.parse_args()
     if args.spin_us:
         os.environ["GPUPOOL_SPIN_US"] = str(max(1, args.spin_us // 3))
     import torch
 
     runs = [
-        measure(args.workload, args.steps, args.blocks, args.profile, args.spin_us)
+        measure(args.workload, args.steps, args.blocks, args.profile, args.spin_us, args.ab)
         for _ in range(max(1, args.repeat))
     ]
     result: dict[str, Any] = {
         key: sorted(run[key] for run in runs)[len(runs) // 2] for key in runs[0]
-    }
+    }  # each key's median
     result["runs"] = runs
     result["spin_us"] = args.spin_us
     result["workload"] = args.workload

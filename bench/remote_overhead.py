@@ -308,6 +308,15 @@ of it reaches the CUDA context."""
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs inside a child process: local (GPU visible) or remote (attached to the worker)."""
+    result = _measure(spec)
+    if spec["mode"] == "remote":
+        from gpupool.torch import dispatch
+
+        result["fastpath"] = dispatch.fastpath_active()  # the compiled client hot path ran
+    return result
+
+
+def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     if spec["mode"] == "remote":

@@ -8,9 +8,15 @@ if [ ! -x .venv/bin/python ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 fi
 stamp=.venv/.gpupool-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q -e '.[dev]' 2>&1 | grep -v -i 'warning' || true
   .venv/bin/python -m pip install -q torch==2.13.0 2>&1 | grep -v -i 'warning' || true  # pinned: the CPU wheel
   .venv/bin/python -c 'import gpupool.controller.app, gpupool.cli.main' # fail here, not later
   touch "$stamp"
+fi
+# The client's compiled hot path (optional: without a C compiler the Python path runs).
+if ! ls src/gpupool/torch/_fastpath*.so >/dev/null 2>&1 \
+  || [ src/gpupool/torch/_fastpath.c -nt "$(ls src/gpupool/torch/_fastpath*.so | head -1)" ]; then
+  .venv/bin/python setup.py -q build_ext --inplace >/dev/null 2>&1 \
+    || echo "note: gpupool.torch._fastpath did not build; the client runs its Python path" >&2
 fi

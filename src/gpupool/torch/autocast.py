@@ -209,7 +209,12 @@ def _cast(
             current = a._sig[3]
             if current in sources and current != dtype:
                 break
-        elif kind is list or kind is tuple or isinstance(a, RemoteTensor):
+        elif kind is list or kind is tuple:
+            # Sizes, strides and paddings (int lists) never cast; tensor lists (cat, foreach)
+            # are looked at by _cast_value, which casts them when their first item is remote.
+            if a and isinstance(a[0], RemoteTensor):
+                break
+        elif isinstance(a, RemoteTensor):
             break
     else:
         return args
@@ -262,8 +267,8 @@ def _float_dtypes(args: tuple[Any, ...]) -> set[torch.dtype]:
         elif isinstance(value, RemoteTensor):
             if value.dtype in _ELIGIBLE:
                 found.add(value.dtype)
-        elif isinstance(value, list | tuple):
-            found |= _float_dtypes(tuple(value))
+        elif isinstance(value, list | tuple) and value and type(value[0]) is not int:
+            found |= _float_dtypes(tuple(value))  # tensor lists; int lists hold no dtypes
     return found
 
 

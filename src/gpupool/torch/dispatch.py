@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
+import warnings
 from typing import Any
 
+import msgpack
 import torch
 
-from gpupool.protocol.v1.dataplane import INLINE_PAYLOAD_BYTES, Rec
+from gpupool.protocol.v1.dataplane import BATCH_MAX_RECORDS, INLINE_PAYLOAD_BYTES, Ext, Rec
 from gpupool.protocol.v1.tensors import (
     DTYPE_EXT,
     HOST_DEVICE_EXT,
@@ -25,6 +28,7 @@ from gpupool.protocol.v1.tensors import (
     literal_ext,
 )
 from gpupool.torch import autocast, runtime
+from gpupool.torch import stream as stream_module
 from gpupool.torch.shapes import (
     PLAN_CACHE_MAX,
     NeedsWorker,
@@ -479,3 +483,106 @@ def factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 bind_dispatch(dispatch)
+
+
+# ---- the compiled hot path ----------------------------------------------------------------
+
+_PY_TORCH_DISPATCH = RemoteTensor.__dict__["__torch_dispatch__"]
+_fastpath: Any = None
+_torch_find_rule: Any = None
+
+
+def _load_fastpath() -> Any:
+    """gpupool.torch._fastpath (src/gpupool/torch/_fastpath.c), configured, or None.
+
+    The C module does the cached-plan case of dispatch() and run() above and hands every
+    other case to them; bench/dispatch_floor.py measured what it saves. Off where it was
+    not built (no C compiler at install), with GPUPOOL_FASTPATH=0, and under
+    CUDA_LAUNCH_BLOCKING=1 (every op waits then, so speed is moot)."""
+    if os.environ.get("GPUPOOL_FASTPATH", "1") == "0" or stream_module.LAUNCH_BLOCKING:
+        return None
+    try:
+        from gpupool.torch import _fastpath as module  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    from torch._library import simple_registry
+
+    global _torch_find_rule
+    original = getattr(simple_registry, "find_torch_dispatch_rule", None)
+    if original is module.find_rule:
+        original = _torch_find_rule  # loaded before: delegate to torch's, never to itself
+    _torch_find_rule = original
+    try:
+        _configure(module, original)
+    except (KeyError, TypeError) as exc:
+        warnings.warn(
+            f"gpupool.torch._fastpath does not match this gpupool ({exc}): "
+            "rebuild it (pip install -e . or python setup.py build_ext --inplace); "
+            "ops take the slower Python path meanwhile",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        return None
+    if original is not None:
+        # torch looks this up (once) to ask, on every dispatch to a Python subclass, for a
+        # rule registered with torch.library.register_torch_dispatch; none are for
+        # RemoteTensor, so the C version answers for it at once and asks the original for
+        # every other class. Where torch already holds the original, nothing changes.
+        simple_registry.find_torch_dispatch_rule = module.find_rule
+    return module
+
+
+def _configure(module: Any, find_rule: Any) -> None:
+    module.configure(
+        {
+            "remote_type": RemoteTensor,
+            "handle_type": Handle,
+            "size_type": torch.Size,
+            "dtype_type": torch.dtype,
+            "routes": _ROUTES,
+            "plans": _PLANS,
+            "slow_dispatch": dispatch,
+            "slow_run": run,
+            "adjust": autocast.adjust,
+            "handle_ids": stream_module.HANDLE_IDS,
+            "ext_type": msgpack.ExtType,
+            "tensor_code": int(Ext.TENSOR),
+            "dtype_ext": DTYPE_EXT,
+            "true_key": _TRUE,
+            "false_key": _FALSE,
+            "make_wrapper": torch.Tensor._make_wrapper_subclass,
+            "meta": torch.device("meta"),
+            "op_code": int(_OP),
+            "perf_counter": time.perf_counter,
+            "find_rule": find_rule if find_rule is not None else _no_rule,
+            "batch_max": BATCH_MAX_RECORDS,
+            "flush_after": stream_module.FLUSH_AFTER_S,
+            "to_copy": aten._to_copy.default,
+            "to_copy_info": op_info(aten._to_copy.default),
+            "share_ops": (aten.detach.default, aten.alias.default),
+        }
+    )
+
+
+def _no_rule(op: Any, cls: Any) -> None:
+    return None
+
+
+def use_fastpath(enabled: bool) -> bool:
+    """Turn the compiled hot path on or off (tests compare the two); returns whether it is
+    on now (False where it is not built or GPUPOOL_FASTPATH=0)."""
+    global _fastpath
+    if enabled and _fastpath is None:
+        _fastpath = _load_fastpath()
+    on = enabled and _fastpath is not None
+    handler = classmethod(_fastpath.torch_dispatch) if on else _PY_TORCH_DISPATCH
+    RemoteTensor.__torch_dispatch__ = handler  # type: ignore[assignment,method-assign]
+    return on
+
+
+def fastpath_active() -> bool:
+    """Whether ops on remote tensors go through the compiled hot path."""
+    return RemoteTensor.__dict__["__torch_dispatch__"] is not _PY_TORCH_DISPATCH
+
+
+use_fastpath(True)

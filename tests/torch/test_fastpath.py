@@ -1,0 +1,239 @@
+"""The compiled hot path (gpupool.torch._fastpath) streams what the Python path streams.
+
+The C module is an accelerator for dispatch.dispatch/run: for every op of a training step it
+must append the very records the Python path appends (same ops, arguments, kwargs and outputs,
+handles aside, which are fresh numbers each time), and every case it does not handle must
+reach the Python path unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections import deque
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import msgpack
+import pytest
+import torch
+from torch import nn
+
+from gpupool.protocol.v1.dataplane import Ext, Rec
+from gpupool.torch import dispatch, runtime
+from gpupool.torch.tensor import RemoteTensor
+
+pytestmark = pytest.mark.slow
+
+if not dispatch.use_fastpath(True):
+    pytest.skip(
+        "gpupool.torch._fastpath is not built here (no C compiler at install?)",
+        allow_module_level=True,
+    )
+
+
+class _Log(deque[list[Any]]):
+    """The stream's record queue, remembering every record appended (the flusher pops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[list[Any]] = []
+
+    def append(self, record: list[Any]) -> None:
+        self.seen.append(record)
+        super().append(record)
+
+
+@pytest.fixture
+def fast() -> Iterator[None]:
+    yield
+    dispatch.use_fastpath(True)
+
+
+def _normalized(records: list[list[Any]]) -> list[Any]:
+    """OP and DEF records with handle numbers replaced by their order of first appearance
+    (FREE records left out: when a temporary dies within an op may differ by a reference;
+    requests such as SYNC carry request numbers)."""
+    names: dict[int, int] = {}
+
+    def name(handle: int) -> str:
+        return f"h{names.setdefault(handle, len(names))}"
+
+    def walk(value: Any, outputs: bool = False) -> Any:
+        if isinstance(value, msgpack.ExtType) and value.code == Ext.TENSOR:
+            return name(int.from_bytes(value.data, "big"))
+        if isinstance(value, list | tuple):
+            return [walk(v, outputs) for v in value]
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if outputs and isinstance(value, int):
+            return name(value)
+        return value
+
+    out = []
+    for record in records:
+        if record[0] not in (Rec.OP, Rec.DEF):
+            continue
+        if record[0] == Rec.OP:
+            _, op_id, args, kwargs, outs = record
+            out.append(["OP", op_id, walk(args), walk(kwargs), walk(outs, outputs=True)])
+        else:
+            out.append(walk(record))
+    return out
+
+
+def _training_step() -> Callable[[], torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 6 * 6, 10),
+    ).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
+    x = torch.randn(4, 3, 6, 6, device="cuda")
+    y = torch.randint(0, 10, (4,), device="cuda")
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+            extra = torch.cat([logits, logits.detach() * 0.5], dim=1).float().sum(dim=1)
+            loss = nn.functional.cross_entropy(logits, y) + extra.mean() * 0.0
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def test_the_compiled_path_streams_the_records_of_the_python_path(
+    attach: Callable[..., Any], fast: None
+) -> None:
+    attach()
+    stream = runtime.stream(0)
+    step = _training_step()
+    step()  # op ids defined and plans cached on both paths alike
+    step()
+    torch.cuda.synchronize()
+    recorded: dict[bool, list[Any]] = {}
+    for compiled in (True, False, True):
+        assert dispatch.use_fastpath(compiled) == compiled
+        log = _Log()
+        torch.cuda.synchronize()
+        stream.records = log
+        step()
+        torch.cuda.synchronize()
+        stream.records = deque(log)
+        recorded[compiled] = _normalized(log.seen)
+    assert len(recorded[True]) > 40
+    assert recorded[True] == recorded[False]
+
+
+def test_training_through_the_compiled_path_equals_the_python_path(
+    attach: Callable[..., Any], fast: None
+) -> None:
+    attach()
+    losses = {}
+    for compiled in (True, False):
+        dispatch.use_fastpath(compiled)
+        step = _training_step()
+        losses[compiled] = [step().item() for _ in range(4)]
+    assert losses[True] == losses[False]
+    assert losses[True][-1] < losses[True][0]
+
+
+def test_cases_it_does_not_handle_reach_the_python_path(
+    attach: Callable[..., Any], fast: None
+) -> None:
+    devices = attach(2)
+    assert dispatch.fastpath_active()
+    a = torch.arange(6.0, device="cuda").reshape(2, 3)
+    # A host tensor argument, a device argument, a plan-cache miss, a values-only op, an
+    # in-place op returning its input, a metadata-changing op, a copy to another device.
+    assert (a + torch.ones(3)).cpu().tolist() == [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]]
+    assert torch.zeros(2, device=devices[0]).add(a[0, :2]).cpu().tolist() == [0.0, 1.0]
+    assert a.new_full((5, 1), 2.0).sum().item() == 10.0
+    assert a.nonzero().shape == (5, 2)
+    b = a.clone()
+    assert b.mul_(2) is b and b[1, 2].item() == 10.0
+    b.unsqueeze_(0)
+    assert b.shape == (1, 2, 3)
+    on_other = a.to(devices[1])
+    assert on_other.device == devices[1] and on_other.cpu().tolist() == a.cpu().tolist()
+    with pytest.raises(RuntimeError, match="Expected all tensors to be on the same device"):
+        torch.add(a, on_other)
+    assert a.to(torch.float16).dtype == torch.float16 and a.half().sum().item() == 15.0
+    assert a.cpu().dtype == torch.float32
+    assert isinstance(a.detach(), RemoteTensor) and a.detach()._gp is a._gp
+
+
+def test_errors_of_the_worker_still_surface_at_the_next_read(
+    attach: Callable[..., Any], fast: None
+) -> None:
+    attach()
+    x = torch.ones(4, device="cuda")
+    bad = torch.ones(3, 3, device="cuda")
+    # Shapes that meta inference rejects fail at once, as on CUDA.
+    with pytest.raises(RuntimeError):
+        torch.mm(x.reshape(2, 2), bad)
+    assert (x * 2).sum().item() == 8.0
+
+
+def test_the_dispatch_rule_lookup_answers_for_remote_tensors_only() -> None:
+    from torch._library import simple_registry
+
+    module = dispatch._fastpath
+    assert module is not None
+    assert module.find_rule(torch.ops.aten.add.Tensor, RemoteTensor) is None
+
+    @torch.library.custom_op("gpupool_test::twice", mutates_args=())
+    def twice(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    class Other(torch.Tensor):
+        pass
+
+    def rule(*args: Any) -> Any:
+        return None
+
+    twice.register_torch_dispatch(Other, rule)
+    op = torch.ops.gpupool_test.twice.default
+    # Every other class still gets its registered rule, through the original lookup.
+    registered = simple_registry.singleton.find(op.__qualname__).torch_dispatch_rules
+    expected = registered.find(Other)
+    assert expected is not None
+    assert module.find_rule(op, Other) is expected
+    assert simple_registry.find_torch_dispatch_rule(op, Other) is expected
+    assert module.find_rule(op, RemoteTensor) is None
+
+
+def test_configure_refuses_what_it_cannot_use() -> None:
+    module = dispatch._fastpath
+    assert module is not None
+    try:
+        with pytest.raises(KeyError, match="remote_type"):
+            module.configure({})
+        with pytest.raises(RuntimeError, match="not configured"):
+            module.torch_dispatch(RemoteTensor, torch.ops.aten.add.Tensor, (), (), {})
+    finally:
+        dispatch._fastpath = None
+        assert dispatch.use_fastpath(True)
+    # Loaded again, its rule lookup still asks torch's for other classes (not itself).
+    assert module.find_rule(torch.ops.aten.add.Tensor, torch.Tensor) is None
+
+
+def test_gpupool_fastpath_0_keeps_the_python_path() -> None:
+    env = {**os.environ, "GPUPOOL_FASTPATH": "0"}
+    code = "from gpupool.torch import dispatch; print(dispatch.fastpath_active())"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "False"
+    env["GPUPOOL_FASTPATH"] = "1"
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "True"
