@@ -14,7 +14,10 @@
 set -u
 OUT=${OUT:?set OUT to a directory for the results}
 . bench/gpu/site.sh
-export GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0 GPUPOOL_TEST_PEER_GPUS=0,1
+# Two GPUs: one worker on each; one GPU: both workers on it (two processes, two contexts).
+peers=0,1
+[ "$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')" -lt 2 ] && peers=0,0
+export GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0 GPUPOOL_TEST_PEER_GPUS=${GPUPOOL_TEST_PEER_GPUS:-$peers}
 LOG="$OUT/issue4g.log"
 {
   echo "== environment"

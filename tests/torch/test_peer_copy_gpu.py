@@ -49,8 +49,10 @@ def _two_gpus_or_skip() -> None:
     if len(GPUS) < 2:
         pytest.skip(f"GPUPOOL_TEST_PEER_GPUS names {len(GPUS)} GPU(s), two are needed")
     # This process runs with CUDA_VISIBLE_DEVICES= (a client without a GPU): ask a child that
-    # sees the two GPUs the workers will get.
-    visible = ",".join(GPUS[:2])
+    # sees the GPUs the workers will get. `0,0` puts both workers on one GPU (two processes,
+    # two CUDA contexts: the copies still go worker to worker), for a one-GPU machine.
+    distinct = list(dict.fromkeys(GPUS[:2]))
+    visible = ",".join(distinct)
     probe = subprocess.run(
         [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
         env={**os.environ, "CUDA_VISIBLE_DEVICES": visible},
@@ -60,7 +62,7 @@ def _two_gpus_or_skip() -> None:
     )
     lines = probe.stdout.split()
     count = int(lines[-1]) if probe.returncode == 0 and lines and lines[-1].isdigit() else 0
-    if count < 2:
+    if count < len(distinct):
         why = f" ({(probe.stderr.strip().splitlines() or ['?'])[-1]})" if probe.returncode else ""
         pytest.skip(f"needs two CUDA GPUs, CUDA_VISIBLE_DEVICES={visible} shows {count}{why}")
 
