@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (issue 4, the compiled client hot path), one command:
-#   OUT=/some/dir bash bench/gpu/run_issue4h.sh      (carry .whl)
+#   OUT=/some/dir [REPEAT=3] [LIMIT=380] bash bench/gpu/run_issue4h.sh      (carry .whl)
 # 1. whether gpupool.torch._fastpath built there (site.sh builds it for that Python);
 # 2. bench/remote_client_cost.py --ab: the client's issue CPU per step with the compiled path
 #    and the Python one, steps alternating in one process (tiny models, a CPU worker);
@@ -10,6 +10,8 @@
 set -u
 OUT=${OUT:?set OUT to a directory for the results}
 . bench/gpu/site.sh
+FINAL=$OUT
+OUT=$(mktemp -d)  # everything is packed into $FINAL/results.tgz at the end (few files travel back)
 python3 -c 'from gpupool.torch import dispatch; print("fastpath", dispatch.fastpath_active())' \
   > "$OUT/fastpath.txt" 2>&1
 cat "$OUT/fastpath.txt"
@@ -22,7 +24,7 @@ for w in resnet gpt2; do
   echo
 done
 cp bench/results/remote_overhead.json "$OUT/remote_overhead.json"
-timeout -k 5 "${LIMIT:-380}" python3 bench/remote_overhead.py --steps 20 --repeat 3 --timeout 120 \
+timeout -k 5 "${LIMIT:-380}" python3 bench/remote_overhead.py --steps 20 --repeat "${REPEAT:-3}" --timeout 120 \
   --only resnet50,gpt2 --out "$OUT/remote_overhead.json" > "$OUT/ro_repeat.log" 2>&1
 echo "remote_overhead rc=$?"
 grep '^{' "$OUT/ro_repeat.log" | cut -c1-600
@@ -30,5 +32,6 @@ cp bench/results/dispatch_floor.json "$OUT/dispatch_floor.json"
 timeout -k 5 60 python3 bench/dispatch_floor.py --device cuda:0 --out "$OUT/dispatch_floor.json" \
   > "$OUT/dispatch_floor.log" 2>&1
 echo "dispatch_floor rc=$?"
-cat "$OUT/dispatch_floor.log" | cut -c1-400
+grep '^{' "$OUT/dispatch_floor.log" | cut -c1-400
+tar czf "$FINAL/results.tgz" -C "$OUT" .
 exit 0

@@ -8,7 +8,8 @@
  * remote_overhead.json). This file does, for the common case, exactly what
  * gpupool/torch/dispatch.py's `dispatch` and `run` do: look up the op's route, encode the
  * arguments while building the plan-cache key, look up the cached plan, make wrappers with
- * fresh client-chosen handles, append one record, flush when the batch is due.
+ * fresh client-chosen handles, append one record, flush when the batch is due; and, as
+ * Handle.__del__, the FREE record of each dropped tensor (half of a step's records).
  *
  * It is an accelerator, never a second implementation: every case it does not handle
  * (special ops, a plan-cache miss, host tensors, devices, captures, errors of any kind such
@@ -42,6 +43,7 @@ typedef struct {
     PyObject *make_wrapper;  /* torch.Tensor._make_wrapper_subclass */
     PyObject *meta;          /* torch.device("meta") */
     PyObject *op_code;       /* Rec.OP as int */
+    PyObject *free_code;     /* Rec.FREE as int */
     PyObject *perf_counter;  /* time.perf_counter: the flusher compares _first_at with it */
     PyObject *find_rule;     /* torch._library.simple_registry.find_torch_dispatch_rule */
     PyObject *to_copy;       /* aten._to_copy.default and its OpInfo */
@@ -60,7 +62,7 @@ static State S;
 static PyObject *s_gp, *s_sig, *s_stream, *s_ext, *s_id, *s_recorder, *s_op_ids, *s_records,
     *s_first_at, *s_flush, *s_single, *s_flat, *s_metadata_inplace, *s_values_only,
     *s_all_alias, *s_keyed_scalars, *s_returns_alias, *s_build, *s_new_handle, *s_op_id,
-    *s_append, *s_device, *s_pin_memory, *s_non_blocking;
+    *s_append, *s_device, *s_pin_memory, *s_non_blocking, *s_watched, *s_release, *s_open;
 
 #define FAST_OK 1
 #define FAST_NO 0 /* not on the fast path: the caller goes to Python, nothing was done */
@@ -674,6 +676,69 @@ not_ready(void)
     return NULL;
 }
 
+/* Handle.__del__ (installed as a method): DeviceStream.release(id) for the common case - the
+ * stream open, no capture recording, no handle watched by a captured program - appends the
+ * FREE record itself; every other case calls release() in Python. Half of a training step's
+ * records are these. */
+static PyObject *
+handle_del(PyObject *module, PyObject *self)
+{
+    if (!S.ready)
+        return not_ready();
+    PyObject *stream = PyObject_GetAttr(self, s_stream);
+    PyObject *id = stream == NULL ? NULL : PyObject_GetAttr(self, s_id);
+    if (id == NULL) {
+        Py_XDECREF(stream);
+        return NULL;
+    }
+    PyObject *result = NULL;
+    PyObject *recorder = PyObject_GetAttr(stream, s_recorder);
+    PyObject *watched = recorder == NULL ? NULL : PyObject_GetAttr(stream, s_watched);
+    if (watched != NULL) {
+        if (recorder != Py_None || !PyAnySet_Check(watched) || PySet_GET_SIZE(watched) != 0) {
+            result = PyObject_CallMethodOneArg(stream, s_release, id);
+        }
+        else {
+            PyObject *open = PyObject_GetAttr(stream, s_open);
+            int is_open = open == NULL ? -1 : PyObject_IsTrue(open);
+            Py_XDECREF(open);
+            if (is_open == 0) {
+                result = Py_NewRef(Py_None);
+            }
+            else if (is_open > 0) {
+                PyObject *records = PyObject_GetAttr(stream, s_records);
+                PyObject *record = records == NULL ? NULL : PyList_New(2);
+                if (record != NULL) {
+                    PyList_SET_ITEM(record, 0, Py_NewRef(S.free_code));
+                    PyList_SET_ITEM(record, 1, Py_NewRef(id));
+                    result = PyObject_CallMethodOneArg(records, s_append, record);
+                    Py_DECREF(record);
+                }
+                Py_XDECREF(records);
+            }
+        }
+    }
+    Py_XDECREF(watched);
+    Py_XDECREF(recorder);
+    Py_DECREF(id);
+    Py_DECREF(stream);
+    if (result == NULL)
+        return NULL;
+    Py_DECREF(result);
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+handle_del_method(PyObject *module, PyObject *unused)
+{
+    PyObject *function = PyObject_GetAttrString(module, "handle_del");
+    if (function == NULL)
+        return NULL;
+    PyObject *method = PyInstanceMethod_New(function); /* binds like a Python method */
+    Py_DECREF(function);
+    return method;
+}
+
 /* RemoteTensor.__torch_dispatch__(cls, func, types, args=(), kwargs=None), as a classmethod. */
 static PyObject *
 torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
@@ -832,6 +897,7 @@ configure(PyObject *module, PyObject *config)
         take(config, "true_key", &S.true_key) < 0 || take(config, "false_key", &S.false_key) < 0 ||
         take(config, "make_wrapper", &S.make_wrapper) < 0 || take(config, "meta", &S.meta) < 0 ||
         take(config, "op_code", &S.op_code) < 0 ||
+        take(config, "free_code", &S.free_code) < 0 ||
         take(config, "perf_counter", &S.perf_counter) < 0 ||
         take(config, "find_rule", &S.find_rule) < 0 ||
         take(config, "to_copy", &S.to_copy) < 0 ||
@@ -866,6 +932,9 @@ static PyMethodDef methods[] = {
     {"find_rule", (PyCFunction)(void (*)(void))find_rule, METH_FASTCALL,
      "find_torch_dispatch_rule that answers None for RemoteTensor at once."},
     {"configure", configure, METH_O, "Hand the Python objects the hot path uses."},
+    {"handle_del", handle_del, METH_O, "Handle.__del__: the FREE record of a dropped handle."},
+    {"handle_del_method", handle_del_method, METH_NOARGS,
+     "handle_del wrapped to bind as a method (Handle.__del__ = handle_del_method())."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -908,6 +977,9 @@ PyInit__fastpath(void)
     INTERN(s_device, "device");
     INTERN(s_pin_memory, "pin_memory");
     INTERN(s_non_blocking, "non_blocking");
+    INTERN(s_watched, "watched");
+    INTERN(s_release, "release");
+    INTERN(s_open, "open");
     S.empty_kwargs = PyDict_New();
     S.wrap_kwnames = Py_BuildValue("(ssss)", "strides", "storage_offset", "dtype", "device");
     if (S.empty_kwargs == NULL || S.wrap_kwnames == NULL)

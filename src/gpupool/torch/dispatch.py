@@ -488,6 +488,7 @@ bind_dispatch(dispatch)
 # ---- the compiled hot path ----------------------------------------------------------------
 
 _PY_TORCH_DISPATCH = RemoteTensor.__dict__["__torch_dispatch__"]
+_PY_HANDLE_DEL = Handle.__dict__["__del__"]
 _fastpath: Any = None
 _torch_find_rule: Any = None
 
@@ -553,6 +554,7 @@ def _configure(module: Any, find_rule: Any) -> None:
             "make_wrapper": torch.Tensor._make_wrapper_subclass,
             "meta": torch.device("meta"),
             "op_code": int(_OP),
+            "free_code": int(Rec.FREE),
             "perf_counter": time.perf_counter,
             "find_rule": find_rule if find_rule is not None else _no_rule,
             "batch_max": BATCH_MAX_RECORDS,
@@ -577,6 +579,7 @@ def use_fastpath(enabled: bool) -> bool:
     on = enabled and _fastpath is not None
     handler = classmethod(_fastpath.torch_dispatch) if on else _PY_TORCH_DISPATCH
     RemoteTensor.__torch_dispatch__ = handler  # type: ignore[assignment,method-assign]
+    Handle.__del__ = _fastpath.handle_del_method() if on else _PY_HANDLE_DEL  # type: ignore[method-assign]
     return on
 
 
