@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_workers import TOKEN, WORKER_DEVICE, WorkerHandle, start_worker
+from torch_workers import TOKEN, WORKER_DEVICE, WorkerHandle, cuda_device_count, start_worker
 
 import gpupool.torch
 from gpupool.torch import dispatch, runtime
@@ -53,17 +51,8 @@ def _two_gpus_or_skip() -> None:
     # two CUDA contexts: the copies still go worker to worker), for a one-GPU machine.
     distinct = list(dict.fromkeys(GPUS[:2]))
     visible = ",".join(distinct)
-    probe = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": visible},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    lines = probe.stdout.split()
-    count = int(lines[-1]) if probe.returncode == 0 and lines and lines[-1].isdigit() else 0
+    count, why = cuda_device_count(visible)
     if count < len(distinct):
-        why = f" ({(probe.stderr.strip().splitlines() or ['?'])[-1]})" if probe.returncode else ""
         pytest.skip(f"needs two CUDA GPUs, CUDA_VISIBLE_DEVICES={visible} shows {count}{why}")
 
 

@@ -37,3 +37,22 @@ def start_worker(lease: str, listen: str = "tcp://127.0.0.1:0", **options: objec
     return WorkerHandle(lease, str(ready.address), proc)
 
 
+def cuda_device_count(visible: str) -> tuple[int, str]:
+    """How many CUDA GPUs a child process sees with CUDA_VISIBLE_DEVICES=`visible`, and why
+    none where it failed. GPU tests run their own process as a client without a GPU
+    (CUDA_VISIBLE_DEVICES=), so they ask a child what their workers will get."""
+    import os
+    import subprocess
+    import sys
+
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": visible},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    lines = probe.stdout.split()
+    count = int(lines[-1]) if probe.returncode == 0 and lines and lines[-1].isdigit() else 0
+    why = f" ({(probe.stderr.strip().splitlines() or ['?'])[-1]})" if probe.returncode else ""
+    return count, why

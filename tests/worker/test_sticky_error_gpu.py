@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +27,7 @@ import gpupool.torch
 from gpupool.agent.workers import Worker as AgentWorker
 from gpupool.cli.pool import stop_process
 from gpupool.protocol.v1.dataplane import WORKER_EXIT_DEVICE_BROKEN, start_worker_process
+from tests.torch.torch_workers import cuda_device_count
 
 pytestmark = [
     pytest.mark.gpu,
@@ -46,18 +46,8 @@ def _gpu_or_skip() -> str:
     if not WORKER_DEVICE.startswith("cuda"):
         pytest.skip("GPUPOOL_TEST_WORKER_DEVICE is not cuda: a CPU worker has no sticky errors")
     gpu = os.environ.get("GPUPOOL_TEST_WORKER_GPUS", "0").split(",")[0]
-    # This process runs with CUDA_VISIBLE_DEVICES= (a client without a GPU): ask a child.
-    probe = subprocess.run(
-        [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-        env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    lines = probe.stdout.split()
-    count = int(lines[-1]) if probe.returncode == 0 and lines and lines[-1].isdigit() else 0
+    count, why = cuda_device_count(gpu)
     if count < 1:
-        why = f" ({(probe.stderr.strip().splitlines() or ['?'])[-1]})" if probe.returncode else ""
         pytest.skip(f"needs a CUDA GPU, CUDA_VISIBLE_DEVICES={gpu} shows none{why}")
     return gpu
 

@@ -39,6 +39,7 @@ from gpupool.torch import (
     serialization,
 )
 from gpupool.torch.capture import CapturedStep, CaptureWarning, capture
+from gpupool.torch.dispatch import fastpath_active
 from gpupool.torch.lazy import (
     LAZY_LEASE_FILE_ENV,
     LAZY_TOKEN_ENV,
@@ -61,6 +62,7 @@ __all__ = [
     "attached",
     "capture",
     "detach",
+    "fastpath_active",
 ]
 
 
