@@ -8,6 +8,7 @@ reach the Python path unchanged.
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -146,6 +147,37 @@ def test_training_through_the_compiled_path_equals_the_python_path(
         losses[compiled] = [step().item() for _ in range(4)]
     assert losses[True] == losses[False]
     assert losses[True][-1] < losses[True][0]
+
+
+def test_the_compiled_path_holds_no_reference_it_should_not(
+    attach: Callable[..., Any], fast: None
+) -> None:
+    attach()
+    x = torch.ones(256, device="cuda")
+    w = torch.ones(256, device="cuda", requires_grad=True)
+    scale = 0.5
+
+    def ops() -> None:
+        y = (x * scale + 1).sum(dim=0)  # cached plans: new wrappers, keyed scalars
+        z = torch.cat([x, y.detach().expand(4)])  # a tensor list, an alias of a handle
+        x.add_(0.0)  # in place: returns its input
+        (w * z[:256]).to(torch.bfloat16).float().sum().backward()  # casts, autograd
+
+    for _ in range(3):
+        ops()  # plans cached, op ids defined
+    torch.cuda.synchronize()
+    gc.collect()
+    memory = torch.cuda.memory_allocated()
+    refs = sys.getrefcount(x), sys.getrefcount(x._gp), sys.getrefcount(scale)
+    tracked = len(gc.get_objects())
+    for _ in range(300):
+        ops()
+    w.grad = None
+    torch.cuda.synchronize()
+    gc.collect()
+    assert (sys.getrefcount(x), sys.getrefcount(x._gp), sys.getrefcount(scale)) == refs
+    assert len(gc.get_objects()) - tracked < 100, "objects pile up"
+    assert torch.cuda.memory_allocated() <= memory, "handles the worker still holds"
 
 
 def test_cases_it_does_not_handle_reach_the_python_path(

@@ -128,6 +128,7 @@ def uninstall() -> None:
 
 
 _SIXTEEN = (torch.float16, torch.bfloat16)
+_PLAIN = (int, bool, float)
 _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 _current_node = torch._C._current_autograd_node
 
@@ -201,24 +202,30 @@ def _float32_output_of_16bit_input(args: tuple[Any, ...]) -> bool:
 def _cast(
     args: tuple[Any, ...], dtype: torch.dtype, sources: tuple[torch.dtype, ...]
 ) -> tuple[Any, ...]:
-    # Most calls cast nothing (activations already in the target dtype): look first, with
-    # the dtype kept in each wrapper's signature, before building a new tuple.
-    for a in args:
+    # Most calls cast nothing (activations already in the target dtype), and where one does
+    # (a convolution's float32 weight) the other arguments are sizes and flags: only tensors
+    # and tensor lists are looked at, with the dtype kept in each wrapper's signature, and a
+    # new tuple is built only when something changes.
+    out: list[Any] | None = None
+    for i, a in enumerate(args):
         kind = type(a)
         if kind is RemoteTensor:
             current = a._sig[3]
-            if current in sources and current != dtype:
-                break
+            if current not in sources or current == dtype:
+                continue
         elif kind is list or kind is tuple:
             # Sizes, strides and paddings (int lists) never cast; tensor lists (cat, foreach)
-            # are looked at by _cast_value, which casts them when their first item is remote.
-            if a and isinstance(a[0], RemoteTensor):
-                break
-        elif isinstance(a, RemoteTensor):
-            break
-    else:
-        return args
-    return tuple(_cast_value(a, dtype, sources) for a in args)
+            # go to _cast_value, which casts them when their first item is remote.
+            if not a or not isinstance(a[0], RemoteTensor):
+                continue
+        elif not isinstance(a, RemoteTensor):
+            continue
+        cast = _cast_value(a, dtype, sources)
+        if cast is not a:
+            if out is None:
+                out = list(args)
+            out[i] = cast
+    return args if out is None else tuple(out)
 
 
 def _cast_kw(
@@ -267,8 +274,8 @@ def _float_dtypes(args: tuple[Any, ...]) -> set[torch.dtype]:
         elif isinstance(value, RemoteTensor):
             if value.dtype in _ELIGIBLE:
                 found.add(value.dtype)
-        elif isinstance(value, list | tuple) and value and type(value[0]) is not int:
-            found |= _float_dtypes(tuple(value))  # tensor lists; int lists hold no dtypes
+        elif isinstance(value, list | tuple) and value and type(value[0]) not in _PLAIN:
+            found |= _float_dtypes(tuple(value))  # tensor lists; sizes and masks hold none
     return found
 
 
