@@ -90,6 +90,8 @@ class Elasticity:
         """A successor waits for the state: checked before every batch, so it is cheap."""
         self._changed = threading.Condition()
         self._stopping = threading.Event()
+        self._handing = threading.Event()
+        """Set from a handoff's start to its reply to the client (see finish_handoff)."""
         executor.elastic = self
 
     # ---- the serving thread, between frames -------------------------------------------------
@@ -154,14 +156,19 @@ class Elasticity:
         started = time.perf_counter()
         while (successor := self._await_gpu()) is not None:
             self._noticed = None
-            moved = self._hand_off(successor)
-            if moved is not None:
-                nbytes, path = moved
-                link.reply(
-                    [Kind.RESULT, req, {"to": successor.address, "bytes": nbytes, "path": path,
-                                        "seconds": time.perf_counter() - started}]
-                )  # fmt: skip
-                raise HandedOff(successor.address)
+            self._handing.set()
+            try:
+                moved = self._hand_off(successor)
+                if moved is not None:
+                    nbytes, path = moved
+                    link.reply(
+                        [Kind.RESULT, req, {"to": successor.address, "bytes": nbytes,
+                                            "path": path,
+                                            "seconds": time.perf_counter() - started}]
+                    )  # fmt: skip
+                    raise HandedOff(successor.address)
+            finally:
+                self._handing.clear()
             if self.swapped is None:
                 break  # the handoff failed and the tensors are still here: the client goes on
             # A swapped state needs a GPU: wait for the next successor or a grant here.
@@ -294,6 +301,21 @@ class Elasticity:
         if self.moved_to is None:
             return None
         return ErrorBody(ErrorKind.MOVED, self.moved_to)
+
+    def finish_handoff(self, timeout_s: float) -> bool:
+        """Before the worker stops: let a handoff in flight end with its reply, which tells the
+        client where its state went. The agent stops a predecessor as soon as the controller
+        places the lease on the successor, which can come before that reply (the successor
+        holds the state once it is received, the predecessor replies after its acknowledgement);
+        closing the client's connection then would strand a client whose tensors are safe.
+        Returns whether no handoff is in flight."""
+        deadline = time.monotonic() + timeout_s
+        while self._handing.is_set():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            time.sleep(min(0.01, remaining))
+        return True
 
     def stop(self) -> None:
         self._stopping.set()

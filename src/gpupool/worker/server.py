@@ -68,6 +68,9 @@ ACCEPT_TICK_S = 0.5
 """How soon the accept loop notices stop() when no signal interrupted it."""
 ADOPT_ATTEMPTS = 5
 ADOPT_RETRY_S = 0.5
+HANDOFF_REPLY_GRACE_S = 5.0
+"""How long stop() lets a handoff in flight finish its reply to the client (the agent waits
+10 s before it kills a worker)."""
 
 
 @dataclass(frozen=True)
@@ -238,6 +241,7 @@ class Worker:
             thread.join(timeout_s)
 
     def stop(self) -> None:
+        self.elastic.finish_handoff(HANDOFF_REPLY_GRACE_S)
         self._stopping.set()
         self.elastic.stop()
         if self.room is not None:
