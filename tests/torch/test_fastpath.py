@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections import deque
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import msgpack
@@ -23,7 +24,7 @@ from torch import nn
 
 from gpupool.protocol.v1.dataplane import Ext, Rec
 from gpupool.torch import dispatch, runtime
-from gpupool.torch.tensor import RemoteTensor
+from gpupool.torch.tensor import Handle, RemoteTensor
 
 pytestmark = pytest.mark.slow
 
@@ -253,6 +254,13 @@ def test_configure_refuses_what_it_cannot_use() -> None:
             module.configure({})
         with pytest.raises(RuntimeError, match="not configured"):
             module.torch_dispatch(RemoteTensor, torch.ops.aten.add.Tensor, (), (), {})
+        # A handle dropped meanwhile still gets its FREE, through the Python release.
+        released: list[int] = []
+        handle = object.__new__(Handle)
+        stream = SimpleNamespace(release=released.append, recorder=None, watched={7}, open=True)
+        handle.id, handle.ext, handle.stream = 7, None, stream
+        module.handle_del(handle)
+        assert released == [7]
     finally:
         dispatch._fastpath = None
         assert dispatch.use_fastpath(True)

@@ -683,8 +683,6 @@ not_ready(void)
 static PyObject *
 handle_del(PyObject *module, PyObject *self)
 {
-    if (!S.ready)
-        return not_ready();
     PyObject *stream = PyObject_GetAttr(self, s_stream);
     PyObject *id = stream == NULL ? NULL : PyObject_GetAttr(self, s_id);
     if (id == NULL) {
@@ -692,6 +690,16 @@ handle_del(PyObject *module, PyObject *self)
         return NULL;
     }
     PyObject *result = NULL;
+    if (!S.ready) {
+        /* Not configured (being reconfigured): the Python release never loses a FREE. */
+        result = PyObject_CallMethodOneArg(stream, s_release, id);
+        Py_DECREF(id);
+        Py_DECREF(stream);
+        if (result == NULL)
+            return NULL;
+        Py_DECREF(result);
+        Py_RETURN_NONE;
+    }
     PyObject *recorder = PyObject_GetAttr(stream, s_recorder);
     PyObject *watched = recorder == NULL ? NULL : PyObject_GetAttr(stream, s_watched);
     if (watched != NULL) {
