@@ -454,6 +454,21 @@ emit(PyObject *stream, PyObject *record)
     return 0;
 }
 
+/* [OP, op id, args, kwargs, outputs]: the record dispatch.run appends. */
+static PyObject *
+op_record(PyObject *op_id, PyObject *wire_args, PyObject *wire_kwargs, PyObject *outs)
+{
+    PyObject *record = PyList_New(5);
+    if (record == NULL)
+        return NULL;
+    PyList_SET_ITEM(record, 0, Py_NewRef(S.op_code));
+    PyList_SET_ITEM(record, 1, Py_NewRef(op_id));
+    PyList_SET_ITEM(record, 2, Py_NewRef(wire_args));
+    PyList_SET_ITEM(record, 3, Py_NewRef(wire_kwargs));
+    PyList_SET_ITEM(record, 4, Py_NewRef(outs));
+    return record;
+}
+
 static PyObject *
 aliased_result(PyObject *info, PyObject *args, PyObject *kwargs)
 {
@@ -582,15 +597,8 @@ fast_run(PyObject *info, PyObject *args, PyObject *kwargs)
     }
 
     if (all_alias) {
-        record = PyList_New(5);
-        if (record == NULL)
-            goto done;
-        PyList_SET_ITEM(record, 0, Py_NewRef(S.op_code));
-        PyList_SET_ITEM(record, 1, Py_NewRef(op_id));
-        PyList_SET_ITEM(record, 2, Py_NewRef(wire_args));
-        PyList_SET_ITEM(record, 3, Py_NewRef(wire_kwargs));
-        PyList_SET_ITEM(record, 4, Py_NewRef(Py_None));
-        if (emit(enc.stream, record) < 0)
+        record = op_record(op_id, wire_args, wire_kwargs, Py_None);
+        if (record == NULL || emit(enc.stream, record) < 0)
             goto done;
         result = aliased_result(info, args, kwargs);
         rc = result == NULL ? FAST_ERR : FAST_OK;
@@ -633,17 +641,8 @@ fast_run(PyObject *info, PyObject *args, PyObject *kwargs)
     Py_DECREF(plan);
     if (result == NULL)
         goto done;
-    record = PyList_New(5);
-    if (record == NULL) {
-        Py_CLEAR(result);
-        goto done;
-    }
-    PyList_SET_ITEM(record, 0, Py_NewRef(S.op_code));
-    PyList_SET_ITEM(record, 1, Py_NewRef(op_id));
-    PyList_SET_ITEM(record, 2, Py_NewRef(wire_args));
-    PyList_SET_ITEM(record, 3, Py_NewRef(wire_kwargs));
-    PyList_SET_ITEM(record, 4, Py_NewRef(outs));
-    if (emit(enc.stream, record) < 0) {
+    record = op_record(op_id, wire_args, wire_kwargs, outs);
+    if (record == NULL || emit(enc.stream, record) < 0) {
         Py_CLEAR(result);
         goto done;
     }
