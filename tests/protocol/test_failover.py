@@ -97,6 +97,41 @@ def test_the_sync_and_async_transports_walk_the_controllers_the_same_way() -> No
     assert sync_answers == async_answers == ["c", "c"]
 
 
+class _CutOff(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A body that breaks off after the headers: a controller killed mid-answer."""
+
+    def __iter__(self):  # type: ignore[no-untyped-def]
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
+        yield b""
+
+    async def __aiter__(self):  # type: ignore[no-untyped-def]
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
+        yield b""
+
+
+def test_an_answer_cut_off_mid_body_goes_on_to_the_next_controller() -> None:
+    seen: list[str] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url.host))
+        if request.url.host == "a":
+            return httpx.Response(200, headers={"Content-Length": "539"}, stream=_CutOff())
+        return httpx.Response(200, json={"by": request.url.host})
+
+    with httpx.Client(transport=FailoverTransport(URLS, httpx.MockTransport(handle))) as client:
+        assert client.post("http://a:1/x").json() == {"by": "b"}
+    assert seen == ["a", "b"]
+
+    async def run_async() -> dict[str, str]:
+        transport = AsyncFailoverTransport(URLS, httpx.MockTransport(handle))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return (await client.post("http://a:1/x")).json()  # type: ignore[no-any-return]
+
+    seen.clear()
+    assert asyncio.run(run_async()) == {"by": "b"}
+    assert seen == ["a", "b"]
+
+
 def test_a_non_retryable_answer_is_handed_back_at_once() -> None:
     seen: list[str] = []
 

@@ -172,13 +172,15 @@ class FailoverTransport(httpx.BaseTransport):
         while True:
             try:
                 response = self.inner.handle_request(attempt.request(request))
+                # The body is read here, inside the walk: a controller killed mid-answer
+                # (headers sent, body cut off) gave no answer, and the request goes on to the
+                # next one (resends are safe: see the module's docstring).
+                response.read()
             except httpx.TransportError:
                 pause = attempt.next_pause(Outcome.UNREACHABLE, time.monotonic())
                 if pause is None:
                     raise
             else:
-                if response.status_code == 503:
-                    response.read()
                 pause = attempt.after_answer(response, time.monotonic())
                 if pause is None:
                     return response
@@ -208,13 +210,12 @@ class AsyncFailoverTransport(httpx.AsyncBaseTransport):
         while True:
             try:
                 response = await self.inner.handle_async_request(attempt.request(request))
+                await response.aread()  # a cut-off body is no answer (as above)
             except httpx.TransportError:
                 pause = attempt.next_pause(Outcome.UNREACHABLE, time.monotonic())
                 if pause is None:
                     raise
             else:
-                if response.status_code == 503:
-                    await response.aread()
                 pause = attempt.after_answer(response, time.monotonic())
                 if pause is None:
                     return response
