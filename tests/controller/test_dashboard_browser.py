@@ -236,6 +236,25 @@ def test_queue_page_lists_waiting_requests_with_their_reason(pool: LivePool, pag
     pool.api.post(f"/leases/{waiting['id']}/release")
 
 
+def test_gpu_actions_wait_for_the_gpu_state(pool: LivePool, page: Page) -> None:
+    # A click before the GPU's state arrived used to do nothing (the buttons were enabled
+    # from the start); seen as a flaky test on a loaded machine.
+    gpu = free_gpu(pool)
+    held: list[Any] = []
+    page.route("**/api/v1/dashboard/gpus/*", lambda route: held.append(route))
+    page.goto(f"{pool.url}/#/gpus/{gpu['uuid']}")
+    switch = page.locator("[data-action=mode-physical]")
+    page.wait_for_timeout(300)
+    assert held, "the page asked for the GPU's state"
+    expect(switch).to_be_disabled()
+    expect(page.locator("[data-action=isolate]")).to_be_disabled()
+    for route in held:
+        route.continue_()
+    page.unroute("**/api/v1/dashboard/gpus/*")
+    expect(switch).to_be_enabled()
+    expect(page.locator("[data-action=clear]")).to_be_disabled()  # not isolated
+
+
 def test_switching_a_gpu_mode_asks_first_and_records_the_operator(
     pool: LivePool, page: Page
 ) -> None:

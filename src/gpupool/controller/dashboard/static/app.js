@@ -707,11 +707,12 @@
         root.innerHTML = `<div id="gpu-notice"></div>
           <section class="panel"><header><div><h2 id="gpu-name">GPU</h2><span class="sub" id="gpu-model"></span></div>
             <div class="actions" id="gpu-actions">
-              <button type="button" class="btn" data-action="mode-virtual">Switch to virtual</button>
-              <button type="button" class="btn" data-action="mode-physical">Switch to physical</button>
-              <button type="button" class="btn" data-action="drain">Drain</button>
-              <button type="button" class="btn danger" data-action="isolate">Isolate…</button>
-              <button type="button" class="btn" data-action="clear">Clear isolation</button>
+              <!-- disabled until the GPU's state is loaded: refresh() enables what applies -->
+              <button type="button" class="btn" data-action="mode-virtual" disabled>Switch to virtual</button>
+              <button type="button" class="btn" data-action="mode-physical" disabled>Switch to physical</button>
+              <button type="button" class="btn" data-action="drain" disabled>Drain</button>
+              <button type="button" class="btn danger" data-action="isolate" disabled>Isolate…</button>
+              <button type="button" class="btn" data-action="clear" disabled>Clear isolation</button>
             </div></header>
             <div class="body slices" id="slices"></div></section>
           <section class="panel"><header><h2>Slice holders</h2><span class="sub" id="holders-count"></span></header><div class="body flush" id="holders"></div></section>
