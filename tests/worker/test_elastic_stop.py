@@ -21,8 +21,8 @@ def _elastic() -> Elasticity:
 
 def test_stop_waits_for_a_handoff_reply_in_flight() -> None:
     elastic = _elastic()
-    elastic._handing.set()
-    threading.Timer(0.3, elastic._handing.clear).start()
+    elastic._settled.clear()  # a handoff in flight
+    threading.Timer(0.3, elastic._settled.set).start()
     started = time.monotonic()
     assert elastic.finish_handoff(5.0)
     assert 0.25 <= time.monotonic() - started < 3.0
@@ -30,7 +30,7 @@ def test_stop_waits_for_a_handoff_reply_in_flight() -> None:
 
 def test_stop_gives_up_on_a_handoff_that_never_ends() -> None:
     elastic = _elastic()
-    elastic._handing.set()
+    elastic._settled.clear()
     started = time.monotonic()
     assert not elastic.finish_handoff(0.2)
     assert time.monotonic() - started < 2.0

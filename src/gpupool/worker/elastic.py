@@ -90,8 +90,9 @@ class Elasticity:
         """A successor waits for the state: checked before every batch, so it is cheap."""
         self._changed = threading.Condition()
         self._stopping = threading.Event()
-        self._handing = threading.Event()
-        """Set from a handoff's start to its reply to the client (see finish_handoff)."""
+        self._settled = threading.Event()
+        """Clear from a handoff's start to its reply to the client (see finish_handoff)."""
+        self._settled.set()
         executor.elastic = self
 
     # ---- the serving thread, between frames -------------------------------------------------
@@ -156,7 +157,7 @@ class Elasticity:
         started = time.perf_counter()
         while (successor := self._await_gpu()) is not None:
             self._noticed = None
-            self._handing.set()
+            self._settled.clear()
             try:
                 moved = self._hand_off(successor)
                 if moved is not None:
@@ -168,7 +169,7 @@ class Elasticity:
                     )  # fmt: skip
                     raise HandedOff(successor.address)
             finally:
-                self._handing.clear()
+                self._settled.set()
             if self.swapped is None:
                 break  # the handoff failed and the tensors are still here: the client goes on
             # A swapped state needs a GPU: wait for the next successor or a grant here.
@@ -309,13 +310,7 @@ class Elasticity:
         holds the state once it is received, the predecessor replies after its acknowledgement);
         closing the client's connection then would strand a client whose tensors are safe.
         Returns whether no handoff is in flight."""
-        deadline = time.monotonic() + timeout_s
-        while self._handing.is_set():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            time.sleep(min(0.01, remaining))
-        return True
+        return self._settled.wait(timeout_s)
 
     def stop(self) -> None:
         self._stopping.set()
