@@ -178,12 +178,6 @@ encode_value(PyObject *value, int keyed, Encoding *enc, PyObject **wire)
     return FAST_NO; /* devices, host tensors, layouts, complex...: the Python path */
 }
 
-static int
-contains(PyObject *set, PyObject *item)
-{
-    return PySet_Contains(set, item);
-}
-
 /* dispatch._encode_call: the wire arguments and the plan-cache key. */
 static int
 encode_call(PyObject *keyed, PyObject *args, PyObject *kwargs, Encoding *enc,
@@ -199,7 +193,7 @@ encode_call(PyObject *keyed, PyObject *args, PyObject *kwargs, Encoding *enc,
             Py_DECREF(out);
             return FAST_ERR;
         }
-        int is_keyed = contains(keyed, position);
+        int is_keyed = PySet_Contains(keyed, position);
         Py_DECREF(position);
         if (is_keyed < 0) {
             Py_DECREF(out);
@@ -225,7 +219,7 @@ encode_call(PyObject *keyed, PyObject *args, PyObject *kwargs, Encoding *enc,
         while (PyDict_Next(kwargs, &pos, &name, &value)) {
             PyObject *item_wire = NULL;
             int rc = append_key(enc, name);
-            int is_keyed = rc < 0 ? -1 : contains(keyed, name);
+            int is_keyed = rc < 0 ? -1 : PySet_Contains(keyed, name);
             if (is_keyed < 0) {
                 Py_DECREF(named);
                 Py_DECREF(out);
