@@ -244,7 +244,10 @@ def test_gpu_actions_wait_for_the_gpu_state(pool: LivePool, page: Page) -> None:
     page.route("**/api/v1/dashboard/gpus/*", lambda route: held.append(route))
     page.goto(f"{pool.url}/#/gpus/{gpu['uuid']}")
     switch = page.locator("[data-action=mode-physical]")
-    page.wait_for_timeout(300)
+    for _ in range(100):  # wait for the page's request (held above), at most 5 s
+        if held:
+            break
+        page.wait_for_timeout(50)
     assert held, "the page asked for the GPU's state"
     expect(switch).to_be_disabled()
     expect(page.locator("[data-action=isolate]")).to_be_disabled()
