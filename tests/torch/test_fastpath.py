@@ -20,6 +20,8 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from gpupool.protocol.v1.dataplane import Ext, Rec
@@ -148,6 +150,172 @@ def test_training_through_the_compiled_path_equals_the_python_path(
         losses[compiled] = [step().item() for _ in range(4)]
     assert losses[True] == losses[False]
     assert losses[True][-1] < losses[True][0]
+
+
+def _counting_adjust(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Reconfigure the C module with an autocast.adjust that logs the ops it is asked about
+    (the C module calls the Python adjust only for cases it leaves to Python)."""
+    from gpupool.torch import autocast
+
+    asked: list[str] = []
+    original = autocast.adjust
+
+    def adjust(info: Any, args: Any, kwargs: Any) -> Any:
+        asked.append(info.short_name)
+        return original(info, args, kwargs)
+
+    monkeypatch.setattr(autocast, "adjust", adjust)
+    dispatch._configure(dispatch._fastpath, dispatch._torch_find_rule)
+    return asked
+
+
+def _transformer_step() -> Callable[[], torch.Tensor]:
+    """Linear layers (addmm, mm in backward), layer norm (float32 list), GELU and a residual
+    under bf16 autocast: the op mix of a GPT-2 block's MLP half."""
+    torch.manual_seed(3)
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.LayerNorm(16)
+            self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.down(nn.functional.gelu(self.up(self.norm(x))))
+
+    model = nn.Sequential(Block(), Block()).cuda()
+    head = nn.Linear(16, 5).cuda()
+    # SGD: its records do not change from step to step (Adam's bias correction does).
+    opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1, momentum=0.9)
+    x = torch.randn(3, 4, 16, device="cuda")
+    y = torch.randint(0, 5, (3,), device="cuda")
+
+    def step() -> torch.Tensor:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(head(model(x).mean(dim=1)), y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    return step
+
+
+def test_autocast_decisions_in_c_stream_what_python_streams(
+    attach: Callable[..., Any], fast: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attach()
+    asked = _counting_adjust(monkeypatch)
+    try:
+        stream = runtime.stream(0)
+        step = _transformer_step()
+        step()
+        step()
+        torch.cuda.synchronize()
+        recorded: dict[bool, list[Any]] = {}
+        for compiled in (True, False):
+            dispatch.use_fastpath(compiled)
+            asked.clear()
+            log = _Log()
+            torch.cuda.synchronize()
+            stream.records = log
+            step()
+            torch.cuda.synchronize()
+            stream.records = deque(log)
+            recorded[compiled] = _normalized(log.seen)
+            if compiled:
+                # Matmuls and layer norm, forward and backward, were decided in C; only
+                # the softmax-backward rule (cross entropy's) reaches the Python adjust.
+                assert set(asked) <= {"_log_softmax_backward_data", "_softmax_backward_data"}
+            else:
+                assert {"addmm", "mm", "native_layer_norm"} <= set(asked)
+        casts = [
+            r for r in recorded[True] if r[0] == "OP" and isinstance(r[3], dict) and "dtype" in r[3]
+        ]
+        assert casts, "the step casts under autocast"
+        assert recorded[True] == recorded[False]
+        losses = {}
+        for compiled in (True, False):  # fresh models: training equal on both paths
+            dispatch.use_fastpath(compiled)
+            step = _transformer_step()
+            losses[compiled] = [step().item() for _ in range(3)]
+        assert losses[True] == losses[False]
+        assert losses[True][-1] < losses[True][0]
+    finally:
+        monkeypatch.undo()
+        dispatch._configure(dispatch._fastpath, dispatch._torch_find_rule)
+
+
+def test_a_weight_changed_in_place_is_cast_again(attach: Callable[..., Any], fast: None) -> None:
+    attach()
+    results = {}
+    for compiled in (True, False):
+        dispatch.use_fastpath(compiled)
+        torch.manual_seed(0)
+        layer = nn.Linear(4, 4, bias=False).cuda()
+        x = torch.ones(2, 4, device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            first = layer(x)
+            with torch.no_grad():
+                layer.weight.mul_(2)  # a new version: last cast is stale
+            second = layer(x)
+            again = layer(x)  # the new version's cast, cached
+        assert first.dtype == second.dtype == torch.bfloat16
+        results[compiled] = (first.float().cpu(), second.float().cpu(), again.float().cpu())
+        assert torch.equal(results[compiled][1], 2 * results[compiled][0])
+        assert torch.equal(results[compiled][2], results[compiled][1])
+    assert all(torch.equal(a, b) for a, b in zip(results[True], results[False], strict=True))
+
+
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(2**63), max_value=2**64 - 1)
+    | st.floats(allow_nan=False)
+    | st.text(max_size=300)
+    | st.binary(max_size=300)
+    | st.builds(
+        msgpack.ExtType,
+        st.integers(min_value=0, max_value=127),
+        st.binary(min_size=0, max_size=20),
+    )
+)
+_records = st.recursive(
+    _scalars,
+    lambda inner: (
+        st.lists(inner, max_size=20)
+        | st.lists(inner, max_size=20).map(tuple)
+        | st.dictionaries(st.text(max_size=8), inner, max_size=20)
+    ),
+    max_leaves=60,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    head=st.lists(st.integers(min_value=0, max_value=300), max_size=3), records=st.lists(_records)
+)
+def test_records_pack_to_the_bytes_msgpack_makes(head: list[int], records: list[Any]) -> None:
+    assert dispatch._fastpath is not None
+    expected = msgpack.Packer(use_bin_type=True, autoreset=False)
+    for item in (head, *records):
+        expected.pack(item)
+    assert dispatch._fastpath.pack_records(head, records) == expected.bytes()
+
+
+def test_kinds_it_does_not_pack_go_to_msgpack() -> None:
+    assert dispatch._fastpath is not None
+    pack = dispatch._fastpath.pack_records
+    for odd in (2**64, -(2**63) - 1, memoryview(b"x"), 1j, "\ud800", object()):
+        assert pack([0], [[1, [odd]]]) is None
+    # The stream falls back to msgpack, which raises its own error for what cannot be packed.
+    from gpupool.torch import stream as stream_module
+
+    assert stream_module.pack_batch([[1, memoryview(b"ab")]]) == msgpack.packb(
+        [int(stream_module.Kind.BATCH)]
+    ) + msgpack.packb([1, b"ab"])
+    with pytest.raises((OverflowError, ValueError, TypeError)):
+        stream_module.pack_batch([[1, 2**64]])
 
 
 def test_the_compiled_path_holds_no_reference_it_should_not(

@@ -79,6 +79,27 @@ POLICY_OPS = (
     | FLOAT32_BACKWARD
 )
 """Ops whose dispatch asks this module first (a frozenset lookup for every other op)."""
+POLICY_LISTS = (
+    LOWER_PRECISION,
+    FLOAT32,
+    FLOAT32_BY_DTYPE_ARG,
+    PROMOTE,
+    LOWER_PRECISION_BACKWARD,
+    FLOAT32_BACKWARD,
+    SOFTMAX_BACKWARD,
+)
+POLICY_BITS = tuple(1 << i for i in range(len(POLICY_LISTS)))
+"""One bit per list above, in its order: the compiled dispatch (gpupool.torch._fastpath)
+makes adjust()'s decisions from an op's bits without looking up its name."""
+
+
+def policy_bits(short_name: str) -> int:
+    """The lists an op is on, as POLICY_BITS (0: autocast leaves it alone)."""
+    if short_name not in POLICY_OPS:
+        return 0
+    lists = zip(POLICY_BITS, POLICY_LISTS, strict=True)
+    return sum(bit for bit, names in lists if short_name in names)
+
 
 _state = threading.local()
 _casts: weakref.WeakKeyDictionary[Any, tuple[int, torch.dtype, Any]] = weakref.WeakKeyDictionary()

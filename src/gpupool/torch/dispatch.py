@@ -197,18 +197,19 @@ def _encode_call(
 # ---- the generic path ----------------------------------------------------------------------
 
 
-_ROUTES: dict[int, tuple[Any, OpInfo | None, bool]] = {}
-"""id(op) → (its special handler or None, its OpInfo, whether autocast has a policy for it):
-one lookup per op (by id(): OpOverload hashes in Python; overloads live as long as torch)."""
+_ROUTES: dict[int, tuple[Any, OpInfo | None, int]] = {}
+"""id(op) → (its special handler or None, its OpInfo, the autocast lists it is on as
+autocast.POLICY_BITS, 0 for none): one lookup per op (by id(): OpOverload hashes in Python;
+overloads live as long as torch)."""
 
 
-def _route(func: Any) -> tuple[Any, OpInfo | None, bool]:
+def _route(func: Any) -> tuple[Any, OpInfo | None, int]:
     special = _SPECIAL.get(id(func))
     if special is not None:
-        route: tuple[Any, OpInfo | None, bool] = (special, None, False)
+        route: tuple[Any, OpInfo | None, int] = (special, None, 0)
     else:
         info = op_info(func)
-        route = (None, info, info.short_name in autocast.POLICY_OPS)
+        route = (None, info, autocast.policy_bits(info.short_name))
     _ROUTES[id(func)] = route
     return route
 
@@ -562,6 +563,14 @@ def _configure(module: Any, find_rule: Any) -> None:
             "to_copy": aten._to_copy.default,
             "to_copy_info": op_info(aten._to_copy.default),
             "share_ops": (aten.detach.default, aten.alias.default),
+            "autocast_state": autocast._state,
+            "current_node": torch._C._current_autograd_node,
+            "cached_cast": autocast._cached_cast,
+            "casts": autocast._casts,
+            "float32": torch.float32,
+            "bfloat16": torch.bfloat16,
+            "float16": torch.float16,
+            "policy_bits": autocast.POLICY_BITS,
         }
     )
 
@@ -577,6 +586,7 @@ def use_fastpath(enabled: bool) -> bool:
     if enabled and _fastpath is None:
         _fastpath = _load_fastpath()
     on = enabled and _fastpath is not None
+    stream_module.fast_pack = _fastpath.pack_records if on else None
     handler = classmethod(_fastpath.torch_dispatch) if on else _PY_TORCH_DISPATCH
     RemoteTensor.__torch_dispatch__ = handler  # type: ignore[assignment,method-assign]
     Handle.__del__ = _fastpath.handle_del_method() if on else _PY_HANDLE_DEL  # type: ignore[method-assign]

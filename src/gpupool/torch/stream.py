@@ -10,6 +10,7 @@ import socket
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
@@ -64,6 +65,16 @@ that short replies (`.item()`) arrive without a scheduler wakeup. Off by default
 with a core to spare."""
 LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
 """As with CUDA: every op waits for the worker, so an error surfaces at the op that caused it."""
+_BATCH_HEAD = [Kind.BATCH]
+fast_pack: Callable[[Any, list[Any]], bytes | None] | None = None
+"""gpupool.torch._fastpath.pack_records while the compiled hot path is on (dispatch.use_fastpath
+sets it): the same bytes as msgpack, or None for a kind it leaves to msgpack."""
+
+
+def pack_batch(batch: list[Any]) -> bytes:
+    """One BATCH frame body of these records."""
+    packed = fast_pack(_BATCH_HEAD, batch) if fast_pack is not None else None
+    return packed if packed is not None else pack_records(_BATCH_HEAD, batch)
 
 
 class AttachError(RuntimeError):
@@ -232,7 +243,7 @@ class DeviceStream:
         self._first_at = 0.0
         self._sends += 1
         try:
-            self.conn.send_body(pack_records([Kind.BATCH], batch))
+            self.conn.send_body(pack_batch(batch))
         except DataPlaneError as exc:
             self._lost(exc)
 
