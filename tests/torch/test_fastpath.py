@@ -246,6 +246,26 @@ def test_autocast_decisions_in_c_stream_what_python_streams(
         dispatch._configure(dispatch._fastpath, dispatch._torch_find_rule)
 
 
+def test_cat_under_autocast_promotes_mixed_inputs_only(
+    attach: Callable[..., Any], fast: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    attach()
+    asked = _counting_adjust(monkeypatch)
+    try:
+        a = torch.ones(2, 3, device="cuda")
+        b = torch.full((2, 3), 2.0, device="cuda", dtype=torch.bfloat16)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            same = torch.cat([b, b])  # one dtype: decided in C
+            assert asked == []
+            mixed = torch.cat([a, b], dim=1)  # float32 and bfloat16: the Python adjust
+            assert asked == ["cat"]
+        assert same.dtype == torch.bfloat16 and mixed.dtype == torch.float32
+        assert mixed.cpu().tolist() == [[1.0] * 3 + [2.0] * 3] * 2
+    finally:
+        monkeypatch.undo()
+        dispatch._configure(dispatch._fastpath, dispatch._torch_find_rule)
+
+
 def test_a_weight_changed_in_place_is_cast_again(attach: Callable[..., Any], fast: None) -> None:
     attach()
     results = {}

@@ -37,7 +37,6 @@ typedef struct {
     PyObject *adjust;        /* autocast.adjust(info, args, kwargs) */
     PyObject *autocast_state; /* autocast._state: .enabled / .dtype of this thread */
     PyObject *current_node;  /* torch._C._current_autograd_node */
-    PyObject *cached_cast;   /* autocast._cached_cast(weight, dtype) */
     PyObject *casts;         /* autocast._casts (a WeakKeyDictionary: weight handle -> cast) */
     PyObject *float32, *bfloat16, *float16;
     long bit_lower, bit_float32, bit_by_dtype, bit_promote, bit_lower_backward,
@@ -728,6 +727,20 @@ signature_dtype(PyObject *tensor)
     return dtype;
 }
 
+/* aten._to_copy(value, dtype=dtype) below autograd, as the dispatcher would route it. */
+static PyObject *
+to_copy(PyObject *value, PyObject *dtype)
+{
+    PyObject *one = PyTuple_Pack(1, value);
+    PyObject *named = one == NULL ? NULL : PyDict_New();
+    PyObject *copy = NULL;
+    if (named != NULL && PyDict_SetItem(named, s_dtype, dtype) == 0)
+        copy = fast_run(S.to_copy_info, one, named);
+    Py_XDECREF(named);
+    Py_XDECREF(one);
+    return copy;
+}
+
 /* autocast._cast_value for one remote tensor whose dtype is to change: a new reference. */
 static PyObject *
 cast_tensor(PyObject *value, PyObject *dtype)
@@ -781,18 +794,21 @@ cast_tensor(PyObject *value, PyObject *dtype)
             }
         }
         Py_XDECREF(cached);
-        PyObject *call[2] = {value, dtype};
-        return PyObject_Vectorcall(S.cached_cast, call, 2, NULL);
+        /* A miss (each weight once a region; in backward, the no-grad views of weights that
+         * autograd makes, which count as leaves): cast, and remember it as _cached_cast does. */
+        PyObject *version = PyObject_GetAttr(value, s_version);
+        PyObject *copy = version == NULL ? NULL : to_copy(value, dtype);
+        PyObject *entry = copy == NULL ? NULL : PyTuple_Pack(3, version, dtype, copy);
+        handle = entry == NULL ? NULL : PyObject_GetAttr(value, s_gp);
+        int stored = handle == NULL ? -1 : PyObject_SetItem(S.casts, handle, entry);
+        Py_XDECREF(handle);
+        Py_XDECREF(entry);
+        Py_XDECREF(version);
+        if (stored < 0)
+            Py_CLEAR(copy);
+        return copy;
     }
-    /* aten._to_copy(value, dtype=dtype) below autograd, as the dispatcher would route it. */
-    PyObject *one = PyTuple_Pack(1, value);
-    PyObject *named = one == NULL ? NULL : PyDict_New();
-    PyObject *copy = NULL;
-    if (named != NULL && PyDict_SetItem(named, s_dtype, dtype) == 0)
-        copy = fast_run(S.to_copy_info, one, named);
-    Py_XDECREF(named);
-    Py_XDECREF(one);
-    return copy;
+    return to_copy(value, dtype);
 }
 
 /* autocast._cast(args, dtype, sources) with _cast_kw: *out gets a new reference to the
@@ -863,6 +879,51 @@ cast_args(PyObject *args, PyObject *kwargs, PyObject *dtype, int sixteen_sources
     return FAST_OK;
 }
 
+static int
+note_dtype(PyObject *tensor, PyObject **seen)
+{
+    PyObject *dtype = signature_dtype(tensor);
+    if (dtype == NULL)
+        return -1;
+    if (dtype != S.float32 && !is_sixteen(dtype))
+        return 0;
+    if (*seen == NULL)
+        *seen = dtype;
+    return *seen != dtype;
+}
+
+/* Whether autocast._float_dtypes(args) holds two dtypes or more (1), or not (0); -1: error.
+ * Subclasses of RemoteTensor count as mixed, so the Python adjust decides for them. */
+static int
+float_dtypes_mixed(PyObject *args)
+{
+    PyObject *seen = NULL;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
+        PyObject *item = PyTuple_GET_ITEM(args, i);
+        PyTypeObject *kind = Py_TYPE(item);
+        int rc = 0;
+        if (kind == (PyTypeObject *)S.remote_type) {
+            rc = note_dtype(item, &seen);
+        }
+        else if (kind == &PyList_Type || kind == &PyTuple_Type) {
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(item);
+            for (Py_ssize_t j = 0; rc == 0 && j < n; j++) {
+                PyObject *inner = PySequence_Fast_ITEMS(item)[j];
+                if (Py_TYPE(inner) == (PyTypeObject *)S.remote_type)
+                    rc = note_dtype(inner, &seen);
+                else if (is_remote(inner) || PyList_Check(inner) || PyTuple_Check(inner))
+                    rc = 1;
+            }
+        }
+        else if (is_remote(item)) {
+            rc = 1;
+        }
+        if (rc != 0)
+            return rc;
+    }
+    return 0;
+}
+
 /* autocast.adjust(info, args, kwargs), keyword arguments unchanged: FAST_OK with *out the
  * arguments to run (a new reference), FAST_NO to ask the Python adjust. */
 static int
@@ -876,10 +937,18 @@ fast_adjust(long bits, PyObject *args, PyObject *kwargs, PyObject **out)
         int rc;
         if (bits & S.bit_lower)
             rc = cast_args(args, kwargs, target, 0, out);
-        else if (bits & (S.bit_by_dtype | S.bit_promote))
+        else if (bits & S.bit_by_dtype)
             rc = FAST_NO;
         else if (bits & S.bit_float32)
             rc = cast_args(args, kwargs, S.float32, 1, out);
+        else if (bits & S.bit_promote) {
+            /* _widest: inputs of one float dtype (a KV cache's cat) need nothing; mixed
+             * ones are promoted by the Python adjust. */
+            int mixed = float_dtypes_mixed(args);
+            rc = mixed < 0 ? FAST_ERR : mixed ? FAST_NO : FAST_OK;
+            if (rc == FAST_OK)
+                *out = Py_NewRef(args);
+        }
         else {
             *out = Py_NewRef(args);
             rc = FAST_OK;
@@ -1415,7 +1484,6 @@ configure(PyObject *module, PyObject *config)
         take(config, "share_ops", &S.share_ops) < 0 ||
         take(config, "autocast_state", &S.autocast_state) < 0 ||
         take(config, "current_node", &S.current_node) < 0 ||
-        take(config, "cached_cast", &S.cached_cast) < 0 ||
         take(config, "casts", &S.casts) < 0 || take(config, "float32", &S.float32) < 0 ||
         take(config, "bfloat16", &S.bfloat16) < 0 || take(config, "float16", &S.float16) < 0)
         return NULL;

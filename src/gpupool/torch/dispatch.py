@@ -565,7 +565,6 @@ def _configure(module: Any, find_rule: Any) -> None:
             "share_ops": (aten.detach.default, aten.alias.default),
             "autocast_state": autocast._state,
             "current_node": torch._C._current_autograd_node,
-            "cached_cast": autocast._cached_cast,
             "casts": autocast._casts,
             "float32": torch.float32,
             "bfloat16": torch.bfloat16,
