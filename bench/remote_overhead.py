@@ -308,6 +308,8 @@ of it reaches the CUDA context."""
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """Runs inside a child process: local (GPU visible) or remote (attached to the worker)."""
+    if spec.get("cpus"):
+        os.sched_setaffinity(0, spec["cpus"])  # before torch starts any thread
     result = _measure(spec)
     if spec["mode"] == "remote":
         from gpupool.torch import dispatch
@@ -370,6 +372,28 @@ def run_child(
     return json.loads(lines[-1])  # type: ignore[no-any-return]
 
 
+def two_cores() -> tuple[list[int], list[int]]:
+    """The hardware threads of two distinct physical cores of one socket (not core 0, which
+    takes most interrupts where it can): one for the worker, one for the program, so that
+    neither shares a core's execution units with the other (SMT siblings would)."""
+    cores: dict[tuple[int, int], list[int]] = {}
+    for cpu in sorted(os.sched_getaffinity(0)):
+        topology = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology")
+        try:
+            package = int((topology / "physical_package_id").read_text())
+            core = int((topology / "core_id").read_text())
+        except (OSError, ValueError):
+            package, core = 0, cpu
+        cores.setdefault((package, core), []).append(cpu)
+    by_package: dict[int, list[list[int]]] = {}
+    for (package, _), threads in sorted(cores.items()):
+        by_package.setdefault(package, []).append(threads)
+    usable = max(by_package.values(), key=len)
+    if len(usable) < 2:
+        raise SystemExit("--pin needs two physical cores")
+    return (usable[1], usable[2]) if len(usable) > 2 else (usable[0], usable[1])
+
+
 def machine(on_cpu: bool = False) -> str:
     import torch
 
@@ -429,7 +453,8 @@ CPU_PLAN = [("mlp", 32), ("cnn", 32), ("gpt_tiny", 16)]
 
 
 def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
-    return (row.get("workload"), row.get("batch"), row.get("mode"), row.get("spin_us", 0))
+    return (row.get("workload"), row.get("batch"), row.get("mode"), row.get("spin_us", 0),
+            bool(row.get("pinned")))  # fmt: skip
 
 
 def merged(path: Path, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -473,6 +498,11 @@ def main() -> int:
         default="cuda:0",
         help="cuda:0, or cpu: a CPU worker against CPU PyTorch (small workloads)",
     )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="worker on one physical core, the program (local and remote alike) on another",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -490,13 +520,18 @@ def main() -> int:
     on_cpu = args.worker_device == "cpu"
     base = CPU_PLAN if on_cpu else CAPTURED_PLAN if args.mode == "captured" else PLAN
     plan = [(w, b) for w, b in base if not wanted or w in wanted or w.split("_")[0] in wanted]
-    extra = {"capture": args.mode == "captured", "graph": not args.no_graph,
-             "worker_device": "cpu" if on_cpu else "cuda"}  # fmt: skip
+    extra: dict[str, Any] = {"capture": args.mode == "captured", "graph": not args.no_graph,
+                             "worker_device": "cpu" if on_cpu else "cuda"}  # fmt: skip
+    worker_cpus: str | None = None
+    if args.pin:
+        worker_core, program_core = two_cores()
+        worker_cpus = ",".join(map(str, worker_core))
+        extra["cpus"] = program_core
     with tempfile.TemporaryDirectory(prefix="gpupool-bench-") as tmp:
         listen = f"unix:{tmp}/worker.sock" if args.transport == "unix" else "tcp://127.0.0.1:0"
         worker, ready = start_worker_process(
             LEASE, TOKEN, device=args.worker_device, listen=listen, spin_us=args.spin_us,
-            threads=1 if on_cpu else None,
+            threads=1 if on_cpu else None, cpus=worker_cpus,
         )  # fmt: skip
         spin_env = {"GPUPOOL_SPIN_US": str(args.spin_us)} if args.spin_us else None
         try:
@@ -541,6 +576,8 @@ def main() -> int:
                     "transport": args.transport,
                     "spin_us": args.spin_us or 0,
                 }
+                if args.pin:
+                    row["pinned"] = {"worker": worker_cpus, "program": extra["cpus"]}
                 if args.repeat > 1:
                     row["ratios"] = [r for r, _ in ratios]
                 for side, values in (("local", local), ("remote", remote)):

@@ -144,3 +144,44 @@ def test_the_agent_names_a_worker_that_ended_on_a_broken_device() -> None:
     proc.wait()
     text = AgentWorker._exit_text(type("W", (), {"proc": proc})())  # type: ignore[arg-type]
     assert "GPU context unusable" in text
+
+
+def _allowed_cpus(pid: int) -> set[str]:
+    """Cpus_allowed_list of every thread of the process."""
+    lists = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        for line in Path(f"/proc/{pid}/task/{tid}/status").read_text().splitlines():
+            if line.startswith("Cpus_allowed_list:"):
+                lists.add(line.split(":", 1)[1].strip())
+    return lists
+
+
+def test_cpus_confines_every_thread_of_the_worker() -> None:
+    last = max(os.sched_getaffinity(0))
+    proc, ready = start_worker_process("lease-c", TOKEN, threads=1, cpus=str(last))
+    try:
+        gpupool.torch.attach(workers=[str(ready.address)], token=TOKEN, lease="lease-c")
+        # Ops ran, so the serving threads exist; all of them stay on that CPU.
+        assert (torch.ones(64, device="cuda") * 2).sum().item() == 128.0
+        assert _allowed_cpus(proc.pid) == {str(last)}
+    finally:
+        gpupool.torch.detach()
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize(
+    ("cpus", "reason"),
+    [("x", "not a CPU number"), ("3-1", "not a CPU number"), ("100000", "not available")],
+)
+def test_bad_cpus_fail_in_one_line(cpus: str, reason: str) -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "gpupool.worker", "--lease", "l", "--token", "t", "--cpus", cpus],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and reason in done.stderr
+    assert [line for line in done.stderr.splitlines() if line.startswith("python")] == [
+        done.stderr.strip().splitlines()[-1]
+    ]

@@ -32,6 +32,12 @@ def parse_args(argv: list[str]) -> WorkerConfig:
     )
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for a CPU worker")
     parser.add_argument(
+        "--cpus",
+        default=None,
+        help="run on these host CPUs only, as taskset lists them (0-3,8): a worker and its "
+        "client on cores of their own keep the stream's pace steady",
+    )
+    parser.add_argument(
         "--spin-us",
         type=int,
         default=SPIN_US,
@@ -92,6 +98,16 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         parser.error("--simulated-gpu is for a CPU worker (a real GPU has real memory)")
     if args.idle_timeout_s is not None and args.idle_timeout_s <= 0:
         parser.error("--idle-timeout-s must be positive")
+    cpus: frozenset[int] | None = None
+    if args.cpus is not None:
+        try:
+            cpus = parse_cpu_list(args.cpus)
+        except ValueError as exc:
+            parser.error(f"--cpus: {exc}")
+        allowed = os.sched_getaffinity(0)
+        if not cpus <= allowed:
+            outside = ",".join(str(c) for c in sorted(cpus - allowed))
+            parser.error(f"--cpus: CPU {outside} is not available to this process")
     if args.restore_from is not None:
         try:
             parse_address(args.restore_from)
@@ -114,7 +130,24 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         handoff_paths=paths,
         room_timeout_s=args.room_timeout_s,
         simulated_gpu=args.simulated_gpu,
+        cpus=cpus,
     )
+
+
+def parse_cpu_list(text: str) -> frozenset[int]:
+    """`0-3,8` → {0, 1, 2, 3, 8} (taskset's and cpuset's list format)."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        part = part.strip()
+        low, dash, high = part.partition("-")
+        try:
+            first, last = int(low), int(high) if dash else int(low)
+        except ValueError:
+            raise ValueError(f"{part!r} is not a CPU number or range (0-3,8)") from None
+        if first < 0 or last < first:
+            raise ValueError(f"{part!r} is not a CPU number or range (0-3,8)")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
 
 
 def main(argv: list[str] | None = None) -> int:

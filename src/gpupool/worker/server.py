@@ -101,6 +101,8 @@ class WorkerConfig:
     """How long an allocation the GPU lacks memory for waits for others to give way."""
     simulated_gpu: Path | None = None
     """The ledger of the simulated GPU's physical memory (fake backend, CPU worker)."""
+    cpus: frozenset[int] | None = None
+    """Host CPUs the worker runs on (all its threads: set before any starts), or all."""
 
 
 class Worker:
@@ -595,10 +597,24 @@ def _device_stream(device: torch.device) -> Iterator[None]:
         yield
 
 
+def pin_threads(cpus: frozenset[int]) -> None:
+    """Confine this process to `cpus`: every thread it has now (Linux sets affinity per
+    thread) and, by inheritance, every thread it starts later (the serving threads, CUDA's)."""
+    try:
+        threads = [int(tid) for tid in os.listdir("/proc/self/task")]
+    except OSError:
+        threads = [0]
+    for tid in threads:
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(tid, cpus)
+
+
 def run(config: WorkerConfig) -> int:
     """Serve until SIGTERM; print one JSON line with the address when ready."""
     import signal
 
+    if config.cpus:
+        pin_threads(config.cpus)
     worker = Worker(config)
     address = worker.start()
 

@@ -831,6 +831,7 @@ def worker_argv(
     tls_key: Path | None = None,
     room_timeout_s: float | None = None,
     simulated_gpu: Path | None = None,
+    cpus: str | None = None,
 ) -> list[str]:
     """The command that starts a worker; pass the token in the environment as TOKEN_ENV."""
     import sys
@@ -843,6 +844,8 @@ def worker_argv(
         argv += ["--status-file", str(status_file)]
     if threads is not None:
         argv += ["--threads", str(threads)]
+    if cpus is not None:
+        argv += ["--cpus", cpus]
     if spin_us is not None:
         argv += ["--spin-us", str(spin_us)]
     if tls_cert is not None and tls_key is not None:
