@@ -475,7 +475,9 @@ def main() -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--only", default="", help="comma-separated workload names")
+    parser.add_argument(
+        "--only", default="", help="comma-separated workload names, or name:batch (resnet50:32)"
+    )
     parser.add_argument(
         "--repeat", type=int, default=1, help="local/remote pairs per workload; the median is kept"
     )
@@ -519,7 +521,11 @@ def main() -> int:
     wanted = {w for w in args.only.split(",") if w}
     on_cpu = args.worker_device == "cpu"
     base = CPU_PLAN if on_cpu else CAPTURED_PLAN if args.mode == "captured" else PLAN
-    plan = [(w, b) for w, b in base if not wanted or w in wanted or w.split("_")[0] in wanted]
+    plan = [
+        (w, b)
+        for w, b in base
+        if not wanted or w in wanted or w.split("_")[0] in wanted or f"{w}:{b}" in wanted
+    ]
     extra: dict[str, Any] = {"capture": args.mode == "captured", "graph": not args.no_graph,
                              "worker_device": "cpu" if on_cpu else "cuda"}  # fmt: skip
     worker_cpus: str | None = None

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # On the GPU machine (issue 4, the compiled client hot path), one command:
-#   OUT=/some/dir [REPEAT=3] [LIMIT=380] [CLIENT="resnet gpt2"] [FLOOR=1] [RO_ARGS=--pin] \
+#   OUT=/some/dir [REPEAT=3] [LIMIT=380] [CLIENT="resnet gpt2"] [FLOOR=1] [RO_ARGS=--pin] [ONLY=resnet50:32,gpt2] \
 #     bash bench/gpu/run_issue4h.sh                                           (carry .whl)
 # 1. whether gpupool.torch._fastpath built there (site.sh builds it for that Python);
 # 2. bench/remote_client_cost.py --ab: the client's issue CPU per step with the compiled path
@@ -26,7 +26,7 @@ for w in ${CLIENT-resnet gpt2}; do
 done
 cp bench/results/remote_overhead.json "$OUT/remote_overhead.json"
 timeout -k 5 "${LIMIT:-380}" python3 bench/remote_overhead.py --steps 20 --repeat "${REPEAT:-3}" --timeout 120 \
-  --only resnet50,gpt2 ${RO_ARGS:-} --out "$OUT/remote_overhead.json" > "$OUT/ro_repeat.log" 2>&1
+  --only ${ONLY:-resnet50,gpt2} ${RO_ARGS:-} --out "$OUT/remote_overhead.json" > "$OUT/ro_repeat.log" 2>&1
 echo "remote_overhead rc=$?"
 grep '^{' "$OUT/ro_repeat.log" | cut -c1-600
 if [ "${FLOOR:-1}" = 1 ]; then
