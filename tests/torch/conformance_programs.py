@@ -190,6 +190,28 @@ def transformer_bf16(device: str, wrap: Wrap = eager, steps: int = 4) -> dict[st
     }
 
 
+def encoder_bf16(device: str, steps: int = 4) -> dict[str, Any]:
+    """PyTorch's own nn.TransformerEncoder (nn.MultiheadAttention inside, whose projections
+    reach attention in float32) under bf16 autocast, SGD."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)).to(device)
+    head = nn.Linear(32, 5).to(device)
+    opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1, momentum=0.9)
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(6, 10, 32, generator=g), torch.randint(0, 5, (6,), generator=g)
+    x, y = x.to(device), y.to(device)
+    losses = []
+    for _step in range(steps):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+            loss = F.cross_entropy(head(model(x).mean(dim=1)), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {"losses": torch.tensor(losses), **_host(model)}
+
+
 # ---- checkpoint save and load in the middle of training ------------------------------------
 
 

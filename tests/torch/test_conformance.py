@@ -11,6 +11,7 @@ import torch
 from conformance_programs import (
     checkpoint_resume,
     cnn_training,
+    encoder_bf16,
     mlp_training,
     resnet_bf16,
     transformer_bf16,
@@ -58,6 +59,19 @@ def test_transformer_under_bf16_autocast_matches_local(attach: Callable[..., Any
     torch.testing.assert_close(remote["losses"], local["losses"], rtol=2e-2, atol=2e-2)
     for key in ("tok.weight", "blocks.0.qkv.weight", "blocks.1.mlp.2.weight", "ln.weight"):
         torch.testing.assert_close(remote[key], local[key], rtol=0, atol=2e-2)
+
+
+def test_pytorch_transformer_encoder_under_bf16_autocast_matches_local(
+    attach: Callable[..., Any],
+) -> None:
+    local = encoder_bf16("cpu")
+    attach()
+    remote = encoder_bf16("cuda")
+    torch.testing.assert_close(remote["losses"], local["losses"], rtol=3e-2, atol=3e-2)
+    assert remote["losses"][-1] < remote["losses"][0]
+    for key, expected in local.items():
+        if key != "losses":
+            torch.testing.assert_close(remote[key], expected, rtol=0, atol=3e-2)
 
 
 def test_residual_cnn_under_bf16_autocast_matches_local(attach: Callable[..., Any]) -> None:

@@ -40,7 +40,7 @@ typedef struct {
     PyObject *casts;         /* autocast._casts (a WeakKeyDictionary: weight handle -> cast) */
     PyObject *float32, *bfloat16, *float16;
     long bit_lower, bit_float32, bit_by_dtype, bit_promote, bit_lower_backward,
-        bit_float32_backward, bit_softmax_backward;
+        bit_float32_backward, bit_softmax_backward, bit_attention_backward;
     PyObject *handle_ids;    /* stream.HANDLE_IDS, an itertools.count */
     PyObject *ext_type;      /* msgpack.ExtType */
     PyObject *tensor_code;   /* Ext.TENSOR as int */
@@ -956,8 +956,8 @@ fast_adjust(long bits, PyObject *args, PyObject *kwargs, PyObject **out)
         Py_DECREF(target);
         return rc;
     }
-    if (bits & S.bit_softmax_backward)
-        return FAST_NO;
+    if (bits & (S.bit_softmax_backward | S.bit_attention_backward))
+        return FAST_NO; /* rare (one a step or one a layer): the Python adjust */
     PyObject *node = PyObject_CallNoArgs(S.current_node);
     if (node == NULL)
         return FAST_ERR;
@@ -1488,13 +1488,14 @@ configure(PyObject *module, PyObject *config)
         take(config, "bfloat16", &S.bfloat16) < 0 || take(config, "float16", &S.float16) < 0)
         return NULL;
     PyObject *bits = PyDict_GetItemString(config, "policy_bits");
-    if (bits == NULL || !PyTuple_Check(bits) || PyTuple_GET_SIZE(bits) != 7) {
-        PyErr_SetString(PyExc_KeyError, "configure needs policy_bits, a 7-tuple");
+    if (bits == NULL || !PyTuple_Check(bits) || PyTuple_GET_SIZE(bits) != 8) {
+        PyErr_SetString(PyExc_KeyError, "configure needs policy_bits, an 8-tuple");
         return NULL;
     }
-    long *slots[7] = {&S.bit_lower, &S.bit_float32, &S.bit_by_dtype, &S.bit_promote,
-                      &S.bit_lower_backward, &S.bit_float32_backward, &S.bit_softmax_backward};
-    for (int i = 0; i < 7; i++) {
+    long *slots[8] = {&S.bit_lower,          &S.bit_float32,          &S.bit_by_dtype,
+                      &S.bit_promote,        &S.bit_lower_backward,   &S.bit_float32_backward,
+                      &S.bit_softmax_backward, &S.bit_attention_backward};
+    for (int i = 0; i < 8; i++) {
         *slots[i] = PyLong_AsLong(PyTuple_GET_ITEM(bits, i));
         if (*slots[i] == -1 && PyErr_Occurred())
             return NULL;

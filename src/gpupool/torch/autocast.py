@@ -56,9 +56,8 @@ LOWER_PRECISION_BACKWARD = frozenset(
         "mm", "bmm", "addmm", "baddbmm", "addbmm", "mv", "addmv", "convolution_backward",
     }
 )  # fmt: skip
-"""Backward ops of lower-precision ops that meet a 16-bit gradient and a saved float32 input.
-(Attention backward needs nothing: its forward inputs were cast, and its float32 logsumexp
-must stay float32.)"""
+"""Backward ops of lower-precision ops that meet a 16-bit gradient and a saved float32 input
+(attention's, whose float32 logsumexp must stay so, are ATTENTION_BACKWARD below)."""
 FLOAT32_BACKWARD = frozenset(
     {
         "native_layer_norm_backward", "native_group_norm_backward", "_softmax_backward_data",
@@ -70,6 +69,16 @@ FLOAT32_BACKWARD = frozenset(
 """Backward ops of float32-list ops whose saved input is still 16-bit. (Batch norm is on
 neither list: its kernels take a 16-bit input with float32 statistics, both ways.)"""
 SOFTMAX_BACKWARD = frozenset({"_softmax_backward_data", "_log_softmax_backward_data"})
+ATTENTION_BACKWARD = {
+    "_scaled_dot_product_flash_attention_backward": 5,
+    "_scaled_dot_product_flash_attention_for_cpu_backward": 5,
+    "_scaled_dot_product_efficient_attention_backward": 6,
+    "_scaled_dot_product_cudnn_attention_backward": 5,
+}
+"""Attention backward ops → the position of their logsumexp. Autograd saved the float32
+query, key and value an attention op met under autocast (the casts ran below it), while its
+output and gradient are 16-bit: they are cast like the forward's, all but the float32
+logsumexp (nn.MultiheadAttention's projections reach attention in float32)."""
 POLICY_OPS = (
     LOWER_PRECISION
     | FLOAT32
@@ -77,6 +86,7 @@ POLICY_OPS = (
     | PROMOTE
     | LOWER_PRECISION_BACKWARD
     | FLOAT32_BACKWARD
+    | ATTENTION_BACKWARD.keys()
 )
 """Ops whose dispatch asks this module first (a frozenset lookup for every other op)."""
 POLICY_LISTS = (
@@ -87,6 +97,7 @@ POLICY_LISTS = (
     LOWER_PRECISION_BACKWARD,
     FLOAT32_BACKWARD,
     SOFTMAX_BACKWARD,
+    frozenset(ATTENTION_BACKWARD),
 )
 POLICY_BITS = tuple(1 << i for i in range(len(POLICY_LISTS)))
 """One bit per list above, in its order: the compiled dispatch (gpupool.torch._fastpath)
@@ -182,12 +193,29 @@ def adjust(
     dtypes = _float_dtypes(args)
     if torch.float32 not in dtypes or not dtypes.intersection(_SIXTEEN):
         return args, kwargs
+    logsumexp = ATTENTION_BACKWARD.get(name)
+    if logsumexp is not None:
+        return _attention_backward(args, kwargs, logsumexp)
     if name in LOWER_PRECISION_BACKWARD:
         low = torch.bfloat16 if torch.bfloat16 in dtypes else torch.float16
         return _cast(args, low, (torch.float32,)), _cast_kw(kwargs, low, (torch.float32,))
     if name in FLOAT32_BACKWARD or name in FLOAT32:
         return _cast(args, torch.float32, _SIXTEEN), _cast_kw(kwargs, torch.float32, _SIXTEEN)
     return args, kwargs
+
+
+def _attention_backward(
+    args: tuple[Any, ...], kwargs: dict[str, Any], logsumexp: int
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The float32 tensors of an attention backward op, its logsumexp aside, in the dtype of
+    its 16-bit gradient (the dtype its forward ran in)."""
+    grad = args[0]
+    if not isinstance(grad, RemoteTensor) or grad.dtype not in _SIXTEEN:
+        return args, kwargs
+    low, sources = grad.dtype, (torch.float32,)
+    cast = list(_cast(args, low, sources))
+    cast[logsumexp] = args[logsumexp]
+    return tuple(cast), _cast_kw(kwargs, low, sources)
 
 
 def infer_with_reconciliation(
