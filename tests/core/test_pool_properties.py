@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -425,4 +426,6 @@ PoolMachine.TestCase.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-TestPoolProperties = PoolMachine.TestCase
+# 300 runs of 50 steps take ~35 s alone and 2-4x that beside three other xdist workers on two
+# cores; the suite's 120 s hang detector would cut a healthy run.
+TestPoolProperties = pytest.mark.timeout(300)(PoolMachine.TestCase)

@@ -19,7 +19,9 @@ import pytest
 from e2e_pool import Pool, finish, start_pool, stop_pool
 
 torch = pytest.importorskip("torch")
-pytestmark = pytest.mark.slow
+# Each test runs three training programs against a controller and an agent: ~50 s alone,
+# past 100 s beside the rest of the suite on two cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 HELD_MIB = 500
 """What the first program holds on the GPU (of its 600 MiB lease)."""
