@@ -18,6 +18,8 @@ from typing import Any
 import pytest
 from e2e_pool import Pool, finish, start_pool, stop_pool
 
+from gpupool.worker.room import ROOM_TIMEOUT_S
+
 torch = pytest.importorskip("torch")
 # Each test runs three training programs against a controller and an agent: ~50 s alone,
 # past 100 s beside the rest of the suite on two cores.
@@ -179,7 +181,11 @@ def test_a_busy_session_of_equal_priority_is_not_swapped_and_the_allocation_fail
         e["subject"] for e in pool.json("events", "--kind", "lease.oversubscription.denied")
     )
     assert second_id != first["id"] and second_id in failed["message"], failed
-    assert time.monotonic() - started < 30, "refused at once, not after the room timeout"
+    # At once: before the room timeout could even have run out, program start-up included
+    # (which takes 20-30 s beside the rest of the suite on two cores).
+    assert time.monotonic() - started < ROOM_TIMEOUT_S, (
+        "refused at once, not after the room timeout"
+    )
 
     untouched = pool.lease(first["id"])
     assert untouched["state"] in ("active", "idle", "granted"), untouched

@@ -307,11 +307,11 @@ _records = st.recursive(
         | st.lists(inner, max_size=20).map(tuple)
         | st.dictionaries(st.text(max_size=8), inner, max_size=20)
     ),
-    max_leaves=60,
+    max_leaves=30,
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(
     head=st.lists(st.integers(min_value=0, max_value=300), max_size=3), records=st.lists(_records)
 )
