@@ -23,6 +23,7 @@ import torch
 from conformance_programs import (
     checkpoint_resume,
     cnn_training,
+    encoder_bf16,
     mlp_training,
     resnet_bf16,
     transformer_bf16,
@@ -109,6 +110,14 @@ def test_transformer_bf16_on_a_cuda_worker_matches_the_local_gpu(
     remote = transformer_bf16("cuda")
     assert bool(remote["logits_bf16"])
     assert_same(local, remote, rtol=1e-2, atol=1e-2)
+
+
+def test_pytorch_transformer_encoder_bf16_on_a_cuda_worker_matches_the_local_gpu(
+    attach_cuda: Callable[[int], None], tmp_path: Path
+) -> None:
+    local = local_cuda("encoder_bf16", "cuda", tmp_path)
+    attach_cuda(1)
+    assert_same(local, encoder_bf16("cuda"), rtol=1e-2, atol=1e-2)
 
 
 def test_residual_cnn_bf16_on_a_cuda_worker_matches_the_local_gpu(
