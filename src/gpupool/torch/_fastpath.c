@@ -9,7 +9,10 @@
  * gpupool/torch/dispatch.py's `dispatch` and `run` do: look up the op's route, encode the
  * arguments while building the plan-cache key, look up the cached plan, make wrappers with
  * fresh client-chosen handles, append one record, flush when the batch is due; and, as
- * Handle.__del__, the FREE record of each dropped tensor (half of a step's records).
+ * Handle.__del__, the FREE record of each dropped tensor (half of a step's records). It also
+ * makes autocast.adjust's decisions for plain tensor arguments (the casts under
+ * torch.autocast("cuda"), see "autocast" below) and packs record batches into msgpack
+ * (pack_records).
  *
  * It is an accelerator, never a second implementation: every case it does not handle
  * (special ops, a plan-cache miss, host tensors, devices, captures, errors of any kind such
