@@ -100,17 +100,40 @@ def _training_step() -> Callable[[], torch.Tensor]:
     x = torch.randn(4, 3, 6, 6, device="cuda")
     y = torch.randint(0, 10, (4,), device="cuda")
 
+    def loss() -> torch.Tensor:
+        logits = model(x)
+        extra = torch.cat([logits, logits.detach() * 0.5], dim=1).float().sum(dim=1)
+        return nn.functional.cross_entropy(logits, y) + extra.mean() * 0.0
+
+    return _autocast_step(opt, loss)
+
+
+def _autocast_step(
+    opt: torch.optim.Optimizer, loss: Callable[[], torch.Tensor]
+) -> Callable[[], torch.Tensor]:
+    """A training step: the loss under bf16 autocast, backward, the optimizer's step."""
+
     def step() -> torch.Tensor:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(x)
-            extra = torch.cat([logits, logits.detach() * 0.5], dim=1).float().sum(dim=1)
-            loss = nn.functional.cross_entropy(logits, y) + extra.mean() * 0.0
+            value = loss()
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        value.backward()
         opt.step()
-        return loss.detach()
+        return value.detach()
 
     return step
+
+
+def _records_of_one_step(stream: Any, step: Callable[[], Any], compiled: bool) -> list[Any]:
+    """Every record one step appends, on the compiled path or the Python one."""
+    assert dispatch.use_fastpath(compiled) == compiled
+    log = _Log()
+    torch.cuda.synchronize()
+    stream.records = log
+    step()
+    torch.cuda.synchronize()
+    stream.records = deque(log)
+    return log.seen
 
 
 def test_the_compiled_path_streams_the_records_of_the_python_path(
@@ -125,15 +148,9 @@ def test_the_compiled_path_streams_the_records_of_the_python_path(
     recorded: dict[bool, list[Any]] = {}
     frees: dict[bool, int] = {}
     for compiled in (True, False, True):
-        assert dispatch.use_fastpath(compiled) == compiled
-        log = _Log()
-        torch.cuda.synchronize()
-        stream.records = log
-        step()
-        torch.cuda.synchronize()
-        stream.records = deque(log)
-        recorded[compiled] = _normalized(log.seen)
-        frees[compiled] = sum(1 for record in log.seen if record[0] == Rec.FREE)
+        seen = _records_of_one_step(stream, step, compiled)
+        recorded[compiled] = _normalized(seen)
+        frees[compiled] = sum(1 for record in seen if record[0] == Rec.FREE)
     assert len(recorded[True]) > 40
     assert recorded[True] == recorded[False]
     assert frees[True] == frees[False] > 20  # Handle.__del__'s C version frees as many
@@ -189,16 +206,7 @@ def _transformer_step() -> Callable[[], torch.Tensor]:
     opt = torch.optim.SGD([*model.parameters(), *head.parameters()], lr=0.1, momentum=0.9)
     x = torch.randn(3, 4, 16, device="cuda")
     y = torch.randint(0, 5, (3,), device="cuda")
-
-    def step() -> torch.Tensor:
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = nn.functional.cross_entropy(head(model(x).mean(dim=1)), y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.detach()
-
-    return step
+    return _autocast_step(opt, lambda: nn.functional.cross_entropy(head(model(x).mean(dim=1)), y))
 
 
 def test_autocast_decisions_in_c_stream_what_python_streams(
@@ -214,15 +222,8 @@ def test_autocast_decisions_in_c_stream_what_python_streams(
         torch.cuda.synchronize()
         recorded: dict[bool, list[Any]] = {}
         for compiled in (True, False):
-            dispatch.use_fastpath(compiled)
             asked.clear()
-            log = _Log()
-            torch.cuda.synchronize()
-            stream.records = log
-            step()
-            torch.cuda.synchronize()
-            stream.records = deque(log)
-            recorded[compiled] = _normalized(log.seen)
+            recorded[compiled] = _normalized(_records_of_one_step(stream, step, compiled))
             if compiled:
                 # Matmuls and layer norm, forward and backward, were decided in C; only
                 # the softmax-backward rule (cross entropy's) reaches the Python adjust.
