@@ -680,8 +680,8 @@ done:
  * cache, the dtype scan of backward ops) measured 13% of the client's step. These functions
  * make the same decisions as autocast.adjust, in the same order, for tensors that are plain
  * arguments; tensor lists, tensors among the keyword arguments, the dtype-argument and
- * promote lists and the softmax-backward rule go to the Python adjust (FAST_NO). A weight's
- * cached 16-bit copy is read from autocast._casts here and made there. */
+ * promotions of mixed dtypes and the softmax- and attention-backward rules go to the Python
+ * adjust (FAST_NO). Weights' 16-bit copies live in autocast._casts, which both read and fill. */
 
 /* The thread's autocast("cuda") state, as autocast._enabled() reads it. */
 static int
@@ -882,49 +882,55 @@ cast_args(PyObject *args, PyObject *kwargs, PyObject *dtype, int sixteen_sources
     return FAST_OK;
 }
 
+#define DT_F32 1
+#define DT_BF16 2
+#define DT_F16 4
+
 static int
-note_dtype(PyObject *tensor, PyObject **seen)
+note_dtype(PyObject *tensor, int *found)
 {
     PyObject *dtype = signature_dtype(tensor);
     if (dtype == NULL)
-        return -1;
-    if (dtype != S.float32 && !is_sixteen(dtype))
-        return 0;
-    if (*seen == NULL)
-        *seen = dtype;
-    return *seen != dtype;
+        return FAST_ERR;
+    *found |= dtype == S.float32 ? DT_F32 : dtype == S.bfloat16 ? DT_BF16
+                                          : dtype == S.float16  ? DT_F16 : 0;
+    return FAST_OK;
 }
 
-/* Whether autocast._float_dtypes(args) holds two dtypes or more (1), or not (0); -1: error.
- * Subclasses of RemoteTensor count as mixed, so the Python adjust decides for them. */
+/* autocast._float_dtypes(args) as DT_* bits in *found: FAST_OK, or FAST_NO where the Python
+ * adjust decides (subclasses of RemoteTensor, lists of lists). Like it, it looks into
+ * sequences whose first item is not a plain number (tensor lists), not into sizes. */
 static int
-float_dtypes_mixed(PyObject *args)
+float_dtypes(PyObject *args, int *found)
 {
-    PyObject *seen = NULL;
+    *found = 0;
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(args); i++) {
         PyObject *item = PyTuple_GET_ITEM(args, i);
         PyTypeObject *kind = Py_TYPE(item);
-        int rc = 0;
+        int rc = FAST_OK;
         if (kind == (PyTypeObject *)S.remote_type) {
-            rc = note_dtype(item, &seen);
-        }
-        else if (kind == &PyList_Type || kind == &PyTuple_Type) {
-            Py_ssize_t n = PySequence_Fast_GET_SIZE(item);
-            for (Py_ssize_t j = 0; rc == 0 && j < n; j++) {
-                PyObject *inner = PySequence_Fast_ITEMS(item)[j];
-                if (Py_TYPE(inner) == (PyTypeObject *)S.remote_type)
-                    rc = note_dtype(inner, &seen);
-                else if (is_remote(inner) || PyList_Check(inner) || PyTuple_Check(inner))
-                    rc = 1;
-            }
+            rc = note_dtype(item, found);
         }
         else if (is_remote(item)) {
-            rc = 1;
+            rc = FAST_NO;
         }
-        if (rc != 0)
+        else if ((PyList_Check(item) || PyTuple_Check(item)) && PySequence_Fast_GET_SIZE(item)) {
+            PyTypeObject *first = Py_TYPE(PySequence_Fast_ITEMS(item)[0]);
+            if (first == &PyLong_Type || first == &PyBool_Type || first == &PyFloat_Type)
+                continue;
+            Py_ssize_t n = PySequence_Fast_GET_SIZE(item);
+            for (Py_ssize_t j = 0; rc == FAST_OK && j < n; j++) {
+                PyObject *inner = PySequence_Fast_ITEMS(item)[j];
+                if (Py_TYPE(inner) == (PyTypeObject *)S.remote_type)
+                    rc = note_dtype(inner, found);
+                else if (is_remote(inner) || PyList_Check(inner) || PyTuple_Check(inner))
+                    rc = FAST_NO;
+            }
+        }
+        if (rc != FAST_OK)
             return rc;
     }
-    return 0;
+    return FAST_OK;
 }
 
 /* autocast.adjust(info, args, kwargs), keyword arguments unchanged: FAST_OK with *out the
@@ -947,8 +953,10 @@ fast_adjust(long bits, PyObject *args, PyObject *kwargs, PyObject **out)
         else if (bits & S.bit_promote) {
             /* _widest: inputs of one float dtype (a KV cache's cat) need nothing; mixed
              * ones are promoted by the Python adjust. */
-            int mixed = float_dtypes_mixed(args);
-            rc = mixed < 0 ? FAST_ERR : mixed ? FAST_NO : FAST_OK;
+            int found = 0;
+            rc = float_dtypes(args, &found);
+            if (rc == FAST_OK && (found & (found - 1)))
+                rc = FAST_NO; /* two dtypes or more */
             if (rc == FAST_OK)
                 *out = Py_NewRef(args);
         }
@@ -966,33 +974,15 @@ fast_adjust(long bits, PyObject *args, PyObject *kwargs, PyObject **out)
         return FAST_ERR;
     int in_backward = node != Py_None;
     Py_DECREF(node);
-    /* In backward: only ops that meet both a 16-bit and a float32 input need help
-     * (autocast._float_dtypes looks at the positional arguments only). */
-    int has32 = 0, hasbf16 = 0, hasf16 = 0;
-    Py_ssize_t n = in_backward ? PyTuple_GET_SIZE(args) : 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyTuple_GET_ITEM(args, i);
-        PyTypeObject *kind = Py_TYPE(item);
-        if (kind == (PyTypeObject *)S.remote_type) {
-            PyObject *dtype = signature_dtype(item);
-            if (dtype == NULL)
-                return FAST_ERR;
-            has32 |= dtype == S.float32;
-            hasbf16 |= dtype == S.bfloat16;
-            hasf16 |= dtype == S.float16;
-        }
-        else if (kind == &PyList_Type || kind == &PyTuple_Type) {
-            if (PySequence_Fast_GET_SIZE(item)) {
-                PyTypeObject *first = Py_TYPE(PySequence_Fast_ITEMS(item)[0]);
-                if (first != &PyLong_Type && first != &PyBool_Type && first != &PyFloat_Type)
-                    return FAST_NO; /* tensor lists: the Python adjust */
-            }
-        }
-        else if (is_remote(item)) {
-            return FAST_NO;
-        }
+    /* In backward: only ops that meet both a 16-bit and a float32 input need help. */
+    int found = 0;
+    if (in_backward) {
+        int rc = float_dtypes(args, &found);
+        if (rc != FAST_OK)
+            return rc;
     }
-    if (!(has32 && (hasbf16 || hasf16))) {
+    int has32 = found & DT_F32, hasbf16 = found & DT_BF16;
+    if (!(has32 && (found & (DT_BF16 | DT_F16)))) {
         *out = Py_NewRef(args);
         return FAST_OK;
     }
