@@ -14,9 +14,14 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   .venv/bin/python -c 'import gpupool.controller.app, gpupool.cli.main' # fail here, not later
   touch "$stamp"
 fi
-# The client's compiled hot path (optional: without a C compiler the Python path runs).
-if ! ls src/gpupool/torch/_fastpath*.so >/dev/null 2>&1 \
-  || [ src/gpupool/torch/_fastpath.c -nt "$(ls src/gpupool/torch/_fastpath*.so | head -1)" ]; then
+# The client's and the worker's compiled hot paths (optional: without a C compiler the Python
+# paths run).
+stale=0
+for c in src/gpupool/torch/_fastpath.c src/gpupool/worker/_runloop.c; do
+  so=$(ls "${c%.c}"*.so 2>/dev/null | head -1)
+  if [ -z "$so" ] || [ "$c" -nt "$so" ]; then stale=1; fi
+done
+if [ "$stale" = 1 ]; then
   .venv/bin/python setup.py -q build_ext --inplace >/dev/null 2>&1 \
-    || echo "note: gpupool.torch._fastpath did not build; the client runs its Python path" >&2
+    || echo "note: the C hot paths did not build; client and worker run their Python paths" >&2
 fi

@@ -5,10 +5,12 @@ from __future__ import annotations
 from typing import Any
 
 import msgpack
+import pytest
 import torch
 
-from gpupool.protocol.v1.dataplane import ErrorKind, Frame, Kind, Rec, SharedArena, pack_records
+from gpupool.protocol.v1.dataplane import ErrorKind, Kind, Rec, SharedArena, pack_records
 from gpupool.protocol.v1.tensors import DTYPE_EXT, REMOTE_DEVICE_EXT, handle_ext, tensor_from_bytes
+from gpupool.worker import executor as executor_module
 from gpupool.worker.executor import Executor
 from gpupool.worker.memory import HostMemory
 
@@ -32,11 +34,19 @@ class Replies:
         raise AssertionError("no large puts here")
 
 
+@pytest.fixture(autouse=True, params=["compiled", "python"])
+def record_loop(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs on the compiled record loop and on the Python one it must match."""
+    if request.param == "python":
+        monkeypatch.setattr(executor_module, "_runloop", None)
+    elif not executor_module.compiled_loop():
+        pytest.skip("gpupool.worker._runloop is not built here")
+    return str(request.param)
+
+
 def run(executor: Executor, records: list[list[Any]]) -> Replies:
     replies = Replies()
-    objects = Frame(pack_records([Kind.BATCH], records), 0).objects(executor.ext_hook)
-    next(objects)
-    executor.run_batch(objects, replies)
+    executor.run_frame(pack_records([Kind.BATCH], records), replies)
     return replies
 
 

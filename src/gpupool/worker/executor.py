@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -14,6 +15,7 @@ from gpupool.protocol.v1.dataplane import (
     ErrorBody,
     ErrorKind,
     Ext,
+    Frame,
     Kind,
     ProtocolError,
     Rec,
@@ -122,6 +124,48 @@ SHIMS: dict[str, Callable[..., Any]] = {"aten::_batch_norm_no_update": _BatchNor
 _FREE = int(Rec.FREE)
 
 
+def _compiled() -> Any:
+    """The compiled record loop, or None: not built here, or GPUPOOL_FASTPATH=0 (the switch
+    that turns the client's compiled path off too)."""
+    if os.environ.get("GPUPOOL_FASTPATH", "1") == "0":
+        return None
+    try:
+        from gpupool.worker import _runloop  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _runloop
+
+
+_runloop = _compiled()
+
+
+def compiled_loop() -> bool:
+    """Whether this worker runs its records through the compiled loop."""
+    return _runloop is not None
+
+
+def _new_loop(executor: Executor) -> Any:
+    assert _runloop is not None
+    return _runloop.Loop(
+        executor=executor,
+        ext_hook=executor.ext_hook,
+        missing=Missing,
+        tensor_type=torch.Tensor,
+        slow=executor._run_record,
+        op_failed=executor._op_failed,
+        op_store=executor._op_store,
+        protocol_error=ProtocolError,
+        # A CUDA worker's allocator holds the limit itself: stores and frees need no word.
+        fast_store=not executor.memory.counts_storages,
+    )
+
+
+def _check_batch_head(head: Any) -> None:
+    if not isinstance(head, list) or not head or head[0] != Kind.BATCH:
+        kind = head[0] if isinstance(head, list) and head else None
+        raise ProtocolError(f"expected a BATCH frame, got kind {kind}")
+
+
 def first_line(exc: BaseException) -> str:
     """An exception's message for a one-line report (CUDA's run on for several lines)."""
     text = str(exc)
@@ -167,6 +211,7 @@ class Executor:
             Rec.RECV: self._recv,
             Rec.RESUME: self._resume,
         }
+        self._loop = None if _runloop is None else _new_loop(self)
 
     # ---- decoding ------------------------------------------------------------------------
 
@@ -192,34 +237,53 @@ class Executor:
 
     # ---- the stream ----------------------------------------------------------------------
 
+    def run_frame(self, body: bytes, link: Link) -> None:
+        """Run a BATCH frame's records in order: the compiled loop (`_runloop.c`) where it is
+        built, else `run_batch` over msgpack's decoding, which it matches record for record."""
+        if self._loop is None:
+            unpacker = Frame(body, 0).objects(self.ext_hook)
+            _check_batch_head(next(unpacker, None))
+            self.run_batch(unpacker, link)
+            return
+        head, offset = self._loop.head(body)
+        _check_batch_head(head)
+        started, started_cpu = time.perf_counter(), time.thread_time()
+        count = self._loop.run(body, offset, link)
+        self.activity.ran(
+            count,
+            busy_s=time.perf_counter() - started,
+            busy_cpu_s=time.thread_time() - started_cpu,
+        )
+
     def run_batch(self, records: Iterator[Any], link: Link) -> None:
         started, started_cpu = time.perf_counter(), time.thread_time()
         count = 0
-        drop = self._drop
         for record in records:
-            # FREE is half of a training step's records: no handler lookup for it.
-            if type(record) is list and len(record) == 2 and record[0] == _FREE:
-                try:
-                    drop(record[1])
-                except TypeError as exc:
-                    raise ProtocolError(f"malformed record FREE: {exc}") from exc
-                count += 1
-                continue
-            if not isinstance(record, list) or not record or not isinstance(record[0], int):
-                raise ProtocolError("a record must be a list starting with its type")
-            handler = self._handlers.get(record[0])
-            if handler is None:
-                raise ProtocolError(f"unknown record type {record[0]}")
-            try:
-                handler(record, link)
-            except _MALFORMED as exc:
-                raise ProtocolError(f"malformed record {Rec(record[0]).name}: {exc}") from exc
+            self._run_record(record, link)
             count += 1
         self.activity.ran(
             count,
             busy_s=time.perf_counter() - started,
             busy_cpu_s=time.thread_time() - started_cpu,
         )
+
+    def _run_record(self, record: Any, link: Link) -> None:
+        # FREE is half of a training step's records: no handler lookup for it.
+        if type(record) is list and len(record) == 2 and record[0] == _FREE:
+            try:
+                self._drop(record[1])
+            except TypeError as exc:
+                raise ProtocolError(f"malformed record FREE: {exc}") from exc
+            return
+        if not isinstance(record, list) or not record or not isinstance(record[0], int):
+            raise ProtocolError("a record must be a list starting with its type")
+        handler = self._handlers.get(record[0])
+        if handler is None:
+            raise ProtocolError(f"unknown record type {record[0]}")
+        try:
+            handler(record, link)
+        except _MALFORMED as exc:
+            raise ProtocolError(f"malformed record {Rec(record[0]).name}: {exc}") from exc
 
     def reset(self) -> None:
         """Forget everything the previous client left (it disconnected)."""
@@ -267,19 +331,39 @@ class Executor:
             call = op.call
             if call is None:
                 raise Unsupported(op.problem)
-            try:
-                result = call(*args, **kwargs) if kwargs else call(*args)
-            except torch.OutOfMemoryError as exc:
-                # Within the lease's limit but not the GPU's free memory (oversubscription):
-                # others give way, then the op runs again (the allocation failed before its kernel).
-                if not self.memory.make_room(exc):
-                    raise
-                result = call(*args, **kwargs) if kwargs else call(*args)
-            if outs:
-                if len(outs) == 1 and type(result) is torch.Tensor and outs[0] is not None:
-                    self._store_one(result, outs[0])  # most ops: one new tensor
-                else:
-                    self._store(result, outs)
+            result = call(*args, **kwargs) if kwargs else call(*args)
+        except Exception as exc:
+            self._op_failed(op, args, kwargs, outs, exc)
+            return
+        self._op_store(op, args, kwargs, outs, result)
+
+    def _op_failed(
+        self, op: _Op, args: list[Any], kwargs: dict[str, Any], outs: Any, exc: Exception
+    ) -> None:
+        """An op raised: within the lease's limit but not the GPU's free memory
+        (oversubscription), others give way and it runs again (the allocation failed before its
+        kernel); any other error becomes the stream's sticky error."""
+        try:
+            again = isinstance(exc, torch.OutOfMemoryError) and self.memory.make_room(exc)
+            if not again:
+                raise exc
+            result = self._invoke(op, args, kwargs)
+        except Exception as failed:
+            self._fail(failed, op.name, args, kwargs)
+            return
+        self._op_store(op, args, kwargs, outs, result)
+
+    def _op_store(
+        self, op: _Op, args: list[Any], kwargs: dict[str, Any], outs: Any, result: Any
+    ) -> None:
+        """Put an op's outputs in the handle table under the handles the client chose."""
+        if not outs:
+            return
+        try:
+            if len(outs) == 1 and type(result) is torch.Tensor and outs[0] is not None:
+                self._store_one(result, outs[0])  # most ops: one new tensor
+            else:
+                self._store(result, outs)
         except Exception as exc:
             self._fail(exc, op.name, args, kwargs)
 

@@ -26,6 +26,9 @@ class LimitExceeded(Exception):
 
 class MemoryLimit(Protocol):
     limit_bytes: int | None
+    counts_storages: bool
+    """charge() and release() must hear of every stored and dropped tensor (else they are
+    no-ops, and the compiled record loop stores and frees without calling them)."""
 
     def held_bytes(self) -> int: ...
 
@@ -49,6 +52,8 @@ class MemoryLimit(Protocol):
 class CudaMemory:
     """The caching allocator enforces the limit itself (a per-process fraction of the device),
     so an over-limit allocation fails inside the op with torch.cuda.OutOfMemoryError."""
+
+    counts_storages = False
 
     def __init__(
         self, device: torch.device, limit_bytes: int | None, room: Room | None = None
@@ -120,6 +125,8 @@ class _Storage:
 class HostMemory:
     """A CPU worker has no allocator to ask, so it counts the storages its handles keep alive
     (views share one storage, counted once) and refuses outputs that go past the limit."""
+
+    counts_storages = True
 
     def __init__(
         self,

@@ -477,13 +477,9 @@ class Worker:
             if elastic.wanted:  # a successor waits: tell a busy client too, between batches
                 elastic.quiet(link)
             frame = conn.recv()
-            objects = frame.objects(executor.ext_hook)
-            head = next(objects)
-            if not isinstance(head, list) or not head or head[0] != Kind.BATCH:
-                raise ProtocolError(f"expected a BATCH frame, got kind {head[0] if head else None}")
             if frame.tail_len:
                 raise ProtocolError("a BATCH frame carries no tail")
-            executor.run_batch(objects, link)
+            executor.run_frame(frame.body, link)
 
     def _welcome(self, link: _Link) -> dict[str, Any]:
         facts: dict[str, Any] = {

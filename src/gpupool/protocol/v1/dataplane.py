@@ -388,10 +388,16 @@ class Frame:
         """All body objects in order (head first), decoded one at a time."""
         unpacker = _unpacker(ext_hook)
         unpacker.feed(self.body)
+        done = 0
         try:
-            yield from unpacker
+            for obj in unpacker:
+                done = unpacker.tell()
+                yield obj
         except (msgpack.UnpackException, ValueError) as exc:
             raise ProtocolError(f"malformed frame body: {exc}") from exc
+        # The Unpacker stops quietly before an object cut short: that is a malformed body too.
+        if done != len(self.body):
+            raise ProtocolError("malformed frame body: the body ends inside a record")
 
 
 def _unpacker(ext_hook: Callable[[int, bytes], object] | None) -> msgpack.Unpacker:
