@@ -123,8 +123,10 @@ def _spawn(
     args = ", ".join(f"{k}={v!r}" for k, v in extra.items())
     code = (
         "from pathlib import Path\n"
-        "from gpupool.controller.settings import ControllerSettings\n"
-        "from gpupool.controller.server import serve\n"
+        "from gpupool.startup import imports_without_gc\n"
+        "with imports_without_gc():\n"
+        "    from gpupool.controller.settings import ControllerSettings\n"
+        "    from gpupool.controller.server import serve\n"
         f"serve(ControllerSettings(port={port}, data_dir=Path({str(data_dir)!r}), "
         f"db_url={db_url!r}{', ' + args if args else ''}))\n"
     )

@@ -1,5 +1,5 @@
 """`python -m gpupool.cli`: the same as the `gpupool` command."""
 
-from gpupool.cli.main import main
+from gpupool.cli.entry import run
 
-main()
+run()

@@ -25,6 +25,7 @@ from gpupool.client.sdk import (
     resolve_token,
     resolve_url,
 )
+from gpupool.startup import imports_without_gc
 
 DEFAULT_FAKE_SPEC = "4xH100-80GB"
 DEFAULT_PORT = 8900
@@ -275,8 +276,9 @@ def up(
     tls_key: TlsKeyOption = None,
 ) -> None:
     """Controller in the foreground, plus an agent for this machine's GPUs as a child."""
-    from gpupool.controller.server import serve
-    from gpupool.controller.settings import ControllerSettings
+    with imports_without_gc():
+        from gpupool.controller.server import serve
+        from gpupool.controller.settings import ControllerSettings
 
     admin = admin_token(admin_token_file)
     cert, key = tls_files(tls_cert, tls_key)
@@ -423,8 +425,9 @@ def controller(
         raise BadInput(f"--physical-ready must not be negative, got {physical_ready}")
     admin = admin_token(admin_token_file)
     cert, key = tls_files(tls_cert, tls_key)
-    from gpupool.controller.server import serve
-    from gpupool.controller.settings import NODE_LOST_POLICIES, ControllerSettings
+    with imports_without_gc():
+        from gpupool.controller.server import serve
+        from gpupool.controller.settings import NODE_LOST_POLICIES, ControllerSettings
 
     if node_lost_policy not in NODE_LOST_POLICIES:
         raise BadInput(
@@ -535,7 +538,8 @@ def agent(
         raise BadInput(f"--kubelet-dir {kubelet_dir} is not a directory (is the kubelet here?)")
     if not 0 <= api_port <= 65535:
         raise BadInput(f"--api-port must be 0..65535, got {api_port}")
-    from gpupool.agent.service import AgentSettings, run_agent
+    with imports_without_gc():
+        from gpupool.agent.service import AgentSettings, run_agent
 
     controller_url = resolve_url(url) if url else cli_context(ctx).url
     token = resolve_token(controller_url, cli_context(ctx).token)

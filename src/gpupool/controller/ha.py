@@ -29,16 +29,18 @@ from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-import psycopg
 from sqlalchemy import delete, func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from gpupool import __version__
+
+if TYPE_CHECKING:
+    import psycopg  # imported where used: only --ha controllers, on PostgreSQL, need it
 from gpupool.controller.models import HaLeaderRow, HaMemberRow
 from gpupool.controller.services import auth
 from gpupool.controller.services.tenants import ensure_default
@@ -275,6 +277,8 @@ class Group:
         )
 
     def _try_lock(self) -> bool:
+        import psycopg
+
         if self._lock_conn is None or self._lock_conn.closed:
             self._lock_conn = psycopg.connect(
                 self._lock_dsn(),
@@ -287,6 +291,8 @@ class Group:
         return self._holds_lock
 
     def _lock_alive(self) -> bool:
+        import psycopg
+
         conn = self._lock_conn
         if conn is None or conn.closed:
             return False
@@ -299,6 +305,8 @@ class Group:
     def _release_lock(self) -> None:
         """Close the lock's connection: PostgreSQL frees the lock with it, whatever state
         the connection is in."""
+        import psycopg
+
         conn, self._lock_conn = self._lock_conn, None
         self._holds_lock = False
         if conn is not None:
