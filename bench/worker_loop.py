@@ -9,7 +9,10 @@ worker's, needs no word of stores and frees. The stream mixes what a step sends:
 ops on two handles, ops with a scalar, views with a shape, ops with keyword arguments and a
 dtype, reductions with a list argument, and a FREE for every tensor made.
 
-    python bench/worker_loop.py [--steps 200] [--repeat 5]
+    python bench/worker_loop.py [--steps 200] [--repeat 5] [--device cuda:0]
+
+With --device cuda:0 the ops launch real kernels (the worker's CPU per record is what is
+measured; the GPU is synchronized before the clock stops).
 
 Writes bench/results/worker_loop.json: microseconds per record for each loop, the median of
 --repeat alternating runs, and what the compiled loop saves.
@@ -94,12 +97,12 @@ def step_records(first_handle: int) -> list[list[Any]]:
     return records
 
 
-def executor(compiled: bool) -> Executor:
+def executor(compiled: bool, device: torch.device) -> Executor:
     if not compiled:
         saved = executor_module._runloop
         executor_module._runloop = None
     try:
-        ex = Executor("bench", torch.device("cpu"), UncountedMemory())
+        ex = Executor("bench", device, UncountedMemory())
     finally:
         if not compiled:
             executor_module._runloop = saved
@@ -110,8 +113,8 @@ def executor(compiled: bool) -> Executor:
     return ex
 
 
-def measure(compiled: bool, steps: int) -> float:
-    ex = executor(compiled)
+def measure(compiled: bool, steps: int, device: torch.device) -> float:
+    ex = executor(compiled, device)
     frames = []
     records = 0
     for step in range(steps):
@@ -123,6 +126,8 @@ def measure(compiled: bool, steps: int) -> float:
     started = time.thread_time()
     for body in frames:
         ex.run_frame(body, link)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     spent = time.thread_time() - started
     assert ex.error is None, ex.error
     assert set(ex.tensors) == {1, 2}, "every tensor made was freed"
@@ -133,26 +138,31 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--device", default="cpu")
     parser.add_argument("--out", type=Path, default=Path("bench/results/worker_loop.json"))
     args = parser.parse_args()
+    device = torch.device(args.device)
     if not executor_module.compiled_loop():
         raise SystemExit("gpupool.worker._runloop is not built (or GPUPOOL_FASTPATH=0)")
     torch.set_num_threads(1)
-    measure(True, 5), measure(False, 5)  # warm both
+    measure(True, 5, device), measure(False, 5, device)  # warm both
     compiled, python = [], []
     for _ in range(args.repeat):
-        compiled.append(measure(True, args.steps))
-        python.append(measure(False, args.steps))
+        compiled.append(measure(True, args.steps, device))
+        python.append(measure(False, args.steps, device))
     result = {
         "us_per_record_compiled": round(statistics.median(compiled), 2),
         "us_per_record_python": round(statistics.median(python), 2),
         "saved_us_per_record": round(statistics.median(python) - statistics.median(compiled), 2),
         "records_per_step": len(step_records(0)),
+        "device": str(device),
         "torch": torch.__version__,
         "machine": f"{platform.node()} ({platform.machine()}, Python {platform.python_version()})",
     }
     print(json.dumps(result))
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    rows = json.loads(args.out.read_text()) if args.out.exists() else []
+    rows = [r for r in (rows if isinstance(rows, list) else [rows]) if r["device"] != str(device)]
+    args.out.write_text(json.dumps([*rows, result], indent=2) + "\n")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ else
   export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
-# The client's compiled hot path, built for this machine's Python (gpupool runs from src/).
+# The client's and the worker's compiled paths, built for this machine's Python (gpupool runs
+# from src/).
 python3 setup.py -q build_ext --inplace > "$OUT/build_ext.log" 2>&1 \
-  || echo "gpupool.torch._fastpath did not build (see build_ext.log): Python path" >&2
+  || echo "the compiled paths did not build (see build_ext.log): Python paths" >&2
