@@ -30,6 +30,22 @@ def test_torch_cuda_reports_the_lease(attach: Callable[..., Any]) -> None:
     torch.cuda.synchronize()
 
 
+def test_attach_raises_the_collectors_threshold_and_detach_puts_it_back(
+    attach: Callable[..., Any],
+) -> None:
+    import gc
+
+    from gpupool.startup import GC_YOUNG_THRESHOLD
+
+    before = gc.get_threshold()
+    if not 0 < before[0] < GC_YOUNG_THRESHOLD:
+        pytest.skip(f"this process runs with threshold {before[0]}")
+    attach()
+    assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:])
+    gpupool.torch.detach()
+    assert gc.get_threshold() == before
+
+
 def test_memory_allocated_follows_the_tensors_held(attach: Callable[..., Any]) -> None:
     attach()
     before = torch.cuda.memory_allocated()

@@ -28,6 +28,7 @@ import torch
 
 from gpupool.protocol.v1.api import LeaseCreate
 from gpupool.protocol.v1.dataplane import parse_address
+from gpupool.startup import restore_gc, tune_gc
 from gpupool.torch import (
     autocast,
     conversions,
@@ -123,7 +124,13 @@ def _open_streams(
     return streams
 
 
+_gc_replaced: tuple[int, int, int] | None = None
+"""The collector thresholds attach() replaced (gpupool.startup.tune_gc), put back by detach()."""
+
+
 def _install_hooks() -> None:
+    global _gc_replaced
+    _gc_replaced = tune_gc()
     kernels.install()
     cuda_api.install()
     conversions.install()
@@ -145,6 +152,9 @@ def detach() -> None:
     cuda_api.uninstall()
     kernels.uninstall()
     runtime.uninstall()
+    global _gc_replaced
+    restore_gc(_gc_replaced)
+    _gc_replaced = None
 
 
 def attached() -> bool:

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from gpupool.startup import imports_without_gc
+from gpupool.startup import imports_without_gc, tune_gc
 
 with imports_without_gc():  # torch's import: a third of a second less CPU at every lease start
     from gpupool.protocol.v1.dataplane import TOKEN_ENV, parse_address
@@ -155,7 +155,9 @@ def parse_cpu_list(text: str) -> frozenset[int]:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
-    return run(parse_args(sys.argv[1:] if argv is None else argv))
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    tune_gc()  # a step's decoded records and tensors die young (gpupool/startup.py)
+    return run(config)
 
 
 if __name__ == "__main__":
