@@ -169,9 +169,11 @@ def test_training_through_the_compiled_path_equals_the_python_path(
     assert losses[True][-1] < losses[True][0]
 
 
-def _counting_adjust(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+@pytest.fixture
+def adjust_asked(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     """Reconfigure the C module with an autocast.adjust that logs the ops it is asked about
-    (the C module calls the Python adjust only for cases it leaves to Python)."""
+    (the C module calls the Python adjust only for cases it leaves to Python); the real one is
+    configured again afterwards."""
     from gpupool.torch import autocast
 
     asked: list[str] = []
@@ -183,7 +185,9 @@ def _counting_adjust(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
     monkeypatch.setattr(autocast, "adjust", adjust)
     dispatch._configure(dispatch._fastpath, dispatch._torch_find_rule)
-    return asked
+    yield asked
+    monkeypatch.undo()
+    dispatch._configure(dispatch._fastpath, dispatch._torch_find_rule)
 
 
 def _transformer_step() -> Callable[[], torch.Tensor]:
@@ -210,61 +214,53 @@ def _transformer_step() -> Callable[[], torch.Tensor]:
 
 
 def test_autocast_decisions_in_c_stream_what_python_streams(
-    attach: Callable[..., Any], fast: None, monkeypatch: pytest.MonkeyPatch
+    attach: Callable[..., Any], fast: None, adjust_asked: list[str]
 ) -> None:
     attach()
-    asked = _counting_adjust(monkeypatch)
-    try:
-        stream = runtime.stream(0)
+    stream = runtime.stream(0)
+    step = _transformer_step()
+    step()
+    step()
+    torch.cuda.synchronize()
+    recorded: dict[bool, list[Any]] = {}
+    for compiled in (True, False):
+        adjust_asked.clear()
+        recorded[compiled] = _normalized(_records_of_one_step(stream, step, compiled))
+        if compiled:
+            # Matmuls and layer norm, forward and backward, were decided in C; only
+            # the softmax-backward rule (cross entropy's) reaches the Python adjust.
+            assert set(adjust_asked) <= {"_log_softmax_backward_data", "_softmax_backward_data"}
+        else:
+            assert {"addmm", "mm", "native_layer_norm"} <= set(adjust_asked)
+    casts = [
+        r for r in recorded[True] if r[0] == "OP" and isinstance(r[3], dict) and "dtype" in r[3]
+    ]
+    assert casts, "the step casts under autocast"
+    assert recorded[True] == recorded[False]
+    losses = {}
+    for compiled in (True, False):  # fresh models: training equal on both paths
+        dispatch.use_fastpath(compiled)
         step = _transformer_step()
-        step()
-        step()
-        torch.cuda.synchronize()
-        recorded: dict[bool, list[Any]] = {}
-        for compiled in (True, False):
-            asked.clear()
-            recorded[compiled] = _normalized(_records_of_one_step(stream, step, compiled))
-            if compiled:
-                # Matmuls and layer norm, forward and backward, were decided in C; only
-                # the softmax-backward rule (cross entropy's) reaches the Python adjust.
-                assert set(asked) <= {"_log_softmax_backward_data", "_softmax_backward_data"}
-            else:
-                assert {"addmm", "mm", "native_layer_norm"} <= set(asked)
-        casts = [
-            r for r in recorded[True] if r[0] == "OP" and isinstance(r[3], dict) and "dtype" in r[3]
-        ]
-        assert casts, "the step casts under autocast"
-        assert recorded[True] == recorded[False]
-        losses = {}
-        for compiled in (True, False):  # fresh models: training equal on both paths
-            dispatch.use_fastpath(compiled)
-            step = _transformer_step()
-            losses[compiled] = [step().item() for _ in range(3)]
-        assert losses[True] == losses[False]
-        assert losses[True][-1] < losses[True][0]
-    finally:
-        monkeypatch.undo()
-        dispatch._configure(dispatch._fastpath, dispatch._torch_find_rule)
+        losses[compiled] = [step().item() for _ in range(3)]
+    assert losses[True] == losses[False]
+    assert losses[True][-1] < losses[True][0]
 
 
 def test_cat_under_autocast_promotes_mixed_inputs_only(
-    attach: Callable[..., Any], fast: None, monkeypatch: pytest.MonkeyPatch
+    attach: Callable[..., Any], fast: None, adjust_asked: list[str]
 ) -> None:
     attach()
-    asked = _counting_adjust(monkeypatch)
-    try:
-        a = torch.ones(2, 3, device="cuda")
-        b = torch.full((2, 3), 2.0, device="cuda", dtype=torch.bfloat16)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            same = torch.cat([b, b])  # one dtype: decided in C
-            assert asked == []
-            mixed = torch.cat([a, b], dim=1)  # float32 and bfloat16: the Python adjust
-            assert asked == ["cat"]
-        assert same.dtype == torch.bfloat16 and mixed.dtype == torch.float32
-        assert mixed.cpu().tolist() == [[1.0] * 3 + [2.0] * 3] * 2
-    finally:
-        monkeypatch.undo()
-        dispatch._configure(dispatch._fastpath, dispatch._torch_find_rule)
+    a = torch.ones(2, 3, device="cuda")
+    b = torch.full((2, 3), 2.0, device="cuda", dtype=torch.bfloat16)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        torch.cat([b, b])  # the first one fills the plan cache through the Python path
+        adjust_asked.clear()
+        same = torch.cat([b, b])  # one dtype: decided in C
+        assert adjust_asked == []
+        mixed = torch.cat([a, b], dim=1)  # float32 and bfloat16: the Python adjust
+        assert adjust_asked == ["cat"]
+    assert same.dtype == torch.bfloat16 and mixed.dtype == torch.float32
+    assert mixed.cpu().tolist() == [[1.0] * 3 + [2.0] * 3] * 2
 
 
 def test_a_weight_changed_in_place_is_cast_again(attach: Callable[..., Any], fast: None) -> None:
