@@ -14,8 +14,10 @@ from hypothesis import strategies as st
 
 from gpupool.protocol.v1.dataplane import Ext, Frame, Kind, ProtocolError, Rec, pack_records
 from gpupool.protocol.v1.tensors import DTYPE_EXT, REMOTE_DEVICE_EXT, handle_ext
+from gpupool.worker import executor as executor_module
 from gpupool.worker.executor import Executor, Missing
 from gpupool.worker.memory import HostMemory
+from tests.worker.test_executor import Replies
 
 runloop = pytest.importorskip("gpupool.worker._runloop")
 
@@ -154,20 +156,6 @@ def test_an_extension_hook_error_ends_the_body() -> None:
 # ---- op streams: the compiled loop against Executor.run_batch ------------------------------
 
 
-class Replies:
-    client_arena = None
-    worker_arena = None
-    pinned = False
-
-    def __init__(self) -> None:
-        self.heads: list[list[Any]] = []
-        self.tails: list[bytes] = []
-
-    def reply(self, head: list[Any], tail: memoryview | None = None) -> None:
-        self.heads.append(head)
-        self.tails.append(bytes(tail) if tail is not None else b"")
-
-
 F32, DEV = DTYPE_EXT[torch.float32], REMOTE_DEVICE_EXT
 STREAM: list[list[Any]] = [
     [Rec.DEF, 1, "aten::full"], [Rec.DEF, 2, "aten::add.Tensor"],
@@ -200,11 +188,7 @@ def run_stream(compiled: bool, fast_store: bool, batch: int) -> tuple[Any, Any, 
     if not compiled:
         executor._loop = None
     elif fast_store:  # what a CUDA worker's allocator allows: no word of stores and frees
-        executor._loop = runloop.Loop(
-            executor=executor, ext_hook=executor.ext_hook, missing=Missing,
-            tensor_type=torch.Tensor, slow=executor._run_record, op_failed=executor._op_failed,
-            op_store=executor._op_store, protocol_error=ProtocolError, fast_store=True,
-        )  # fmt: skip
+        executor._loop = executor_module._new_loop(executor, fast_store=True)
     replies = Replies()
     for start in range(0, len(STREAM), batch):
         executor.run_frame(pack_records([Kind.BATCH], STREAM[start : start + batch]), replies)

@@ -144,8 +144,12 @@ def compiled_loop() -> bool:
     return _runloop is not None
 
 
-def _new_loop(executor: Executor) -> Any:
+def _new_loop(executor: Executor, fast_store: bool | None = None) -> Any:
+    """The executor's compiled loop; `fast_store` overrides what its memory limit says (tests)."""
     assert _runloop is not None
+    if fast_store is None:
+        # A CUDA worker's allocator holds the limit itself: stores and frees need no word.
+        fast_store = not executor.memory.counts_storages
     return _runloop.Loop(
         executor=executor,
         ext_hook=executor.ext_hook,
@@ -155,8 +159,7 @@ def _new_loop(executor: Executor) -> Any:
         op_failed=executor._op_failed,
         op_store=executor._op_store,
         protocol_error=ProtocolError,
-        # A CUDA worker's allocator holds the limit itself: stores and frees need no word.
-        fast_store=not executor.memory.counts_storages,
+        fast_store=fast_store,
     )
 
 
