@@ -53,6 +53,7 @@ def loop_for(target: Any, fast_store: bool = False) -> Any:
         op_failed=None,
         op_store=None,
         protocol_error=ProtocolError,
+        timestamp=msgpack.Timestamp.from_bytes,
         fast_store=fast_store,
     )
 
@@ -147,6 +148,27 @@ def test_hostile_bodies_are_refused_with_a_reason(body: bytes, why: str) -> None
         msgpack_records(body, {})
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"\x92\x03\xd6\xff\x00\x00\x00\x01",  # msgpack's timestamp extension (-1), 32-bit
+        b"\x92\x03\xd7\xff" + bytes(range(8)),  # 64-bit
+        b"\x92\x03\xc7\x0c\xff" + bytes(12),  # 96-bit
+        b"\x92\x03\xd5\xfe\x00\x01",  # another negative code: the extension hook's
+    ],
+)
+def test_negative_extension_codes_decode_as_msgpack_decodes_them(body: bytes) -> None:
+    assert compiled_records(body, {}) == msgpack_records(body, {})
+
+
+def test_a_timestamp_of_a_wrong_length_is_refused() -> None:
+    body = b"\x92\x03\xc7\x05\xff" + bytes(5)
+    with pytest.raises(ProtocolError, match="invalid timestamp data"):
+        compiled_records(body, {})
+    with pytest.raises(ProtocolError, match="invalid timestamp data"):
+        msgpack_records(body, {})
+
+
 def test_an_extension_hook_error_ends_the_body() -> None:
     body = pack_records([Kind.BATCH], [[1, msgpack.ExtType(99, b"")]])
     with pytest.raises(ProtocolError, match="unknown extension type 99"):
@@ -216,3 +238,12 @@ def test_the_executor_counts_records_run_by_the_compiled_loop() -> None:
     before = executor.activity.ops_total
     executor.run_frame(pack_records([Kind.BATCH], STREAM[:9]), Replies())
     assert executor.activity.ops_total - before == 9
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
+def test_a_record_type_past_a_c_long_is_refused_as_unknown(compiled: bool) -> None:
+    executor = Executor("lease-r", torch.device("cpu"), HostMemory(None))
+    if not compiled:
+        executor._loop = None
+    with pytest.raises(ProtocolError, match="unknown record type"):
+        executor.run_frame(pack_records([Kind.BATCH], [[2**64 - 1, 1]]), Replies())

@@ -48,6 +48,7 @@ typedef struct {
     PyObject *op_failed;   /* executor._op_failed(op, args, kwargs, outs, exc) */
     PyObject *op_store;    /* executor._op_store(op, args, kwargs, outs, result) */
     PyObject *protocol_error;
+    PyObject *timestamp;   /* msgpack.Timestamp.from_bytes: extension -1, as msgpack decodes it */
     int fast_store;        /* the memory limit needs no word of stores and frees (CUDA) */
 } Loop;
 
@@ -107,6 +108,15 @@ static PyObject *decode_ext(Reader *r, int code, Py_ssize_t n) {
         PyObject *missing = PyObject_CallOneArg(loop->missing, handle);
         Py_DECREF(handle);
         return missing;
+    }
+    if (code == -1) { /* msgpack's own timestamp extension: decoded as msgpack does */
+        PyObject *stamp = PyObject_CallFunction(loop->timestamp, "y#", data, n);
+        if (stamp == NULL && PyErr_ExceptionMatches(PyExc_ValueError)) {
+            PyErr_Clear();
+            PyErr_Format(loop->protocol_error,
+                         "malformed frame body: invalid timestamp data (length %zd)", n);
+        }
+        return stamp;
     }
     int cached = code == EXT_DTYPE || code == EXT_DEVICE || code == EXT_LAYOUT
                  || code == EXT_MEMORY_FORMAT;
@@ -475,7 +485,8 @@ static PyObject *loop_run(Loop *self, PyObject *const *args, Py_ssize_t nargs) {
         int handled = 0;
         if (PyList_CheckExact(rec) && PyList_GET_SIZE(rec) > 0
             && PyLong_CheckExact(PyList_GET_ITEM(rec, 0))) {
-            long kind = PyLong_AsLong(PyList_GET_ITEM(rec, 0));
+            int overflow; /* a type past a C long is no record this runs: Python says so */
+            long kind = PyLong_AsLongAndOverflow(PyList_GET_ITEM(rec, 0), &overflow);
             Py_ssize_t size = PyList_GET_SIZE(rec);
             if (kind == REC_FREE && size == 2 && self->fast_store
                 && PyLong_CheckExact(PyList_GET_ITEM(rec, 1))) {
@@ -524,13 +535,14 @@ static PyObject *loop_head(Loop *self, PyObject *body) {
 
 static int loop_init(Loop *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"executor", "ext_hook", "missing", "tensor_type", "slow",
-                             "op_failed", "op_store", "protocol_error", "fast_store", NULL};
+                             "op_failed", "op_store", "protocol_error", "timestamp",
+                             "fast_store", NULL};
     PyObject *executor, *ext_hook, *missing, *tensor_type, *slow, *op_failed, *op_store,
-        *protocol_error;
+        *protocol_error, *timestamp;
     int fast_store;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOp", kwlist, &executor, &ext_hook,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOp", kwlist, &executor, &ext_hook,
                                      &missing, &tensor_type, &slow, &op_failed, &op_store,
-                                     &protocol_error, &fast_store)) {
+                                     &protocol_error, &timestamp, &fast_store)) {
         return -1;
     }
     if (!PyType_Check(tensor_type)) {
@@ -545,6 +557,7 @@ static int loop_init(Loop *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->op_failed, Py_NewRef(op_failed));
     Py_XSETREF(self->op_store, Py_NewRef(op_store));
     Py_XSETREF(self->protocol_error, Py_NewRef(protocol_error));
+    Py_XSETREF(self->timestamp, Py_NewRef(timestamp));
     self->fast_store = fast_store;
     return 0;
 }
@@ -560,6 +573,7 @@ static int loop_traverse(Loop *self, visitproc visit, void *arg) {
     Py_VISIT(self->op_failed);
     Py_VISIT(self->op_store);
     Py_VISIT(self->protocol_error);
+    Py_VISIT(self->timestamp);
     return 0;
 }
 
@@ -574,6 +588,7 @@ static int loop_clear(Loop *self) {
     Py_CLEAR(self->op_failed);
     Py_CLEAR(self->op_store);
     Py_CLEAR(self->protocol_error);
+    Py_CLEAR(self->timestamp);
     return 0;
 }
 

@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import msgpack
 import torch
 
 from gpupool.protocol.v1.dataplane import (
@@ -159,6 +160,7 @@ def _new_loop(executor: Executor, fast_store: bool | None = None) -> Any:
         op_failed=executor._op_failed,
         op_store=executor._op_store,
         protocol_error=ProtocolError,
+        timestamp=msgpack.Timestamp.from_bytes,
         fast_store=fast_store,
     )
 
