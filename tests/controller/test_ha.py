@@ -250,7 +250,10 @@ def test_a_leader_whose_lock_connection_dies_stops_leading_and_another_takes_ove
     leader = wait_for_leader(urls)
     with psycopg.connect(ha_pg_url, autocommit=True) as conn:
         [(pid,)] = conn.execute(
-            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = %s AND granted",
+            # This database's lock only: HA tests running beside this one hold the same key in
+            # databases of their own.
+            "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND objid = %s AND granted"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database())",
             (ha.LOCK_KEY,),
         ).fetchall()
         conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
