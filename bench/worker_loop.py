@@ -98,14 +98,9 @@ def step_records(first_handle: int) -> list[list[Any]]:
 
 
 def executor(compiled: bool, device: torch.device) -> Executor:
+    ex = Executor("bench", device, UncountedMemory())
     if not compiled:
-        saved = executor_module._runloop
-        executor_module._runloop = None
-    try:
-        ex = Executor("bench", device, UncountedMemory())
-    finally:
-        if not compiled:
-            executor_module._runloop = saved
+        ex._loop = None  # run_frame's Python path
     setup = [[Rec.DEF, i + 1, name] for i, name in enumerate(OPS)]
     f32 = {"dtype": DTYPE_EXT[torch.float32], "device": REMOTE_DEVICE_EXT}
     setup += [[Rec.OP, 6, [[4], 1.5], f32, [1]], [Rec.OP, 6, [[4], 2.5], f32, [2]]]

@@ -175,7 +175,7 @@ def test_an_extension_hook_error_ends_the_body() -> None:
         compiled_records(body, {})
 
 
-# ---- op streams: the compiled loop against Executor.run_batch ------------------------------
+# ---- op streams: the compiled loop against the Python one ---------------------------------
 
 
 F32, DEV = DTYPE_EXT[torch.float32], REMOTE_DEVICE_EXT

@@ -38,9 +38,6 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from gpupool import __version__
-
-if TYPE_CHECKING:
-    import psycopg  # imported where used: only --ha controllers, on PostgreSQL, need it
 from gpupool.controller.models import HaLeaderRow, HaMemberRow
 from gpupool.controller.services import auth
 from gpupool.controller.services.tenants import ensure_default
@@ -49,6 +46,9 @@ from gpupool.controller.store import Store
 from gpupool.core import PoolError
 from gpupool.protocol.v1 import API_PREFIX
 from gpupool.protocol.v1.api import HaMemberOut, HaOut
+
+if TYPE_CHECKING:
+    import psycopg  # imported where used: only --ha controllers, on PostgreSQL, need it
 
 log = logging.getLogger("gpupool.controller.ha")
 

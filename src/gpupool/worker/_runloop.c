@@ -4,7 +4,7 @@
  * Why this exists: a training step reaches the worker as thousands of records (GPT-2-small:
  * 3,799 a step, half of them FREE), and on the H200 box the worker spent 33-45 ms of CPU a
  * step in Python, as much as the client or more (docs/remote.md, runs L-O): msgpack called a
- * Python ext_hook for every tensor handle and dtype, then run_batch looked up a handler, the
+ * Python ext_hook for every tensor handle and dtype, then the executor looked up a handler, the
  * handler unpacked the record and called the op, and _store_one put the output away. This
  * file decodes a BATCH body and runs its two common records itself:
  *
@@ -14,7 +14,8 @@
  *
  * Everything else (other records, an op that raises, several outputs, a memory limit that
  * counts storages, anything malformed) goes to the executor's Python methods unchanged, so
- * this is an accelerator, never a second implementation: Executor.run_batch is the reference
+ * this is an accelerator, never a second implementation: Executor.run_frame's Python path is
+ * the reference
  * and tests/worker/test_runloop.py compares the two. Handles are resolved while a record is
  * decoded, i.e. after the records before it ran, as with msgpack's ext_hook. It uses only the
  * CPython API (no torch headers), so one build serves every torch version; GPUPOOL_FASTPATH=0
@@ -365,11 +366,15 @@ static int refresh(Loop *loop) {
 }
 
 static int run_free(Loop *loop, PyObject *handle) {
-    PyObject *old = PyDict_GetItemWithError(loop->tensors, handle);
-    if (old == NULL) {
-        return PyErr_Occurred() ? -1 : 0;
+    /* One lookup: a handle the table does not hold (its op failed) is the rare case. */
+    if (PyDict_DelItem(loop->tensors, handle) == 0) {
+        return 0;
     }
-    return PyDict_DelItem(loop->tensors, handle);
+    if (PyErr_ExceptionMatches(PyExc_KeyError)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
 }
 
 /* 1: ran it; 0: not a case this handles (nothing done); -1: error set. */

@@ -244,28 +244,20 @@ class Executor:
 
     def run_frame(self, body: bytes, link: Link) -> None:
         """Run a BATCH frame's records in order: the compiled loop (`_runloop.c`) where it is
-        built, else `run_batch` over msgpack's decoding, which it matches record for record."""
+        built, else msgpack's decoding and `_run_record`, which the loop matches record for
+        record."""
+        started, started_cpu = time.perf_counter(), time.thread_time()
         if self._loop is None:
-            unpacker = Frame(body, 0).objects(self.ext_hook)
-            _check_batch_head(next(unpacker, None))
-            self.run_batch(unpacker, link)
-            return
-        head, offset = self._loop.head(body)
-        _check_batch_head(head)
-        started, started_cpu = time.perf_counter(), time.thread_time()
-        count = self._loop.run(body, offset, link)
-        self.activity.ran(
-            count,
-            busy_s=time.perf_counter() - started,
-            busy_cpu_s=time.thread_time() - started_cpu,
-        )
-
-    def run_batch(self, records: Iterator[Any], link: Link) -> None:
-        started, started_cpu = time.perf_counter(), time.thread_time()
-        count = 0
-        for record in records:
-            self._run_record(record, link)
-            count += 1
+            records = Frame(body, 0).objects(self.ext_hook)
+            _check_batch_head(next(records, None))
+            count = 0
+            for record in records:
+                self._run_record(record, link)
+                count += 1  # noqa: SIM113 - records is a generator: no len() to take
+        else:
+            head, offset = self._loop.head(body)
+            _check_batch_head(head)
+            count = self._loop.run(body, offset, link)
         self.activity.ran(
             count,
             busy_s=time.perf_counter() - started,
