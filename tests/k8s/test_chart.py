@@ -61,7 +61,10 @@ def test_helm_lint_finds_no_error() -> None:
         {"examples": {"enabled": True}},
         {"postgresql": {"enabled": False}, "externalDatabase": {"existingSecret": "pg-url"}},
         {"scheduler": {"enabled": False}, "agent": {"fake": "2xH100-80GB"}},
-        {"auth": {"tokenSecret": "gpupool-agent-token"}, "k8s": {"remoteTokenSecret": "t"}},
+        {
+            "auth": {"tokenSecret": "gpupool-scheduler-token", "joinTokenSecret": "j"},
+            "k8s": {"remoteTokenSecret": "t"},
+        },
     ],
 )
 def test_every_object_is_well_formed(values: dict[str, Any]) -> None:
@@ -242,7 +245,24 @@ def test_the_admin_token_is_well_formed_and_reaches_every_component() -> None:
             "name": "gpupool-admin-token",
             "key": "token",
         }
-    agent_token = render({"auth": {"tokenSecret": "gpupool-agent-token"}})
-    (agent,) = containers(find(agent_token, "DaemonSet", "gpupool-agent"))
-    ref = next(e for e in agent["env"] if e["name"] == "GPUPOOL_TOKEN")["valueFrom"]["secretKeyRef"]
-    assert ref == {"name": "gpupool-agent-token", "key": "token"}
+    scheduler_token = render({"auth": {"tokenSecret": "gpupool-scheduler-token"}})
+    (k8s,) = containers(find(scheduler_token, "Deployment", "gpupool-k8s"))
+    ref = next(e for e in k8s["env"] if e["name"] == "GPUPOOL_TOKEN")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "gpupool-scheduler-token", "key": "token"}
+
+
+def test_agents_get_the_join_token_and_no_other_credential_when_one_is_named() -> None:
+    """A DaemonSet's agents share one Secret: it must be a join token, which each agent
+    trades for its own node's token, never a token that acts for every node."""
+    docs = render({"auth": {"joinTokenSecret": "gpupool-join-token"}})
+    (agent,) = containers(find(docs, "DaemonSet", "gpupool-agent"))
+    env = {e["name"]: e for e in agent["env"]}
+    assert "GPUPOOL_TOKEN" not in env
+    assert env["GPUPOOL_JOIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "gpupool-join-token",
+        "key": "token",
+    }
+    # The node token it gets is kept in the agent's data dir, which is on the host.
+    assert "--data-dir=/var/lib/gpupool" in agent["args"]
+    mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
+    assert mounts["data"] == "/var/lib/gpupool"

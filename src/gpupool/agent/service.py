@@ -43,6 +43,18 @@ FIRST_RETRY_S = 0.25
 EVENT_POLL_MS = 250
 HTTP_TIMEOUT_S = 5.0
 KEPT_EVENTS = 1000
+NODE_TOKEN_FILE = "node.token"
+"""In the agent's data dir: the node token its join token got (owner-only)."""
+
+
+def write_secret(path: Path, text: str) -> None:
+    """Write a secret readable by its owner only, never visible with wider rights."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as out:
+        out.write(text + "\n")
+    os.replace(tmp, path)
 
 
 class NoGpuFound(Exception):
@@ -80,7 +92,14 @@ class AgentSettings:
     """Host directory that is the MPS daemons' /dev/shm (the agent in a container): slices'
     containers get it as theirs, since an MPS client shares /dev/shm with its daemon."""
     token: str | None = field(default_factory=lambda: os.environ.get("GPUPOOL_TOKEN") or None)
-    """The agent's API token (role agent): the controller refuses agents without one."""
+    """The agent's API token (role agent, made for this node): the controller refuses agents
+    without one, and an agent token acts for the node it was made for only."""
+    join_token: str | None = field(
+        default_factory=lambda: os.environ.get("GPUPOOL_JOIN_TOKEN", "").strip() or None
+    )
+    """A join token ($GPUPOOL_JOIN_TOKEN), used instead of `token`: the agent trades it once
+    for an agent token of its node, kept in `data_dir/node.token` (the DaemonSet case, where
+    every agent gets the same secret)."""
     tls_cert: Path | None = None
     tls_key: Path | None = None
     """With both, the workers serve their remote clients over TLS (tls://host:port)."""
@@ -177,6 +196,9 @@ class Agent:
         self.agent_url: str | None = None
         self.faults_reported = 0
         self._faults: asyncio.Queue[GpuEvent] = asyncio.Queue()
+        self.token: str | None = settings.token
+        """The token the agent acts with: `settings.token`, or the one its join token got."""
+        self._credential_ready = asyncio.Event()
         self.device_plugins: Any = None
         """The kubelet device plugin (gpupool.k8s), when the agent serves it."""
 
@@ -225,6 +247,8 @@ class Agent:
                 headers=self._headers(),
                 verify=tls_verify(),
             ) as client:
+                if not await self._node_credential(client, stop):
+                    return
                 reporter = asyncio.create_task(self._report_faults(client), name="agent-faults")
                 try:
                     await self._heartbeat_loop(client, backend, stop)
@@ -246,6 +270,75 @@ class Agent:
             await asyncio.to_thread(self.mps.stop_all)
             await asyncio.to_thread(backend.close)
             log.info("agent %s stopped", self.settings.node_name)
+
+    # ---- the node's credential ---------------------------------------------------------------
+
+    @property
+    def node_token_file(self) -> Path:
+        return self.settings.data_dir / NODE_TOKEN_FILE
+
+    async def _node_credential(self, client: httpx.AsyncClient, stop: asyncio.Event) -> bool:
+        """Make sure the agent holds its node's token; False if `stop` came first.
+
+        With a join token, the node token kept from an earlier start is used while the
+        controller accepts it; otherwise the join token is traded for a new one, which is
+        written (owner-only) before it is used, so a restart never needs to join again.
+        """
+        if self.settings.join_token is None:
+            self._credential_ready.set()
+            return True
+        backoff = Backoff(FIRST_RETRY_S, self.settings.retry_max_s)
+        while not stop.is_set():
+            try:
+                token = await self._kept_node_token(client) or await self._join(client)
+            except httpx.TransportError as exc:
+                self._controller_away(exc)
+                token = None
+            except ControllerRefused as exc:
+                self._controller_answered()
+                self._log_refusal(exc)
+                token = None
+            if token is not None:
+                self.token = token
+                client.headers["Authorization"] = f"Bearer {token}"
+                self._credential_ready.set()
+                return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=backoff.next_s())
+        return False
+
+    async def _kept_node_token(self, client: httpx.AsyncClient) -> str | None:
+        path = self.node_token_file
+        try:
+            token = (await asyncio.to_thread(path.read_text)).strip()
+        except FileNotFoundError:
+            return None
+        answer = await client.get("/api/v1/whoami", headers={"Authorization": f"Bearer {token}"})
+        if answer.status_code == 401:
+            # Revoked (the operator wants this node to join afresh) or another pool's.
+            log.warning("the kept node token %s is not accepted: joining again", path)
+            await asyncio.to_thread(path.unlink, True)
+            return None
+        if answer.is_error:
+            raise ControllerRefused("checking the kept node token", answer)
+        me = answer.json()
+        if me.get("role") != "agent" or me.get("node") != self.settings.node_name:
+            raise ControllerRefused("checking the kept node token (made for another node)", answer)
+        return token
+
+    async def _join(self, client: httpx.AsyncClient) -> str:
+        join = self.settings.join_token
+        answer = await client.post(
+            f"/api/v1/nodes/{self.settings.node_name}/join",
+            headers={"Authorization": f"Bearer {join}"},
+        )
+        if answer.is_error:
+            raise ControllerRefused("joining the pool with the join token", answer)
+        token = str(answer.json()["token"])
+        await asyncio.to_thread(write_secret, self.node_token_file, token)
+        log.info("joined the pool as node %s (token kept in %s)", self.settings.node_name,
+                 self.node_token_file)  # fmt: skip
+        return token
 
     async def _start_api(self) -> Any:
         """Serve the agent's API on loopback; its URL goes to the controller with the node."""
@@ -452,6 +545,14 @@ class Agent:
 
         assert self.settings.device_plugin_dir is not None and self.backend is not None
         simulated = self.backend.simulated
+        # The plugin asks the controller with the node's token, which a join may still fetch.
+        waiting = asyncio.create_task(self._credential_ready.wait())
+        ending = asyncio.create_task(done.wait())
+        await asyncio.wait({waiting, ending}, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        ending.cancel()
+        if not self._credential_ready.is_set():
+            return
 
         def view() -> NodeView:
             gpus = []
@@ -479,7 +580,7 @@ class Agent:
         client = PoolClient(
             self.settings.controller_url,
             actor=f"agent/{self.settings.node_name}",
-            token=self.settings.token,
+            token=self.token,
         )
         self.device_plugins = DevicePlugins(
             settings, view, ControllerClaims(client, self.settings.node_name)
@@ -535,8 +636,8 @@ class Agent:
     def _headers(self) -> dict[str, str]:
         # The event log names who acted from the token; the header says which node it was.
         headers = {"X-Gpupool-Actor": f"agent/{self.settings.node_name}"}
-        if self.settings.token:
-            headers["Authorization"] = f"Bearer {self.settings.token}"
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
         return headers
 
     def _log_refusal(self, exc: ControllerRefused) -> None:

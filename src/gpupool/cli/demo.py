@@ -33,6 +33,7 @@ from gpupool.cli.output import (
 from gpupool.cli.pool import (
     agent_command,
     choose_fake_spec,
+    local_node_name,
     simulated_banner,
     stop_process,
     wait_until_healthy,
@@ -153,6 +154,7 @@ class Pool:
         self.admin = new_token()[2]
         self.job_token = ""
         self.agent_token: TokenCreated | None = None
+        self.node = local_node_name()
 
     def _spawn(
         self, name: str, cmd: list[str], env: dict[str, str] | None = None
@@ -178,7 +180,10 @@ class Pool:
         if not wait_until_healthy(self.url, START_TIMEOUT_S, proc):
             raise self._failed(f"the controller did not come up on {self.url}", "controller")
         with self.client() as client:
-            self.agent_token = client.create_token(TokenCreate(name="demo-agent", role="agent"))
+            # An agent token acts for one node: the one the demo's agent registers.
+            self.agent_token = client.create_token(
+                TokenCreate(name="demo-agent", role="agent", node=self.node)
+            )
             self.job_token = client.create_token(
                 TokenCreate(name="demo-jobs", role="tenant", tenant="default")
             ).token
@@ -189,7 +194,9 @@ class Pool:
     def start_agent(self, fake_spec: str | None) -> list[GpuOut]:
         proc = self._spawn(
             "agent",
-            agent_command(self.url, self.workdir / "agent", fake_spec, interval_s=0.5),
+            agent_command(
+                self.url, self.workdir / "agent", fake_spec, node=self.node, interval_s=0.5
+            ),
             {"GPUPOOL_TOKEN": self.agent_token.token if self.agent_token else ""},
         )
         deadline = time.monotonic() + START_TIMEOUT_S

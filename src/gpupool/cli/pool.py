@@ -28,6 +28,9 @@ from gpupool.client.sdk import (
 from gpupool.startup import imports_without_gc
 
 DEFAULT_FAKE_SPEC = "4xH100-80GB"
+DEFAULT_MAX_PRIORITY = 0
+"""ControllerSettings.default_max_priority's default (the CLI does not import the controller
+until it runs one; tests/cli checks the two agree)."""
 DEFAULT_PORT = 8900
 DEFAULT_DATA_DIR = Path(".gpupool")
 STOP_GRACE_S = 10.0
@@ -172,6 +175,11 @@ def agent_command(
     return cmd
 
 
+def local_node_name() -> str:
+    """The node name an agent started here without --node registers (AgentSettings')."""
+    return socket.gethostname()
+
+
 def controller_healthy(url: str) -> bool:
     try:
         with PoolClient(url, timeout=2) as client:
@@ -238,19 +246,21 @@ class LocalAgent:
     def _agent_token(self) -> str:
         from gpupool.protocol.v1.api import TokenCreate
 
+        node = local_node_name()
         kept = self.data_dir / "agent" / "agent.token"
         if kept.exists():
             token = kept.read_text().strip()
             with PoolClient(self.url, token=token, timeout=5) as client:
                 try:
-                    if client.whoami().role == "agent":
+                    me = client.whoami()
+                    if me.role == "agent" and me.node == node:
                         return token
                 except ApiError:
-                    pass  # revoked, or another database: make a new one
+                    pass  # revoked, another database, or an unbound token: make a new one
         admin = self.admin or (self.data_dir / "admin.token").read_text().strip()
         with PoolClient(self.url, token=admin, timeout=5) as client:
             made = client.create_token(
-                TokenCreate(name=f"agent-{socket.gethostname()}"[:128], role="agent")
+                TokenCreate(name=f"agent-{node}"[:128], role="agent", node=node)
             )
         kept.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(kept, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -357,6 +367,16 @@ def controller(
     preempt_grace: Annotated[
         float, typer.Option("--preempt-grace", help="Seconds a preempted holder has to stop.")
     ] = 30.0,
+    default_max_priority: Annotated[
+        int,
+        typer.Option(
+            "--default-max-priority",
+            help="Highest priority (0..1000) a tenant token may ask for when its tenant has no "
+            "--max-priority of its own; higher asks are refused (403). Admin tokens may ask "
+            "any. 0 (the default): no tenant can outrank, and so preempt, another unless an "
+            "operator allows it.",
+        ),
+    ] = DEFAULT_MAX_PRIORITY,
     physical_ready: Annotated[
         int | None,
         typer.Option(
@@ -423,6 +443,8 @@ def controller(
         raise BadInput(f"--preempt-grace must not be negative, got {preempt_grace:g}")
     if physical_ready is not None and physical_ready < 0:
         raise BadInput(f"--physical-ready must not be negative, got {physical_ready}")
+    if not 0 <= default_max_priority <= 1000:
+        raise BadInput(f"--default-max-priority must be 0..1000, got {default_max_priority}")
     admin = admin_token(admin_token_file)
     cert, key = tls_files(tls_cert, tls_key)
     with imports_without_gc():
@@ -456,6 +478,7 @@ def controller(
             max_queue_wait_s=max_queue_wait,
             preemption=preemption,
             preempt_grace_s=preempt_grace,
+            default_max_priority=default_max_priority,
             physical_ready=physical_ready,
             node_lost_policy=node_lost_policy,
             node_lost_grace_s=node_lost_grace,
@@ -543,10 +566,12 @@ def agent(
 
     controller_url = resolve_url(url) if url else cli_context(ctx).url
     token = resolve_token(controller_url, cli_context(ctx).token)
-    if token is None:
+    joining = bool(os.environ.get("GPUPOOL_JOIN_TOKEN", "").strip())
+    if token is None and not joining:
         raise BadInput(
-            "the agent needs an API token: make one with "
-            "`gpupool token create NODE --role agent` and give it with --token or GPUPOOL_TOKEN"
+            "the agent needs an API token: make one for this node with "
+            "`gpupool token create NODE --role agent --node NODE` and give it with --token or "
+            "GPUPOOL_TOKEN (or give a join token in GPUPOOL_JOIN_TOKEN)"
         )
     worker_cert, worker_key = tls_files(tls_cert, tls_key)
     try:

@@ -112,6 +112,11 @@ class TokenRow(Base):
     created_by: Mapped[str] = mapped_column(String(128))
     expires_at: Mapped[datetime | None] = mapped_column()
     revoked_at: Mapped[datetime | None] = mapped_column()
+    node: Mapped[str | None] = mapped_column(String(128), index=True)
+    """The one node an agent token acts for; None for the other roles (and for agent tokens
+    of databases older than node-bound tokens, which are refused)."""
+    joins_left: Mapped[int | None] = mapped_column(Integer)
+    """How many more new nodes a join token may make node-bound agent tokens for."""
 
 
 class LeaseRow(Base):
@@ -140,6 +145,9 @@ class LeaseRow(Base):
     prefer_node: Mapped[str | None] = mapped_column(String(128))
     max_wait_s: Mapped[float | None] = mapped_column(Float)
     preempt_deadline_at: Mapped[datetime | None] = mapped_column()
+    preempted_by: Mapped[str | None] = mapped_column(String(32))
+    """The queued request a preempted lease makes room for: if it goes away (released,
+    expired, granted elsewhere) before this lease is gone, the preemption is withdrawn."""
     worker_token: Mapped[str | None] = mapped_column(String(64))
     cpu_milli: Mapped[int] = mapped_column(Integer, default=0)
     host_memory_mib: Mapped[int] = mapped_column(Integer, default=0)

@@ -8,6 +8,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 NODE_LOST_POLICIES = ("keep", "release")
+DEFAULT_MAX_PRIORITY = 0
+MAX_PRIORITY = 1000
+"""Priorities run 0..1000 (LeaseCreate.priority)."""
 
 
 @dataclass(slots=True)
@@ -38,6 +41,10 @@ class ControllerSettings:
     """Blocked higher-priority requests preempt lower-priority leases."""
     preempt_grace_s: float = 30.0
     """A preempted lease's holder has this long to stop before the lease is released."""
+    default_max_priority: int | None = DEFAULT_MAX_PRIORITY
+    """The highest priority a tenant token may ask for when its tenant has no max_priority
+    of its own. 0 by default: no tenant outranks (and so preempts) another unless an
+    operator allows it. Admin tokens may ask any priority. None: unlimited (not advised)."""
     physical_ready: int | None = None
     """Dual pool: move idle GPUs between the pools to follow demand, keeping this many idle
     physical GPUs while physical requests queue (None: only operators switch modes)."""
@@ -61,6 +68,12 @@ class ControllerSettings:
             raise ValueError(
                 f"node_lost_policy must be one of {', '.join(NODE_LOST_POLICIES)}, "
                 f"got {self.node_lost_policy!r}"
+            )
+        if self.default_max_priority is not None and not (
+            0 <= self.default_max_priority <= MAX_PRIORITY
+        ):
+            raise ValueError(
+                f"default_max_priority must be 0..{MAX_PRIORITY}, got {self.default_max_priority}"
             )
         if self.node_lost_grace_s < 0:
             raise ValueError(

@@ -170,7 +170,7 @@ class Store:
                         )
                     if state is LeaseState.PREEMPTED:
                         # Its holder was told; the grace period runs on from the stored end.
-                        pool.preempting[lease.id] = ""
+                        pool.preempting[lease.id] = lease.preempted_by or ""
                         deadline = lease.preempt_deadline_at
                         self.live.preempt_deadline[lease.id] = (
                             deadline.timestamp() if deadline is not None else grace_start
@@ -280,6 +280,7 @@ def new_pool(settings: ControllerSettings) -> Pool:
         queue_policy=QueuePolicy(
             fair_share=settings.fair_share, max_wait_s=settings.max_queue_wait_s
         ),
+        default_max_priority=settings.default_max_priority,
     )
 
 

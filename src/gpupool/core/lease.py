@@ -12,7 +12,8 @@ TRANSITIONS: dict[S, frozenset[S]] = {
     S.IDLE: frozenset({S.ACTIVE, S.SWAPPED, S.MIGRATING, S.PREEMPTED, S.RELEASED}),
     S.SWAPPED: frozenset({S.GRANTED, S.ACTIVE, S.QUEUED, S.RELEASED}),
     S.MIGRATING: frozenset({S.GRANTED, S.ACTIVE, S.RELEASED}),
-    S.PREEMPTED: frozenset({S.QUEUED, S.RELEASED}),
+    # Back to active when the preemption is withdrawn: the request it was for went away.
+    S.PREEMPTED: frozenset({S.QUEUED, S.ACTIVE, S.RELEASED}),
     S.RELEASED: frozenset(),
 }
 

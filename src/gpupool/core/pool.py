@@ -30,8 +30,8 @@ from gpupool.core.placement.index import NodeIndex, NodeShape, shape_of
 from gpupool.core.placement.policies import PlacementPolicy, policy_named
 from gpupool.core.placement.select import HeldBack, Memo, Placement, Selector
 from gpupool.core.placement.workload import Workload, WorkloadLearner
-from gpupool.core.preempt import Preemption, plan_preemption, reserve_room
-from gpupool.core.queue import Capacity, QueueOrder, QueuePolicy, overdue
+from gpupool.core.preempt import Preemption, plan_preemption, reserve_room, withdrawn
+from gpupool.core.queue import Capacity, QueueOrder, QueuePolicy, overdue, priority_refusal
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +75,11 @@ class Pool:
     priorities: dict[str, int] = field(default_factory=dict)
     """Priority of each granted lease: preemption only ever takes lower ones."""
     preempting: dict[str, str] = field(default_factory=dict)
-    """Lease being preempted → the queued lease it makes room for."""
+    """Lease being preempted → the queued lease it makes room for ("" if unknown: a
+    preemption restored from a database that did not record its cause)."""
+    default_max_priority: int | None = None
+    """The highest priority a tenant without a `max_priority` of its own may ask for
+    (the operator's setting); None: unlimited."""
     charges: dict[str, Usage] = field(default_factory=dict)
     """What a holding charges its tenant where that is not `usage_of` its slices: the old
     place of a moving lease (core/migrate.py), which the GPUs hold but the quota counts once."""
@@ -343,16 +347,21 @@ class Pool:
     def held_by(self, tenant: str) -> Usage:
         return self.tenant_usage.get(tenant, Usage())
 
-    def check_quota_ever(self, request: LeaseRequest) -> None:
-        """Refuse a request that breaks its tenant's quota even when the tenant holds nothing."""
+    def check_quota_ever(self, request: LeaseRequest, privileged: bool = False) -> None:
+        """Refuse a request that breaks its tenant's quota even when the tenant holds nothing.
+
+        The priority cap binds every caller but a `privileged` one (an admin): a tenant that
+        could ask any priority could preempt every other tenant for free.
+        """
         quota = self.quotas.get(request.tenant)
         if quota is None:
             raise NotFound(f"no tenant {request.tenant!r}")
-        if quota.max_priority is not None and request.priority > quota.max_priority:
-            raise QuotaExceeded(
-                f"priority {request.priority} is above tenant {request.tenant}'s "
-                f"highest allowed priority {quota.max_priority}"
+        if not privileged:
+            problem = priority_refusal(
+                request.tenant, request.priority, quota.max_priority, self.default_max_priority
             )
+            if problem is not None:
+                raise QuotaExceeded(problem)
         smallest = min(
             (request.slice_memory_mib(g) for g in self.gpus.values()),
             default=request.memory_mib or 1,
@@ -659,6 +668,17 @@ class Pool:
 
     def preempted_for(self, lease_id: str) -> set[str]:
         return {victim for victim, by in self.preempting.items() if by == lease_id}
+
+    def withdraw_preemptions(self) -> dict[str, str]:
+        """Stop preempting for requests that no longer wait (released, expired, or granted
+        before their victims were gone): returns victim → the request it was preempted for.
+
+        The victims keep their leases; they are no longer counted as on their way out.
+        """
+        gone = withdrawn(self.preempting, self.queue.keys())
+        for victim in gone:
+            del self.preempting[victim]
+        return gone
 
     def plan_preemptions(
         self, now: float | None = None, max_candidates: int = 16

@@ -8,7 +8,7 @@ first. The controller then tells the holders and releases the leases after a gra
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -30,6 +30,14 @@ class Preemption:
     """The queued request that the preemption makes room for."""
     victims: tuple[str, ...]
     room: Room
+
+
+def withdrawn(preempting: Mapping[str, str], waiting: Collection[str]) -> dict[str, str]:
+    """The preemptions to withdraw: victim → cause, for every victim whose cause no longer
+    waits in the queue (it was released, expired, or was granted before the victims were
+    gone). A cause of "" (not recorded) is never withdrawn: its grace period runs out as
+    before, since nothing says what it was for."""
+    return {victim: by for victim, by in preempting.items() if by and by not in waiting}
 
 
 def units_of(slices: Iterable[Slice]) -> float:

@@ -267,3 +267,33 @@ class QueueOrder:
             lane.sort()
         self.lane_keys = {}
         self.dirty = set(self.lanes)
+
+
+# ---- priority caps ----------------------------------------------------------------------
+
+
+def priority_cap(tenant_max: int | None, default_max: int | None) -> int | None:
+    """The highest priority a tenant's requests may carry: its own `max_priority` if the
+    operator set one, else the pool's default (None: unlimited)."""
+    return tenant_max if tenant_max is not None else default_max
+
+
+def priority_refusal(
+    tenant: str, priority: int, tenant_max: int | None, default_max: int | None
+) -> str | None:
+    """Why `priority` is above the tenant's cap, naming the cap and where it comes from;
+    None when it is allowed."""
+    cap = priority_cap(tenant_max, default_max)
+    if cap is None or priority <= cap:
+        return None
+    source = (
+        f"tenant {tenant}'s max_priority"
+        if tenant_max is not None
+        else "the pool's default max priority (controller --default-max-priority)"
+    )
+    return (
+        f"priority {priority} is above the highest priority tenant {tenant} may ask for: "
+        f"{cap} ({source}); an admin can raise it with `gpupool tenant update {tenant} "
+        f"--max-priority N`"
+    )
+

@@ -32,7 +32,8 @@ http://{{ include "gpupool.fullname" . }}-controller.{{ .Release.Namespace }}.sv
 {{ include "gpupool.fullname" . }}-k8s
 {{- end -}}
 
-{{/* GPUPOOL_TOKEN of gpupool's components: the named Secret, else the admin token. */}}
+{{/* GPUPOOL_TOKEN of the extender (`k8s serve`): the named Secret (a scheduler token),
+else the admin token. */}}
 {{- define "gpupool.tokenEnv" -}}
 - name: GPUPOOL_TOKEN
   valueFrom:
@@ -63,4 +64,25 @@ Returns a dict with crt, key and ca (all base64).
 {{- $cert := genSignedCert (printf "%s.%s.svc" $service .Release.Namespace) nil $dns 3650 $ca -}}
 {{- dict "crt" ($cert.Cert | b64enc) "key" ($cert.Key | b64enc) "ca" ($ca.Cert | b64enc) | toJson -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+The agents' credential. With auth.joinTokenSecret: GPUPOOL_JOIN_TOKEN, a join token each
+agent trades once for a token of its own node (kept in its hostPath data dir), so one shared
+Secret never lets an agent act for another node. Else the admin token (trying the chart out).
+*/}}
+{{- define "gpupool.agentTokenEnv" -}}
+{{- if .Values.auth.joinTokenSecret }}
+- name: GPUPOOL_JOIN_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.auth.joinTokenSecret }}
+      key: {{ .Values.auth.tokenKey }}
+{{- else }}
+- name: GPUPOOL_TOKEN
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "gpupool.fullname" . }}-admin-token
+      key: token
+{{- end }}
 {{- end -}}

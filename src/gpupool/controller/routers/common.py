@@ -81,6 +81,7 @@ def allow(*roles: Role) -> Callable[..., Awaitable[Principal]]:
     names = ", ".join(sorted(allowed))
 
     async def dependency(principal: Principal = Depends(authenticate)) -> Principal:
+        auth.refuse_unbound(principal)
         if principal.role not in allowed:
             raise Forbidden(f"a {principal.role} token cannot do this (needs: {names})")
         return principal
@@ -88,10 +89,16 @@ def allow(*roles: Role) -> Callable[..., Awaitable[Principal]]:
     return dependency
 
 
+EVERYONE = allow("admin", "viewer", "agent", "tenant", "join", "scheduler")
+"""Only for asking who one is: a join token does nothing else, so its agent can tell it."""
 ANYONE = allow("admin", "viewer", "agent", "tenant")
 READERS = allow("admin", "viewer", "tenant")
 OPERATORS = allow("admin", "viewer")
 """Pool-wide views (events, dashboard, history): operators' business, not tenants'."""
 ADMIN = allow("admin")
 AGENTS = allow("admin", "agent")
+"""Node calls: an agent token may make them for its own node only (Principal.check_node)."""
+SCHEDULERS = allow("admin", "scheduler")
+"""The Kubernetes extender's calls: placement, and claims on any node."""
+JOINERS = allow("join")
 HOLDERS = allow("admin", "tenant")

@@ -46,8 +46,9 @@ async def isolate(
     store: Store = Depends(get_store),
     who: Principal = Depends(AGENTS),
 ) -> GpuOut:
+    """Agents report their own node's faults here; an agent token of another node is refused."""
     return await store.write(
-        lambda s: gpus.isolate(store, s, uuid, body.reason, who.actor, body.fault)
+        lambda s: gpus.isolate(store, s, uuid, body.reason, who.actor, body.fault, caller=who)
     )
 
 

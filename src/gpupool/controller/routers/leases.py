@@ -43,7 +43,9 @@ async def create_lease(
             raise Forbidden(
                 f"this token acts for tenant {mine!r}: it cannot ask for tenant {body.tenant!r}"
             )
-    return await store.write(lambda s: leases.create(store, s, body, who.actor))
+    return await store.write(
+        lambda s: leases.create(store, s, body, who.actor, privileged=who.is_admin)
+    )
 
 
 @router.get("/leases", response_model=list[LeaseOut])

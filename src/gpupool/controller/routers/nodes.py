@@ -17,6 +17,7 @@ router = APIRouter(tags=["nodes"], dependencies=[Depends(ANYONE)])
 async def register(
     body: NodeRegister, store: Store = Depends(get_store), who: Principal = Depends(AGENTS)
 ) -> NodeOut:
+    who.check_node(body.name, "register a node")
     return await store.write(lambda s: nodes.register(store, s, body, who.actor))
 
 
@@ -25,8 +26,10 @@ async def heartbeat(
     name: Key,
     body: NodeHeartbeat,
     store: Store = Depends(get_store),
-    _who: Principal = Depends(AGENTS),
+    who: Principal = Depends(AGENTS),
 ) -> NodeHeartbeatReply:
+    """The answer holds the data-plane tokens of the node's remote leases, and only its own."""
+    who.check_node(name, "send a heartbeat")
     return await store.write(lambda s: nodes.heartbeat(store, s, name, body))
 
 

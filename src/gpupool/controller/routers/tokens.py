@@ -2,19 +2,33 @@
 
 from __future__ import annotations
 
+import re
+
 from fastapi import APIRouter, Depends, Query, Request, Response, status
 
 from gpupool.controller.routers.common import (
     ADMIN,
-    ANYONE,
+    EVERYONE,
+    JOINERS,
     SESSION_COOKIE,
+    Key,
     get_store,
     verify,
 )
 from gpupool.controller.services import auth
 from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
-from gpupool.protocol.v1.api import SessionCreate, TokenCreate, TokenCreated, TokenOut, WhoAmI
+from gpupool.core import InvalidRequest
+from gpupool.protocol.v1.api import (
+    NODE_NAME,
+    SessionCreate,
+    TokenCreate,
+    TokenCreated,
+    TokenOut,
+    WhoAmI,
+)
+
+NODE_NAME_RE = re.compile(NODE_NAME)
 
 router = APIRouter(tags=["tokens"])
 
@@ -49,10 +63,25 @@ async def revoke_token(
     return out
 
 
+@router.post("/nodes/{name}/join", status_code=status.HTTP_201_CREATED, response_model=TokenCreated)
+async def join_node(
+    name: Key, store: Store = Depends(get_store), who: Principal = Depends(JOINERS)
+) -> TokenCreated:
+    """A join token's one call: an agent token for the new node `name`, shown this once."""
+    if not NODE_NAME_RE.match(name):
+        raise InvalidRequest(f"node name {name!r} must be letters, digits, '.', '_' or '-'")
+    return await store.write(lambda s: auth.join(s, who, name))
+
+
 @router.get("/whoami", response_model=WhoAmI)
-async def whoami(who: Principal = Depends(ANYONE)) -> WhoAmI:
+async def whoami(who: Principal = Depends(EVERYONE)) -> WhoAmI:
     return WhoAmI(
-        token_id=who.token_id, name=who.name, role=who.role, tenant=who.tenant, actor=who.actor
+        token_id=who.token_id,
+        name=who.name,
+        role=who.role,
+        tenant=who.tenant,
+        node=who.node,
+        actor=who.actor,
     )
 
 
@@ -71,7 +100,12 @@ async def sign_in(body: SessionCreate, request: Request, response: Response) -> 
         max_age=12 * 3600,
     )
     return WhoAmI(
-        token_id=who.token_id, name=who.name, role=who.role, tenant=who.tenant, actor=who.actor
+        token_id=who.token_id,
+        name=who.name,
+        role=who.role,
+        tenant=who.tenant,
+        node=who.node,
+        actor=who.actor,
     )
 
 

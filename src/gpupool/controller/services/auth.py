@@ -42,12 +42,16 @@ class Principal:
     name: str
     role: Role
     tenant: str | None
+    node: str | None = None
+    """The one node an agent token acts for."""
 
     @property
     def actor(self) -> str:
-        """The caller in the event log: the role and the token's name, and the tenant."""
+        """The caller in the event log: the role and the token's name, and the tenant or node."""
         if self.role == "tenant":
             return f"tenant:{self.tenant}/{self.name}"
+        if self.role == "agent" and self.node is not None:
+            return f"agent:{self.node}/{self.name}"
         return f"{self.role}:{self.name}"
 
     @property
@@ -57,6 +61,34 @@ class Principal:
     def owns(self, tenant: str) -> bool:
         """May this caller see and act on the leases of `tenant`?"""
         return self.role != "tenant" or self.tenant == tenant
+
+    def check_node(self, node: str, doing: str) -> None:
+        """Refuse, saying why, unless this caller may act for `node` (an admin, or the agent
+        token made for it): one node's agent must never speak for another."""
+        if self.role == "admin":
+            return
+        if self.role != "agent":
+            raise Forbidden(f"a {self.role} token cannot {doing}")
+        if self.node != node:
+            raise Forbidden(
+                f"this agent token acts for node {self.node!r} only: it cannot {doing} "
+                f"for node {node!r}"
+            )
+
+
+UNBOUND_AGENT = (
+    "this agent token names no node (it was made before agent tokens were bound to one node) "
+    "and is refused: make one per node with `gpupool token create NODE --role agent --node "
+    "NODE` (or a join token: `gpupool token create NAME --role join --max-nodes N`), give it "
+    "to that node's agent, and revoke this one"
+)
+"""Why an agent token of an older database is refused: no row says which node it served,
+and binding it to whichever node registers first would let one stolen token pick a node."""
+
+
+def refuse_unbound(principal: Principal) -> None:
+    if principal.role == "agent" and principal.node is None:
+        raise Forbidden(UNBOUND_AGENT)
 
 
 def token_out(row: TokenRow) -> TokenOut:
@@ -69,6 +101,8 @@ def token_out(row: TokenRow) -> TokenOut:
         created_by=row.created_by,
         expires_at=row.expires_at,
         revoked_at=row.revoked_at,
+        node=row.node,
+        joins_left=row.joins_left,
     )
 
 
@@ -97,7 +131,13 @@ class TokenCache:
 
     def put(self, row: TokenRow) -> _Entry:
         entry = _Entry(
-            principal=Principal(row.id, row.name, row.role, row.tenant),  # type: ignore[arg-type]
+            principal=Principal(
+                row.id,
+                row.name,
+                row.role,  # type: ignore[arg-type]
+                row.tenant,
+                row.node if row.role == "agent" else None,
+            ),
             secret_sha256=row.secret_sha256,
             expires_at=row.expires_at,
             checked_at=time.monotonic(),
@@ -130,14 +170,29 @@ def check(entry: _Entry | None, secret: str) -> Principal:
 # ---- management (admin) ------------------------------------------------------------------
 
 
-def create(session: Session, body: TokenCreate, actor: str) -> TokenCreated:
+def _check_scope(session: Session, body: TokenCreate) -> None:
+    """Each role's scope: a tenant for tenant tokens, a node for agent tokens, a number of new
+    nodes for join tokens, and nothing for the pool-wide roles."""
     if body.role == "tenant":
         if body.tenant is None:
             raise InvalidRequest("a tenant token needs --tenant: the tenant it acts for")
         if session.get(TenantRow, body.tenant) is None:
             raise NotFound(f"no tenant {body.tenant!r}")
     elif body.tenant is not None:
-        raise InvalidRequest(f"a {body.role} token acts for every tenant: leave out the tenant")
+        raise InvalidRequest(f"a {body.role} token acts for no one tenant: leave out the tenant")
+    if body.role == "agent" and body.node is None:
+        raise InvalidRequest(
+            "an agent token acts for one node: give --node NAME (the name its agent registers), "
+            "or make a join token (--role join) that agents of new nodes trade for their own"
+        )
+    if body.role != "agent" and body.node is not None:
+        raise InvalidRequest(f"only an agent token names a node, not a {body.role} token")
+    if body.role != "join" and body.max_nodes is not None:
+        raise InvalidRequest(f"only a join token has --max-nodes, not a {body.role} token")
+
+
+def create(session: Session, body: TokenCreate, actor: str) -> TokenCreated:
+    _check_scope(session, body)
     token_id, secret, token = new_token()
     expires = utcnow() + timedelta(seconds=body.expires_in_s) if body.expires_in_s else None
     row = TokenRow(
@@ -145,15 +200,78 @@ def create(session: Session, body: TokenCreate, actor: str) -> TokenCreated:
         name=body.name,
         role=body.role,
         tenant=body.tenant,
+        node=body.node,
+        joins_left=(body.max_nodes or 1) if body.role == "join" else None,
         secret_sha256=digest(secret),
         created_at=utcnow(),
         created_by=actor,
         expires_at=expires,
     )
     session.add(row)
-    scope = f" for tenant {body.tenant}" if body.tenant else ""
+    if body.tenant:
+        scope = f" for tenant {body.tenant}"
+    elif body.node:
+        scope = f" for node {body.node}"
+    elif body.role == "join":
+        scope = f" for at most {row.joins_left} new node(s)"
+    else:
+        scope = ""
     record(session, actor, "token.created", token_id, f"{body.role} token {body.name!r}{scope}")
     return TokenCreated(**token_out(row).model_dump(), token=token)
+
+
+def live_node_tokens(session: Session, node: str) -> list[TokenRow]:
+    """The agent tokens that act for `node` now (neither revoked nor expired)."""
+    now = utcnow()
+    rows = session.scalars(
+        select(TokenRow).where(
+            TokenRow.role == "agent", TokenRow.node == node, TokenRow.revoked_at.is_(None)
+        )
+    )
+    return [r for r in rows if r.expires_at is None or r.expires_at > now]
+
+
+def join(session: Session, joiner: Principal, node: str) -> TokenCreated:
+    """Trade a join token for an agent token of a new node, once per node.
+
+    A node that has a live agent token already is refused: otherwise whoever holds the join
+    token could take over any node by joining it again. An operator whose node lost its
+    credential revokes the old token first, which the answer says.
+    """
+    if joiner.role != "join":
+        raise Forbidden(f"a {joiner.role} token cannot join nodes (needs a join token)")
+    row = session.get(TokenRow, joiner.token_id)
+    if row is None or row.revoked_at is not None:
+        raise Unauthenticated("the join token is not valid (unknown or revoked)")
+    if row.expires_at is not None and row.expires_at <= utcnow():
+        raise Unauthenticated(f"the join token expired at {row.expires_at.isoformat()}")
+    if (row.joins_left or 0) <= 0:
+        raise Forbidden(
+            f"join token {row.id} ({row.name}) has joined all the nodes it may: make a new one "
+            "with `gpupool token create NAME --role join --max-nodes N`"
+        )
+    held = live_node_tokens(session, node)
+    if held:
+        ids = ", ".join(r.id for r in held)
+        raise Conflict(
+            f"node {node} has an agent token already ({ids}): a join token joins new nodes only. "
+            "If this node lost its token, revoke it (`gpupool token revoke ID`) and join again"
+        )
+    row.joins_left = (row.joins_left or 0) - 1
+    made = create(
+        session,
+        TokenCreate(name=node, role="agent", node=node, expires_in_s=None),
+        joiner.actor,
+    )
+    record(
+        session,
+        joiner.actor,
+        "node.joined",
+        node,
+        f"agent token {made.id} made for node {node} by join token {row.id} "
+        f"({row.joins_left} join(s) left)",
+    )
+    return made
 
 
 def list_tokens(session: Session, include_revoked: bool) -> list[TokenOut]:

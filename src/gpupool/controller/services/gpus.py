@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from gpupool.controller.models import GpuRow, utcnow
 from gpupool.controller.services import elastic
+from gpupool.controller.services.auth import Principal
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, release
 from gpupool.controller.store import Store
@@ -68,11 +69,23 @@ def drain(store: Store, session: Session, uuid: str, actor: str) -> GpuOut:
 
 
 def isolate(
-    store: Store, session: Session, uuid: str, reason: str, actor: str, fault: bool = False
+    store: Store,
+    session: Session,
+    uuid: str,
+    reason: str,
+    actor: str,
+    fault: bool = False,
+    caller: Principal | None = None,
 ) -> GpuOut:
     """Take a GPU out of service. After a hardware fault its leases end: their holders are
-    told by the lease's state and reason and by an event, and the queue moves on."""
+    told by the lease's state and reason and by an event, and the queue moves on.
+
+    `caller`, when given, must be allowed to act for the GPU's node (an admin, or that
+    node's agent): one node's agent cannot isolate another node's GPUs.
+    """
     row = _row(store, session, uuid)
+    if caller is not None:
+        caller.check_node(row.node, f"isolate GPU {uuid}")
     if fault and row.mode == GpuMode.ISOLATED.value and row.isolation_reason == reason:
         return gpu_out(row, store.pool, store.live.telemetry.get(uuid))  # the agent repeats itself
     change = store.pool.isolate(uuid)

@@ -169,7 +169,9 @@ def create_claim(store: Store, session: Session, body: ClaimCreate, actor: str) 
             "prefer_node": None,
         }
     )
-    lease = leases.create(store, session, request, actor)
+    # Never privileged, whoever calls: the priority comes from the pod, which its tenant
+    # wrote, so the tenant's cap holds even when the extender runs with an admin token.
+    lease = leases.create(store, session, request, actor, privileged=False)
     row = store.lease_row(session, lease.id)
     assert row is not None
     return _claim_out(row)

@@ -70,8 +70,13 @@ def request_from(body: LeaseCreate) -> LeaseRequest:
     )
 
 
-def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> LeaseOut:
-    """Grant the request now if it fits behind everything already waiting, else queue it."""
+def create(
+    store: Store, session: Session, body: LeaseCreate, actor: str, privileged: bool = False
+) -> LeaseOut:
+    """Grant the request now if it fits behind everything already waiting, else queue it.
+
+    Only a `privileged` caller (an admin token) may ask a priority above the tenant's cap.
+    """
     pool = store.pool
     request = request_from(body)
     if body.request_id is not None:
@@ -82,7 +87,7 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
         raise InvalidRequest(f"no tenant {request.tenant!r}")
     if request.node is not None and request.node not in {g.node for g in pool.gpus.values()}:
         raise InvalidRequest(f"no node {request.node!r} with GPUs in this pool")
-    pool.check_quota_ever(request)
+    pool.check_quota_ever(request, privileged=privileged)
     pool.check_can_ever_fit(request)
     limit = pool.quotas[request.tenant].max_leases
     if limit is not None:
@@ -217,6 +222,45 @@ def persist_grants(store: Store, session: Session, grants: Iterable[Grant], now:
             grant.lease_id,
             f"granted on {_where(store, grant)}",
         )
+    withdraw_preemptions(store, session)
+
+
+def withdraw_preemptions(store: Store, session: Session) -> list[str]:
+    """Withdraw the preemptions whose cause no longer waits: it was released, expired, or
+    granted (on room that freed up elsewhere) before its victims were gone.
+
+    The victims keep their leases: back to active, no deadline, and the event log says so,
+    so that a request made and withdrawn at once cannot end another tenant's lease. Called
+    wherever the queue may have lost a request (every grant and every release pass here).
+    """
+    kept: list[str] = []
+    for victim, cause in sorted(store.pool.withdraw_preemptions().items()):
+        row = store.lease_row(session, victim)
+        store.live.preempt_deadline.pop(victim, None)
+        if row is None or LeaseState(row.state) is not LeaseState.PREEMPTED:
+            continue
+        row.state = transition(LeaseState.PREEMPTED, LeaseState.ACTIVE).value
+        row.release_reason = None
+        row.preempt_deadline_at = None
+        row.preempted_by = None
+        store.live.lease_seen[victim] = time.time()
+        cause_row = store.lease_rows.get(cause)
+        why = (
+            "was granted before this lease was gone"
+            if cause_row is not None and LeaseState(cause_row.state) in HOLDING
+            else "was released or expired"
+        )
+        record(
+            session,
+            "controller",
+            "lease.preemption_withdrawn",
+            victim,
+            f"preemption withdrawn: lease {cause}, which it was preempted for, {why}; "
+            "this lease is kept",
+            by=cause,
+        )
+        kept.append(victim)
+    return kept
 
 
 def persist_mode_changes(store: Store, session: Session, changes: Iterable[ModeChange]) -> None:
@@ -353,6 +397,7 @@ def preempt(store: Store, session: Session) -> int:
                 f"stop within {store.settings.preempt_grace_s:g} s"
             )[:256]
             row.preempt_deadline_at = datetime.fromtimestamp(deadline, UTC)
+            row.preempted_by = plan.lease_id
             store.live.preempt_deadline[row.id] = deadline
             record(
                 session,
@@ -368,7 +413,9 @@ def preempt(store: Store, session: Session) -> int:
 
 
 def end_preempted(store: Store, session: Session) -> int:
-    """Release preempted leases whose holders did not stop within the grace period."""
+    """Release preempted leases whose holders did not stop within the grace period (unless
+    the request they were preempted for went away first: then they stay)."""
+    withdraw_preemptions(store, session)
     clock = time.time()
     due = [lid for lid, at in store.live.preempt_deadline.items() if at <= clock]
     for lease_id in due:

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from gpupool.controller.models import GpuRow, NodeRow, utcnow
+from gpupool.controller.models import GpuRow, LeaseRow, NodeRow, utcnow
 from gpupool.controller.services import elastic, oversubscription
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, release
@@ -117,17 +117,20 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
     if row is None:
         raise NotFound(f"no node {name!r}: register it first")
     store.live.node_seen[name] = time.time()
+    own = own_gpus(store, name)
     for t in body.telemetry:
-        store.live.telemetry[t.uuid] = t.model_dump(exclude_none=True, exclude={"uuid"})
+        if t.uuid in own:
+            store.live.telemetry[t.uuid] = t.model_dump(exclude_none=True, exclude={"uuid"})
     store.live.host[name] = body.host
     store.live.dirty_nodes.add(name)
-    note_workers(store, body.workers, session)
-    oversubscription.note_room_requests(store, session, body.workers)
-    end_leases_of_dead_workers(store, session, body.workers)
+    workers = own_workers(store, own, body.workers)
+    note_workers(store, workers, session)
+    oversubscription.note_room_requests(store, session, workers)
+    end_leases_of_dead_workers(store, session, workers)
     # A node back from an outage may still run workers of leases that ended meanwhile (the
     # node-lost policy released them): it stays out of placement until its agent, told by
     # this reply, has stopped them, so no new lease shares a GPU with a stale worker.
-    resumed = row.state != "up" and not stale_workers(store, body.workers)
+    resumed = row.state != "up" and not stale_workers(store, workers)
     if resumed:
         row.state = "up"
         row.last_seen_at = utcnow()
@@ -137,6 +140,39 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
     return NodeHeartbeatReply(
         resumed=resumed, gpus=desired(store, name), leases=remote_leases(store, name)
     )
+
+
+def own_gpus(store: Store, node: str) -> set[str]:
+    """The GPUs registered by `node` (a GPU uuid belongs to one node: see register)."""
+    return set(store.pool.node_gpus.get(node, {}))
+
+
+def own_workers(store: Store, gpus: set[str], reports: list[WorkerReport]) -> list[WorkerReport]:
+    """The worker reports a node may make: for its own GPUs, and for leases with a slice
+    (current, or the old place of a move) on that GPU, or for leases no longer held.
+
+    Everything else is dropped unread: one node's agent must not set where another node's
+    worker listens (a client would send its lease token there), end another node's lease
+    by calling its worker dead, or ask room for it.
+    """
+    out = []
+    for report in reports:
+        if report.gpu_uuid not in gpus:
+            continue
+        row = store.lease_rows.get(report.lease_id)
+        if row is not None and report.gpu_uuid not in lease_gpus(row):
+            continue
+        out.append(report)
+    return out
+
+
+def lease_gpus(row: LeaseRow) -> set[str]:
+    """Every GPU a lease's workers may run on now: its slices and, while it moves, the old."""
+    held = {s.gpu_uuid for s in row.slices}
+    moving = elastic.handoff(row)
+    if moving is not None:
+        held |= {str(p.get("gpu_uuid")) for p in moving.get("from", [])}
+    return held
 
 
 IDLE_AFTER_S = 30.0

@@ -109,6 +109,7 @@ class GpuTelemetry(Strict):
 
 class NodeRegister(Strict):
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
+    """The node's name: an agent token registers the node it was made for, and no other."""
     address: Annotated[str, Field(max_length=256)] | None = None
     agent_url: Annotated[str, Field(max_length=512)] | None = None
     cpu_count: Int32 | None = None
@@ -512,16 +513,28 @@ class ErrorOut(BaseModel):
 
 # ---- tokens -----------------------------------------------------------------------------
 
-Role = Literal["admin", "viewer", "agent", "tenant"]
+Role = Literal["admin", "viewer", "agent", "tenant", "join", "scheduler"]
+
+NODE_NAME = r"^[A-Za-z0-9._-]+$"
+"""What a node may be called (NodeRegister.name): also what an agent token may be bound to."""
+
+MAX_JOINS = 100_000
 
 
 class TokenCreate(Strict):
-    """A new API token. A tenant token acts for its tenant only; the other roles are global:
-    `admin` may do everything, `viewer` reads everything, `agent` registers nodes."""
+    """A new API token. A tenant token acts for its tenant only, an agent token for its node
+    only; `admin` may do everything, `viewer` reads everything, `scheduler` (the Kubernetes
+    extender) places pods and keeps their claims, and `join` does nothing but make agent
+    tokens for new nodes (at most `max_nodes` of them), which is how a DaemonSet's agents,
+    which share one secret, get a credential each."""
 
     name: Annotated[str, Field(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9._@:-]+$")]
     role: Role
     tenant: Annotated[str, Field(min_length=1, max_length=64)] | None = None
+    node: Annotated[str, Field(min_length=1, max_length=128, pattern=NODE_NAME)] | None = None
+    """The node an agent token acts for (required for role agent, refused for the others)."""
+    max_nodes: Annotated[int, Field(ge=1, le=MAX_JOINS)] | None = None
+    """How many new nodes a join token may join (role join only; default 1)."""
     expires_in_s: Annotated[float, Field(gt=0, le=10 * 365 * 86400)] | None = None
 
 
@@ -534,6 +547,10 @@ class TokenOut(BaseModel):
     created_by: str
     expires_at: datetime | None
     revoked_at: datetime | None
+    node: str | None = None
+    """The node of an agent token."""
+    joins_left: int | None = None
+    """The new nodes a join token may still join."""
 
 
 class TokenCreated(TokenOut):
@@ -546,6 +563,8 @@ class WhoAmI(BaseModel):
     name: str
     role: Role
     tenant: str | None
+    node: str | None = None
+    """The node an agent token acts for."""
     actor: str
     """How this caller appears in the event log."""
 
