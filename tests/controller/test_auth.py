@@ -23,10 +23,20 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def make_token(admin: TestClient, name: str, role: str, tenant: str | None = None) -> str:
-    body: dict[str, object] = {"name": name, "role": role}
+def make_token(
+    admin: TestClient,
+    name: str,
+    role: str,
+    tenant: str | None = None,
+    node: str | None = None,
+    **more: object,
+) -> str:
+    """A new token's secret; an agent token acts for `node` (default: node-a)."""
+    body: dict[str, object] = {"name": name, "role": role, **more}
     if tenant is not None:
         body["tenant"] = tenant
+    if role == "agent":
+        body["node"] = node or "node-a"
     answer = admin.post(f"{API}/tokens", json=body)
     assert answer.status_code == 201, answer.text
     return str(answer.json()["token"])
@@ -207,6 +217,18 @@ def test_tenants_see_their_own_queue_entries_with_real_positions(admin: TestClie
         ("agent", "POST", "/leases", {"compute_pct": 10, "memory": "1GiB"}),
         ("agent", "POST", "/gpus/GPU-node-a-0/mode", {"mode": "physical"}),
         ("agent", "GET", "/leases", None),
+        ("agent", "POST", "/k8s/claims", {"claim": "c", "node": "node-a", "request": {}}),
+        ("agent", "POST", "/k8s/placement", {"nodes": ["node-a"], "request": {}}),
+        ("join", "GET", "/nodes", None),
+        ("join", "POST", "/nodes", {"name": "node-a"}),
+        ("join", "POST", "/nodes/node-a/heartbeat", {}),
+        ("join", "POST", "/gpus/GPU-node-a-0/isolate", {"reason": "x", "fault": True}),
+        ("join", "POST", "/leases", {"compute_pct": 10, "memory": "1GiB"}),
+        ("scheduler", "POST", "/nodes", {"name": "node-a"}),
+        ("scheduler", "POST", "/nodes/node-a/heartbeat", {}),
+        ("scheduler", "POST", "/gpus/GPU-node-a-0/isolate", {"reason": "x", "fault": True}),
+        ("scheduler", "GET", "/k8s/nodes/node-a/pending", None),
+        ("scheduler", "POST", "/leases", {"compute_pct": 10, "memory": "1GiB"}),
     ],
 )
 def test_roles_are_refused_what_they_may_not_do(
@@ -224,7 +246,7 @@ def test_viewers_read_everything_and_agents_register_nodes(admin: TestClient) ->
     viewer = bearer(make_token(admin, "watcher", "viewer"))
     for path in ("/leases", "/queue", "/gpus", "/nodes", "/tenants", "/pool", "/events"):
         assert admin.get(API + path, headers=viewer).status_code == 200, path
-    agent = bearer(make_token(admin, "node-b", "agent"))
+    agent = bearer(make_token(admin, "node-b", "agent", node="node-b"))
     node = {
         "name": "node-b",
         "gpus": [{"uuid": "GPU-b-0", "index": 0, "model": "H100", "memory_mib": 81920}],

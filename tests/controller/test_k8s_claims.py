@@ -131,31 +131,53 @@ def test_claims_survive_a_controller_restart(start_controller: Any, db_url: str 
         assert busy.status_code == 409  # the gate holds across restarts too
 
 
-def test_only_agent_and_admin_tokens_reach_the_k8s_endpoints(tmp_path: Path) -> None:
+def test_only_scheduler_and_admin_tokens_make_claims_and_agents_ask_for_their_node_only(
+    tmp_path: Path,
+) -> None:
     with controller(tmp_path) as client:
         register(client, "node-a", gpus=1)
+        register(client, "node-b", gpus=1)
+        scopes: dict[str, dict[str, str]] = {
+            "scheduler": {},
+            "viewer": {},
+            "tenant": {"tenant": "default"},
+            "agent": {"node": "node-a"},
+        }
         tokens = {
             role: client.post(
-                f"{API}/tokens",
-                json={
-                    "name": f"k8s-{role}",
-                    "role": role,
-                    **({"tenant": "default"} if role == "tenant" else {}),
-                },
+                f"{API}/tokens", json={"name": f"k8s-{role}", "role": role, **scope}
             ).json()["token"]
-            for role in ("agent", "viewer", "tenant")
+            for role, scope in scopes.items()
         }
         body = claim_body("c-auth00000001")
         none = client.post(f"{API}/k8s/claims", json=body, headers={"Authorization": ""})
         assert none.status_code == 401
-        for role in ("viewer", "tenant"):
+        for role in ("viewer", "tenant", "agent"):
             refused = client.post(
                 f"{API}/k8s/claims", json=body, headers={"Authorization": f"Bearer {tokens[role]}"}
             )
             assert refused.status_code == 403 and "cannot do this" in refused.json()["detail"]
-        agent = {"Authorization": f"Bearer {tokens['agent']}"}
-        assert client.post(f"{API}/k8s/claims", json=body, headers=agent).status_code == 201
-        beat = client.post(f"{API}/k8s/claims/c-auth00000001/heartbeat", headers=agent)
+        assert client.get(f"{API}/k8s/claims").json() == []  # nothing was made
+        scheduler = {"Authorization": f"Bearer {tokens['scheduler']}"}
+        assert client.post(f"{API}/k8s/claims", json=body, headers=scheduler).status_code == 201
+        beat = client.post(f"{API}/k8s/claims/c-auth00000001/heartbeat", headers=scheduler)
         assert beat.status_code == 200 and beat.json()["state"] == "bound"
         events = client.get(f"{API}/events", params={"kind": "lease.created"}).json()
-        assert events[-1]["actor"] == "agent:k8s-agent"
+        assert events[-1]["actor"] == "scheduler:k8s-scheduler"
+        # The device plugin of node-a (its agent's token) sees node-a's claim...
+        agent = {"Authorization": f"Bearer {tokens['agent']}"}
+        mine = client.get(f"{API}/k8s/nodes/node-a/pending", headers=agent)
+        assert mine.status_code == 200 and mine.json()["claim"] == "c-auth00000001"
+        # ...and cannot read or allocate another node's.
+        assert client.post(
+            f"{API}/k8s/claims", json=claim_body("c-auth00000002", node="node-b"), headers=scheduler
+        ).status_code == 201
+        other = client.get(f"{API}/k8s/nodes/node-b/pending", headers=agent)
+        assert other.status_code == 403 and "node-a" in other.json()["detail"]
+        take = client.post(
+            f"{API}/k8s/nodes/node-b/allocate",
+            json={"resource": "vgpu", "devices": 1},
+            headers=agent,
+        )
+        assert take.status_code == 403 and "node 'node-b'" in take.json()["detail"]
+        assert client.get(f"{API}/k8s/claims/c-auth00000002").json()["state"] == "bound"

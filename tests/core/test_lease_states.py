@@ -37,6 +37,7 @@ ALLOWED = {
     (S.MIGRATING, S.ACTIVE),
     (S.MIGRATING, S.RELEASED),
     (S.PREEMPTED, S.QUEUED),
+    (S.PREEMPTED, S.ACTIVE),  # the preemption was withdrawn: its cause went away
     (S.PREEMPTED, S.RELEASED),
 }
 

@@ -7,7 +7,7 @@ from hypothesis import strategies as st
 
 from gpupool.core import FAIR, Gpu, GpuMode, LeaseRequest, Pool, Quota, Slice
 from gpupool.core.dualpool import DualPoolPolicy, rebalance
-from gpupool.core.preempt import held_units, plan_preemption
+from gpupool.core.preempt import held_units, plan_preemption, withdrawn
 
 GIB = 1024
 
@@ -159,3 +159,76 @@ def test_a_gang_that_may_span_servers_preempts_across_them() -> None:
         tenant="b", gpus=2, compute_pct=100, memory_mib=8 * GIB, priority=5, span_nodes=False
     )
     assert plan_preemption(pool, "pinned", pinned) is None, "no one server has two GPUs"
+
+
+# ---- withdrawal: a preemption lasts only while its cause waits --------------------------
+
+
+def test_a_preemption_is_withdrawn_when_its_request_is_released_and_the_victim_keeps_its_gpu(
+) -> None:
+    pool = make_pool()
+    hold(pool, "low", "g0", 100, 0)
+    pool.enqueue("urgent", LeaseRequest(tenant="b", compute_pct=60, priority=5))
+    [plan] = pool.plan_preemptions()
+    assert plan.victims == ("low",)
+    pool.release("urgent")
+    assert pool.withdraw_preemptions() == {"low": "urgent"}
+    assert pool.preempting == {}
+    assert "low" in pool.holdings and pool.usage["g0"].compute_pct == 100
+    assert pool.withdraw_preemptions() == {}  # once only
+
+
+def test_a_preemption_is_withdrawn_when_its_request_is_granted_on_room_found_elsewhere() -> None:
+    pool = make_pool(2)
+    hold(pool, "low", "g0", 100, 0)
+    hold(pool, "other", "g1", 100, 9)
+    pool.enqueue("urgent", LeaseRequest(tenant="b", compute_pct=60, priority=5))
+    [plan] = pool.plan_preemptions()
+    assert plan.victims == ("low",)
+    pool.release("other")  # room elsewhere, before the victim is gone
+    assert [g.lease_id for g in pool.serve_queue()] == ["urgent"]
+    assert pool.withdraw_preemptions() == {"low": "urgent"}
+    assert "low" in pool.holdings
+
+
+def test_a_preemption_whose_cause_was_not_recorded_is_never_withdrawn() -> None:
+    assert withdrawn({"old": "", "new": "gone"}, set()) == {"new": "gone"}
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    leases,
+    st.lists(
+        st.tuples(st.integers(1, 7), st.sampled_from([10, 50, 100]), st.sampled_from("ab")),
+        min_size=1,
+        max_size=4,
+    ),
+    st.lists(st.booleans(), min_size=4, max_size=4),
+)
+def test_withdrawal_keeps_exactly_the_preemptions_whose_request_still_waits(
+    held: list[tuple[int, int, str]],
+    asks: list[tuple[int, int, str]],
+    keep: list[bool],
+) -> None:
+    """For any pool: after some of the causing requests leave the queue, withdrawal leaves
+    only preemptions whose cause still waits, returns every other one, and no victim loses
+    anything it holds (withdrawal changes no capacity)."""
+    pool = make_pool(2)
+    for i, (pct, prio, tenant) in enumerate(held):
+        pool.try_grant(f"l{i}", LeaseRequest(tenant=tenant, compute_pct=pct, priority=prio))
+    for j, (prio, pct, tenant) in enumerate(asks):
+        pool.enqueue(f"q{j}", LeaseRequest(tenant=tenant, compute_pct=pct, priority=prio))
+    pool.serve_queue()
+    pool.plan_preemptions()
+    before = dict(pool.preempting)
+    for j in range(len(asks)):
+        if not keep[j] and f"q{j}" in pool.queue:
+            pool.release(f"q{j}")
+    holdings = dict(pool.holdings)
+    usage = {u: (g.compute_pct, g.memory_mib) for u, g in pool.usage.items()}
+    gone = pool.withdraw_preemptions()
+    assert set(gone) | set(pool.preempting) == {v for v in before if v in holdings}
+    assert all(cause not in pool.queue for cause in gone.values())
+    assert all(cause in pool.queue for cause in pool.preempting.values())
+    assert pool.holdings == holdings
+    assert {u: (g.compute_pct, g.memory_mib) for u, g in pool.usage.items()} == usage
