@@ -182,3 +182,77 @@ def test_the_api_and_an_agent_over_tls(tmp_path: Path) -> None:
             stop(agent)
         stop(ctl)
         log.close()
+
+
+def _agent_with_join_token(pool: Pool, join: str, node: str, data_dir: Path) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if k != "GPUPOOL_TOKEN"}
+    env["GPUPOOL_JOIN_TOKEN"] = join
+    env["HOME"] = str(data_dir)  # no ~/.config/gpupool/token to fall back on
+    with (pool.workdir / f"agent-{node}.log").open("ab") as log:
+        return subprocess.Popen(
+            gpupool_argv(
+                "agent", "--url", pool.url, "--node", node, "--fake", "1xH100-80GB",
+                "--interval", "0.3", "--data-dir", str(data_dir),
+            ),
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            cwd=data_dir,
+        )  # fmt: skip
+
+
+def test_an_agent_joins_with_a_join_token_once_and_keeps_its_node_token(
+    pool: Pool, tmp_path: Path
+) -> None:
+    """The DaemonSet case, with real processes: agents share one join token; each trades it
+    for a token of its own node, kept owner-only, and a restart does not join again."""
+    join = pool.ok("token", "create", "rack", "--role", "join", "--max-nodes", "1").stdout.strip()
+    data = tmp_path / "gpu-7"
+    data.mkdir()
+    agent = _agent_with_join_token(pool, join, "gpu-7", data)
+    try:
+        pool.wait_for("gpu-7 to register", lambda: any(n["name"] == "gpu-7" for n in pool.json("nodes")))
+        kept = data / "node.token"
+        assert kept.stat().st_mode & 0o777 == 0o600
+        me = httpx.get(
+            f"{pool.url}/api/v1/whoami",
+            headers={"Authorization": f"Bearer {kept.read_text().strip()}"},
+        ).json()
+        assert me["role"] == "agent" and me["node"] == "gpu-7"
+        stop(agent)
+        agent = _agent_with_join_token(pool, join, "gpu-7", data)  # the join token is spent
+        before = len(pool.json("events", "--kind", "node.reregistered"))
+        pool.wait_for(
+            "gpu-7 to register again",
+            lambda: len(pool.json("events", "--kind", "node.reregistered")) > before,
+        )
+        agents = [t for t in pool.json("token", "ls") if t["role"] == "agent"]
+        assert [t["node"] for t in agents] == ["gpu-7"]
+    finally:
+        stop(agent)
+    # A second node cannot use the spent join token, and is told why.
+    other = tmp_path / "gpu-8"
+    other.mkdir()
+    rogue = _agent_with_join_token(pool, join, "gpu-8", other)
+    try:
+        log = pool.workdir / "agent-gpu-8.log"
+        pool.wait_for("the refusal", lambda: "joined all the nodes it may" in log.read_text())
+        assert not any(n["name"] == "gpu-8" for n in pool.json("nodes"))
+        assert not (other / "node.token").exists()
+    finally:
+        stop(rogue)
+
+
+def test_token_create_for_a_node_and_its_bad_forms_from_the_cli(pool: Pool) -> None:
+    made = pool.ok("token", "create", "gpu-7", "--role", "agent", "--node", "gpu-7")
+    assert "for node gpu-7" in made.stderr
+    for args, reason in (
+        (("--role", "agent"), "acts for one node: give --node"),
+        (("--role", "viewer", "--node", "gpu-7"), "only an agent token names a node"),
+        (("--role", "agent", "--node", "a/b"), "--node must be"),
+        (("--role", "agent", "--node", "n", "--max-nodes", "2"), "only a join token"),
+        (("--role", "join", "--max-nodes", "0"), "--max-nodes must be"),
+    ):
+        done = pool.cli("token", "create", "x", *args)
+        assert done.returncode == 2 and reason in done.stderr, done.stderr
+        assert len(done.stderr.strip().splitlines()) == 1
