@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import heapq
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpupool.core import FAIR, Gpu, LeaseRequest, Pool, QueuePolicy, Quota, Slice
+from gpupool.core import FAIR, Gpu, LeaseRequest, Pool, QueuePolicy, Quota, QuotaExceeded, Slice
+from gpupool.core.queue import priority_cap, priority_refusal
 
 GIB = 1024
 
@@ -196,3 +198,35 @@ def test_no_request_starves_under_fair_share(
     assert set(started) == set(spec), "a request never started"
     for lid, (at, ahead) in arrived.items():
         assert started[lid] - at <= boost + (ahead + 1) * longest, lid
+
+
+# ---- priority caps ----------------------------------------------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.integers(0, 1000),
+    st.one_of(st.none(), st.integers(0, 1000)),
+    st.one_of(st.none(), st.integers(0, 1000)),
+)
+def test_a_priority_is_refused_exactly_when_it_is_above_the_cap_and_the_refusal_says_it(
+    priority: int, tenant_max: int | None, default_max: int | None
+) -> None:
+    """The tenant's own cap replaces the pool's default; None everywhere is unlimited."""
+    cap = tenant_max if tenant_max is not None else default_max
+    problem = priority_refusal("t", priority, tenant_max, default_max)
+    assert (problem is not None) == (cap is not None and priority > cap)
+    assert priority_cap(tenant_max, default_max) == cap
+    if problem is not None:
+        assert f"priority {priority}" in problem and f": {cap} (" in problem
+
+
+def test_the_pool_refuses_a_priority_over_the_default_cap_unless_privileged() -> None:
+    pool = Pool(default_max_priority=3)
+    pool.quotas["t"] = Quota()
+    pool.check_quota_ever(LeaseRequest(tenant="t", compute_pct=10, priority=3))
+    with pytest.raises(QuotaExceeded, match="above the highest priority tenant t may ask"):
+        pool.check_quota_ever(LeaseRequest(tenant="t", compute_pct=10, priority=4))
+    pool.check_quota_ever(LeaseRequest(tenant="t", compute_pct=10, priority=4), privileged=True)
+    pool.quotas["t"] = Quota(max_priority=10)
+    pool.check_quota_ever(LeaseRequest(tenant="t", compute_pct=10, priority=10))
