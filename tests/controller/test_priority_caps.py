@@ -214,3 +214,22 @@ def test_a_withdrawal_survives_a_controller_restart(tmp_path: Path, db_url: str 
         assert admin.delete(f"{API}/leases/{urgent.json()['id']}").status_code == 200
         assert lease(admin, victim.json()["id"])["state"] == "active"
         assert end_preempted_later(admin, 3600) == 0
+
+
+def test_a_request_that_expires_before_its_victim_is_gone_withdraws_the_preemption(
+    admin: TestClient,
+) -> None:
+    victim_team = tenant_token(admin, "team-v")
+    urgent_team = tenant_token(admin, "team-u", max_priority=1000)
+    victim = admin.post(f"{API}/leases", json=SLICE, headers=victim_team).json()["id"]
+    # Its holder sends no heartbeat: the queued request expires after its ttl.
+    urgent = admin.post(
+        f"{API}/leases", json={**SLICE, "priority": 1000, "ttl_s": 1.5}, headers=urgent_team
+    ).json()["id"]
+    wait_for(lambda: preempted(admin, victim))
+    ended = wait_for(lambda: (lease(admin, urgent)["state"] == "released") and lease(admin, urgent))
+    assert ended["release_reason"] == "holder stopped heartbeating"  # it expired
+    wait_for(lambda: lease(admin, victim)["state"] == "active")
+    events = admin.get(f"{API}/events", params={"kind": "lease.preemption_withdrawn"}).json()
+    assert [e["subject"] for e in events] == [victim]
+    assert end_preempted_later(admin, 3600) == 0
