@@ -38,6 +38,7 @@ from gpupool.controller.services.watch import open_watch
 from gpupool.controller.settings import ControllerSettings
 from gpupool.controller.store import Store
 from gpupool.core import PoolError
+from gpupool.protocol.bodylimit import BodyLimit
 from gpupool.protocol.v1 import API_PREFIX
 from gpupool.protocol.v1.api import ErrorOut, ValidationErrorOut
 
@@ -47,7 +48,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: {"model": ErrorOut, "description": "Not allowed for this token, or by the quota"},
     404: {"model": ErrorOut, "description": "No such object"},
     409: {"model": ErrorOut, "description": "Conflicts with the pool's state"},
+    413: {"model": ErrorOut, "description": "The request body is over the size limit"},
     422: {"model": ValidationErrorOut, "description": "Invalid request"},
+    503: {
+        "model": ErrorOut,
+        "description": "The database cannot take the change now (a storage fault), or a "
+        "standby has no leader to forward it to; nothing was changed",
+    },
 }
 """What any route may answer besides its success, so the OpenAPI document says all of it."""
 
@@ -115,6 +122,8 @@ def create_app(settings: ControllerSettings) -> FastAPI:
     app.add_middleware(SchedulingTimer)
     # Outermost: a standby forwards a write before anything else of it runs.
     app.add_middleware(ha.Standby, group=lambda: getattr(app.state, "ha", None))
+    # Outside even that: an oversized body is refused before a standby would forward it.
+    app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_exception_handler(PoolError, _pool_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
