@@ -46,6 +46,12 @@ Command = Callable[[Session], Any]
 
 BATCH_MAX = 128
 
+STALL_MIN_S = 2.0
+STALL_INTERVALS = 4
+"""The reconcile loop counts as stalled when it did not run for STALL_INTERVALS of its
+intervals, and at least STALL_MIN_S: long enough that a busy loop or a collection pause does
+not count, short enough that no holder's heartbeat can have been lost to it unseen."""
+
 
 @dataclass(slots=True)
 class Liveness:
@@ -89,6 +95,8 @@ class Store:
         """False on an HA standby: it serves reads and runs no reconcile loop or webhook."""
         self.idle_timeouts: dict[str, float | None] = {}
         """Tenants → their remote leases' idle timeout (services/elastic.py)."""
+        self.last_reconcile_mono: float | None = None
+        """When the reconcile loop last ran (monotonic), to see that it stalled."""
 
     def _new_session(self) -> Session:
         return Session(self.engine, expire_on_commit=False)
@@ -188,6 +196,44 @@ class Store:
                 self.live.lease_seen.setdefault(lease.id, seen)
             session.commit()
             self.pool = pool
+            # What the loop missed before this load does not count as a stall: the load
+            # itself gave every holder its grace.
+            self.last_reconcile_mono = None
+
+    def stall_s(self, now_mono: float) -> float | None:
+        """How long the reconcile loop did not run, where that is a stall; else None.
+
+        Called by each round of the loop, on the writer thread. The gap counts whatever kept
+        the loop from running: the process stopped (SIGSTOP, a frozen VM), the event loop
+        blocked, or the writer thread busy, since the round runs as a write.
+        """
+        last, self.last_reconcile_mono = self.last_reconcile_mono, now_mono
+        if last is None:
+            return None
+        gap_s = now_mono - last
+        expected_s = max(STALL_MIN_S, STALL_INTERVALS * self.settings.reconcile_interval_s)
+        return gap_s if gap_s > expected_s else None
+
+    def regrace(self) -> tuple[int, int]:
+        """Give every holder and every node its timeout again from now, as a restart does.
+
+        After a stall, heartbeats sent meanwhile could not be answered (or are still in
+        the sockets' buffers); counting the stall against the holders would release every
+        lease at once although each holder kept heartbeating. Preemption deadlines run on,
+        as after a restart: a preempted holder was told to stop before the stall.
+        Returns (leases, nodes) whose grace started again.
+        """
+        now = time.time()
+        live = self.live
+        leases = [lid for lid, seen in live.lease_seen.items() if seen < now]
+        for lease_id in leases:
+            live.lease_seen[lease_id] = now
+        nodes = [name for name, seen in live.node_seen.items() if seen < now]
+        for name in nodes:
+            live.node_seen[name] = now
+        for name in self.node_rows:
+            live.node_seen.setdefault(name, now)
+        return len(leases), len(nodes)
 
     # ---- commands --------------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from gpupool.controller.db import checkpoint
 from gpupool.controller.services import gpus, leases, nodes
+from gpupool.controller.services.events import record
 from gpupool.controller.store import Store
 
 log = logging.getLogger("gpupool.controller")
@@ -22,6 +23,7 @@ CHECKPOINT_EVERY_S = 2.0
 
 
 def reconcile_once(store: Store, session: Session) -> None:
+    forgive_stall(store, session)
     leases.expire(store, session)
     nodes.mark_silent_down(store, session)
     nodes.release_lost(store, session)
@@ -30,6 +32,22 @@ def reconcile_once(store: Store, session: Session) -> None:
     gpus.rebalance(store, session)
     leases.serve(store, session)
     leases.preempt(store, session)
+
+
+def forgive_stall(store: Store, session: Session) -> None:
+    """After the loop stalled, every holder and node gets its timeout again before anything
+    expires: a stall is treated like a restart (see Store.regrace)."""
+    stall_s = store.stall_s(time.monotonic())
+    if stall_s is None:
+        return
+    leases_n, nodes_n = store.regrace()
+    message = (
+        f"the controller did not run for {stall_s:.1f} s (its loop runs every "
+        f"{store.settings.reconcile_interval_s:g} s): {leases_n} lease(s) and {nodes_n} "
+        "node(s) get their heartbeat timeout again from now, as after a restart"
+    )
+    log.warning("%s", message)
+    record(session, "controller", "controller.stalled", "controller", message, stall_s=stall_s)
 
 
 async def run(store: Store, stop: asyncio.Event) -> None:
