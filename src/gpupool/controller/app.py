@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException
 
 from gpupool import __version__
@@ -36,7 +37,7 @@ from gpupool.controller.services.metrics import SchedulingTimer
 from gpupool.controller.services.tenants import ensure_default
 from gpupool.controller.services.watch import open_watch
 from gpupool.controller.settings import ControllerSettings
-from gpupool.controller.store import Store
+from gpupool.controller.store import StorageUnavailable, Store, storage_reason
 from gpupool.core import PoolError
 from gpupool.protocol.bodylimit import BodyLimit
 from gpupool.protocol.v1 import API_PREFIX
@@ -86,6 +87,7 @@ def create_app(settings: ControllerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await asyncio.to_thread(open_store, settings)
         app.state.store = store
+        store.on_fatal = getattr(app.state, "on_fatal", None)
         app.state.tokens = auth.TokenCache()
         stop = asyncio.Event()
         if settings.ha:
@@ -127,7 +129,19 @@ def create_app(settings: ControllerSettings) -> FastAPI:
     app.add_exception_handler(PoolError, _pool_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(OperationalError, _storage_error)
     return app
+
+
+async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
+    """A read (or the HA fence) that the database could not answer: 503 with the reason,
+    rather than a 500 and a traceback; the writer's faults come as StorageUnavailable."""
+    reason = storage_reason(exc)
+    log.warning("%s %s: the database did not answer: %s", request.method, request.url.path, reason)
+    error = StorageUnavailable(
+        f"the controller's database cannot answer now ({reason}); try again shortly"
+    )
+    return JSONResponse({"error": error.code, "detail": error.message}, status_code=503)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -9,12 +9,13 @@ import contextlib
 import logging
 import time
 
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from gpupool.controller.db import checkpoint
 from gpupool.controller.services import gpus, leases, nodes
 from gpupool.controller.services.events import record
-from gpupool.controller.store import Store
+from gpupool.controller.store import StorageUnavailable, Store, storage_reason
 
 log = logging.getLogger("gpupool.controller")
 
@@ -56,14 +57,17 @@ async def run(store: Store, stop: asyncio.Event) -> None:
         if time.monotonic() - last_checkpoint > CHECKPOINT_EVERY_S:
             try:
                 await asyncio.to_thread(checkpoint, store.engine)
-            except Exception:
-                log.exception("SQLite checkpoint failed; retrying")
+            except OperationalError as exc:
+                log.warning("SQLite checkpoint failed (%s); retrying", storage_reason(exc))
             last_checkpoint = time.monotonic()
         try:
             await store.write(lambda s: reconcile_once(store, s))
             if time.monotonic() - last_flush > FLUSH_EVERY_S:
                 await store.write(lambda s: nodes.flush_liveness(store, s))
                 last_flush = time.monotonic()
+        except StorageUnavailable as exc:
+            # The store logged the fault when it began; once a round is enough here.
+            log.debug("reconcile: %s", exc.message)
         except Exception:
             log.exception("reconcile failed; retrying")
         with contextlib.suppress(TimeoutError):
