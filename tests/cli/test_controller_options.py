@@ -13,6 +13,8 @@ from gpupool.cli.main import app
     [
         (["--node-lost-policy", "forget"], "--node-lost-policy must be one of keep, release"),
         (["--node-lost-grace", "-1"], "--node-lost-grace must not be negative"),
+        (["--max-body-mib", "0"], "--max-body-mib must be 1..1024"),
+        (["--max-body-mib", "2048"], "--max-body-mib must be 1..1024"),
     ],
 )
 def test_bad_node_lost_options_exit_2_with_one_line(
