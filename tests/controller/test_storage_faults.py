@@ -229,3 +229,19 @@ def test_full_disk_answers_every_request_with_http_and_keeps_what_was_committed(
     with httpx.Client(base_url=ctl.url + "/api/v1", headers=AUTH, timeout=30) as client:
         assert [lease["id"] for lease in client.get("/leases").json()] == [kept["id"]]
         assert "t-after" in _names(client)
+
+
+def test_a_read_the_database_cannot_answer_is_a_503_not_a_500(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with controller(tmp_path) as client:
+        store: Store = client.app.state.store  # type: ignore[attr-defined]
+
+        async def unreadable(_query: Any) -> Any:
+            raise OperationalError("SELECT", {}, sqlite3.OperationalError("disk I/O error"))
+
+        monkeypatch.setattr(store, "read", unreadable)
+        response = client.get(f"{API}/events")
+        assert response.status_code == 503, response.text
+        assert response.json()["error"] == "storage_unavailable"
+        assert "disk I/O error" in response.json()["detail"]

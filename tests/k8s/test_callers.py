@@ -179,3 +179,13 @@ def test_malformed_payload_over_tls_is_a_400_and_oversize_body_a_413(served: Ser
         assert big.status_code == 413
         assert "1 MiB" in big.json()["Error"]
         assert scheduler.get("/healthz").status_code == 200
+
+
+def test_unauthenticated_caller_is_refused_before_its_body_is_read(served: Served) -> None:
+    with served.client() as anyone:
+        response = anyone.post(
+            "/webhook/mutate",
+            content=b"x" * (2 * 1024 * 1024),
+            headers={"Content-Type": "application/json"},
+        )
+    assert response.status_code == 401
