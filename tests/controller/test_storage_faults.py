@@ -245,3 +245,68 @@ def test_a_read_the_database_cannot_answer_is_a_503_not_a_500(
         assert response.status_code == 503, response.text
         assert response.json()["error"] == "storage_unavailable"
         assert "disk I/O error" in response.json()["detail"]
+
+
+@pytest.mark.slow
+def test_controller_that_cannot_rebuild_its_pool_says_why_and_exits_non_zero(
+    tmp_path: Path,
+) -> None:
+    """A real controller process whose database stops taking writes and cannot be read back
+    (injected in the driver): it refuses writes with 503, then stops with a CRITICAL line
+    and a non-zero exit status, instead of serving a pool that may not be what is stored."""
+    import sys
+
+    from tests.conftest import _wait_ready, free_port
+
+    port = free_port()
+    code = f"""
+import sqlite3
+from pathlib import Path
+from sqlalchemy.exc import OperationalError
+from gpupool.controller import store as store_module
+from gpupool.controller.server import serve
+from gpupool.controller.settings import ControllerSettings
+
+store_module.STALE_EXIT_S = 0.0
+broken = Path({str(tmp_path / "broken")!r})
+real_load = store_module.Store.load
+
+def fault():
+    return OperationalError("COMMIT", {{}}, sqlite3.OperationalError("disk I/O error"))
+
+def load(self, forget_liveness=False):
+    if broken.exists():
+        raise fault()
+    real_load(self, forget_liveness)
+
+store_module.Store.load = load
+
+def commit_fails(session):
+    if broken.exists():
+        raise fault()
+
+from sqlalchemy import event
+from sqlalchemy.orm import Session
+event.listen(Session, "before_commit", commit_fails)
+serve(ControllerSettings(port={port}, data_dir=Path({str(tmp_path / "data")!r})))
+"""
+    (tmp_path / "data").mkdir()
+    log = tmp_path / "controller.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}", proc)
+        (tmp_path / "broken").write_text("")
+        with httpx.Client(
+            base_url=f"http://127.0.0.1:{port}/api/v1", headers=AUTH, timeout=30
+        ) as client:
+            first = client.post("/tenants", json={"name": "t-a"})
+            assert first.status_code == 503, first.text
+        assert proc.wait(timeout=60) != 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert "CRITICAL" in text and "cannot go on" in text, text[-2000:]
+    assert "gpupool controller stopped:" in text
