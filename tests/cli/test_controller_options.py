@@ -16,6 +16,8 @@ from gpupool.cli.main import app
         (["--node-lost-grace", "-1"], "--node-lost-grace must not be negative"),
         (["--default-max-priority", "1001"], "--default-max-priority must be 0..1000"),
         (["--default-max-priority", "-1"], "--default-max-priority must be 0..1000"),
+        (["--max-body-mib", "0"], "--max-body-mib must be 1..1024"),
+        (["--max-body-mib", "2048"], "--max-body-mib must be 1..1024"),
     ],
 )
 def test_bad_node_lost_options_exit_2_with_one_line(

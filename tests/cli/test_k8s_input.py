@@ -10,6 +10,10 @@ from typer.testing import CliRunner
 
 from gpupool.cli.main import app
 
+API = ["--kube-api", "http://127.0.0.1:9"]
+OPEN_EXT = ["--insecure-unauthenticated-extender"]
+TOKEN = ["--webhook-token-file", "{file}"]
+
 
 @pytest.mark.parametrize(
     ("args", "message"),
@@ -21,6 +25,29 @@ from gpupool.cli.main import app
         (["k8s", "serve", "--kube-api", "ftp://api"], "--kube-api must be an http"),
         (["k8s", "serve", "--sweep-interval", "0"], "--sweep-interval must be more than 0"),
         (["k8s", "serve"], "not in a Kubernetes pod"),
+        (["k8s", "serve", *API], "the scheduler must authenticate to /extender/"),
+        (
+            ["k8s", "serve", *API, "--insecure-unauthenticated-extender"],
+            "the API server must authenticate to /webhook/",
+        ),
+        (
+            ["k8s", "serve", *API, "--extender-client", "gpupool-scheduler"],
+            "--extender-client needs --client-ca",
+        ),
+        (["k8s", "serve", *API, "--client-ca", "{file}"], "--client-ca needs TLS"),
+        (
+            ["k8s", "serve", *API, "--insecure-unauthenticated-webhook", *TOKEN, *OPEN_EXT],
+            "--insecure-unauthenticated-webhook admits everyone",
+        ),
+        (
+            ["k8s", "serve", *API, *OPEN_EXT, *TOKEN],
+            "a token of 16 characters or more",
+        ),
+        (
+            ["k8s", "serve", *API, *OPEN_EXT, "--webhook-token-file", "{missing}"],
+            "--webhook-token-file",
+        ),
+        (["k8s", "serve", *API, "--max-body-mib", "0"], "--max-body-mib must be 1..1024"),
         (["agent", "--fake", "1xH100-80GB", "--vgpu-slots", "0"], "--vgpu-slots must be 1..100"),
         (["agent", "--fake", "1xH100-80GB", "--room-timeout", "0"], "--room-timeout must be in"),
         (

@@ -266,3 +266,77 @@ def test_agents_get_the_join_token_and_no_other_credential_when_one_is_named() -
     assert "--data-dir=/var/lib/gpupool" in agent["args"]
     mounts = {m["name"]: m["mountPath"] for m in agent["volumeMounts"]}
     assert mounts["data"] == "/var/lib/gpupool"
+
+
+def _k8s_args(docs: list[dict[str, Any]]) -> list[str]:
+    (container,) = containers(find(docs, "Deployment", "gpupool-k8s"))
+    return list(container["args"])
+
+
+def test_extender_admits_only_the_schedulers_client_certificate_the_chart_made(
+    tmp_path: Path,
+) -> None:
+    docs = render()
+    args = _k8s_args(docs)
+    assert "--client-ca=/etc/gpupool/client-ca/ca.crt" in args
+    assert "--extender-client=gpupool-scheduler" in args
+    assert not [a for a in args if a.startswith("--insecure")]
+    config = yaml.safe_load(
+        find(docs, "ConfigMap", "gpupool-scheduler-config")["data"]["scheduler-config.yaml"]
+    )
+    (extender,) = config["extenders"]
+    assert extender["tlsConfig"]["certFile"] == "/etc/gpupool-client/tls.crt"
+    assert extender["tlsConfig"]["keyFile"] == "/etc/gpupool-client/tls.key"
+    scheduler = find(docs, "Deployment", "gpupool-scheduler")["spec"]["template"]["spec"]
+    mounted = {m["name"]: m["mountPath"] for m in scheduler["containers"][0]["volumeMounts"]}
+    secrets = {v["name"]: v.get("secret", {}).get("secretName") for v in scheduler["volumes"]}
+    assert mounted["client"] == "/etc/gpupool-client"
+    assert secrets["client"] == "gpupool-k8s-scheduler-client"
+    client = find(docs, "Secret", "gpupool-k8s-scheduler-client")["data"]
+    ca = find(docs, "Secret", "gpupool-k8s-client-ca")["data"]["ca.crt"]
+    (tmp_path / "ca.pem").write_bytes(base64.b64decode(ca))
+    (tmp_path / "client.pem").write_bytes(base64.b64decode(client["tls.crt"]))
+    verified = subprocess.run(
+        ["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"), str(tmp_path / "client.pem")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert verified.returncode == 0, verified.stderr
+    subject = subprocess.run(
+        ["openssl", "x509", "-noout", "-subject", "-in", str(tmp_path / "client.pem")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "CN=gpupool-scheduler" in subject or "CN = gpupool-scheduler" in subject
+
+
+def test_webhook_wants_the_api_servers_token_unless_told_otherwise() -> None:
+    docs = render()
+    args = _k8s_args(docs)
+    assert "--webhook-token-file=/etc/gpupool/webhook-token/token" in args
+    token = base64.b64decode(find(docs, "Secret", "gpupool-k8s-webhook-token")["data"]["token"])
+    assert len(token) >= 32
+    named = _k8s_args(
+        render(
+            {
+                "k8s": {
+                    "auth": {
+                        "webhookToken": False,
+                        "webhookClientNames": ["kube-apiserver"],
+                        "webhookClientCA": base64.b64encode(b"PEM").decode(),
+                    }
+                }
+            }
+        )
+    )
+    assert "--webhook-client=kube-apiserver" in named
+    assert not [a for a in named if a.startswith("--webhook-token-file")]
+    insecure = _k8s_args(render({"k8s": {"auth": {"insecureWebhook": True}}}))
+    assert "--insecure-unauthenticated-webhook" in insecure
+
+
+def test_chart_refuses_a_webhook_nobody_authenticates_to() -> None:
+    with pytest.raises(Exception, match="must authenticate to the webhook"):
+        render({"k8s": {"auth": {"webhookToken": False}}})

@@ -16,6 +16,7 @@ from starlette.exceptions import StarletteDeprecationWarning
 
 from gpupool.client.sdk import PoolClient
 from gpupool.k8s.app import ServeSettings, create_app
+from gpupool.k8s.callers import Callers
 from gpupool.k8s.extender import Extender
 from gpupool.k8s.kube import KubeApi
 from gpupool.protocol.v1.api import GpuInventory, LeaseCreate, NodeRegister
@@ -95,7 +96,10 @@ def cluster(start_controller: Any) -> Iterator[Cluster]:
         pool.register_node(NodeRegister(name=name, gpus=gpus))
     api = FakeApiServer().start()
     kube = KubeApi(api.url)
-    app = create_app(ServeSettings(controller_url=ctl.url, sweep_interval_s=3600), pool, kube)
+    settings = ServeSettings(
+        controller_url=ctl.url, sweep_interval_s=3600, callers=Callers.insecure()
+    )
+    app = create_app(settings, pool, kube)
     try:
         with TestClient(app) as http:
             yield Cluster(pool, api, http, ctl.url)

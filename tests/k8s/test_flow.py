@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from admission import admission_review, apply_patch, pod
+from certs import make_ca, make_signed
 from fake_apiserver import FakeApiServer
 from k8s_node import K8sNode
 
@@ -25,38 +26,34 @@ pytestmark = pytest.mark.slow
 SLICE = {"gpupool.io/vgpu": "1", "gpupool.io/vgpu-compute": "25", "gpupool.io/vgpu-memory": "8192"}
 
 
-def self_signed(directory: Path) -> tuple[Path, Path]:
-    cert, key = directory / "tls.crt", directory / "tls.key"
-    subprocess.run(
-        [
-            *("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1"),
-            *("-keyout", str(key), "-out", str(cert), "-subj", "/CN=127.0.0.1"),
-            *("-addext", "subjectAltName=IP:127.0.0.1"),
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
-
-
 @pytest.fixture
 def served(k8s_node: K8sNode, tmp_path: Path) -> Iterator[tuple[httpx.Client, FakeApiServer]]:
     api = FakeApiServer().start()
-    cert, key = self_signed(tmp_path)
+    # As in a cluster: the scheduler presents its client certificate, the API server a token.
+    ca = make_ca(tmp_path / "pki", "cluster-ca")
+    server = make_signed(ca, tmp_path / "pki", "gpupool-k8s", server=True)
+    scheduler = make_signed(ca, tmp_path / "pki", "gpupool-scheduler")
+    token = "flow-webhook-token-0123456789"
+    (tmp_path / "webhook.token").write_text(token)
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     args = [sys.executable, "-m", "gpupool.cli", "--url", k8s_node.url, "k8s", "serve"]
-    args += ["--host", "127.0.0.1", "--port", str(port), "--tls-cert", str(cert)]
-    args += ["--tls-key", str(key), "--kube-api", api.url, "--sweep-interval", "0.5"]
+    args += ["--host", "127.0.0.1", "--port", str(port), "--tls-cert", str(server.cert)]
+    args += ["--tls-key", str(server.key), "--kube-api", api.url, "--sweep-interval", "0.5"]
+    args += ["--client-ca", str(ca.cert), "--extender-client", "gpupool-scheduler"]
+    args += ["--webhook-token-file", str(tmp_path / "webhook.token")]
     with (tmp_path / "k8s-serve.log").open("wb") as log:
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
+    context = ssl.create_default_context(cafile=str(ca.cert))
+    context.load_cert_chain(str(scheduler.cert), str(scheduler.key))
     client = httpx.Client(
         base_url=f"https://127.0.0.1:{port}",
-        verify=ssl.create_default_context(cafile=str(cert)),
+        verify=context,
         timeout=30,
+        headers={"Authorization": f"Bearer {token}"},
     )
     try:
         deadline = time.monotonic() + 60

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from gpupool.cli.context import cli_context
 from gpupool.cli.errors import BadInput
+
+if TYPE_CHECKING:
+    from gpupool.k8s.callers import CallerRule
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -49,8 +52,62 @@ def serve(
     sweep_interval: Annotated[
         float, typer.Option("--sweep-interval", help="Seconds between claim checks.")
     ] = 10.0,
+    client_ca: Annotated[
+        Path | None,
+        typer.Option(
+            "--client-ca",
+            help="CA (PEM) whose client certificates the scheduler and API server present.",
+        ),
+    ] = None,
+    extender_client: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--extender-client",
+            help="Certificate name (CN or DNS SAN) the scheduler presents; repeatable.",
+        ),
+    ] = None,
+    webhook_client: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--webhook-client",
+            help="Certificate name (CN or DNS SAN) the API server presents; repeatable.",
+        ),
+    ] = None,
+    extender_token_file: Annotated[
+        Path | None,
+        typer.Option("--extender-token-file", help="File with the bearer token of the scheduler."),
+    ] = None,
+    webhook_token_file: Annotated[
+        Path | None,
+        typer.Option("--webhook-token-file", help="File with the bearer token of the API server."),
+    ] = None,
+    insecure_extender: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-unauthenticated-extender",
+            help="INSECURE: let anyone who reaches the port call the extender (bind pods).",
+        ),
+    ] = False,
+    insecure_webhook: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-unauthenticated-webhook",
+            help="INSECURE: let anyone who reaches the port call the admission webhook.",
+        ),
+    ] = False,
+    max_body_mib: Annotated[
+        int,
+        typer.Option("--max-body-mib", help="Refuse request bodies over this many MiB (413)."),
+    ] = 16,
 ) -> None:
-    """Serve the scheduler extender (/extender/...) and the admission webhook (/webhook/mutate)."""
+    """Serve the scheduler extender (/extender/...) and the admission webhook (/webhook/mutate).
+
+    Every caller must authenticate: the scheduler with a client certificate
+    (--client-ca, --extender-client; its KubeSchedulerConfiguration's tlsConfig certFile/
+    keyFile) or a token, the API server with a client certificate (--webhook-client) or a
+    token (--webhook-token-file; its AdmissionConfiguration kubeconfig). Only an
+    --insecure-... flag serves a group without.
+    """
     if (tls_cert is None) != (tls_key is None):
         raise BadInput("give both --tls-cert and --tls-key, or neither")
     for path in (tls_cert, tls_key):
@@ -70,10 +127,36 @@ def serve(
         raise BadInput(f"--kube-api must be an http:// or https:// URL, got {kube_api!r}")
     if kube_api is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
         raise BadInput("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST): give --kube-api URL")
+    if not 1 <= max_body_mib <= 1024:
+        raise BadInput(f"--max-body-mib must be 1..1024, got {max_body_mib}")
     from gpupool.k8s.app import ServeSettings
     from gpupool.k8s.app import serve as run
+    from gpupool.k8s.callers import Callers
     from gpupool.k8s.webhook import WebhookSettings
 
+    if client_ca is not None:
+        if tls_cert is None:
+            raise BadInput("--client-ca needs TLS: give --tls-cert and --tls-key too")
+        if not client_ca.is_file():
+            raise BadInput(f"no file {client_ca}")
+    callers = Callers.of(
+        caller_rule(
+            "scheduler",
+            "extender",
+            client_ca,
+            extender_client or [],
+            extender_token_file,
+            insecure_extender,
+        ),
+        caller_rule(
+            "API server",
+            "webhook",
+            client_ca,
+            webhook_client or [],
+            webhook_token_file,
+            insecure_webhook,
+        ),
+    )
     url = cli_context(ctx).url
     run(
         ServeSettings(
@@ -84,6 +167,9 @@ def serve(
             tls_cert=str(tls_cert) if tls_cert else None,
             tls_key=str(tls_key) if tls_key else None,
             sweep_interval_s=sweep_interval,
+            callers=callers,
+            client_ca=str(client_ca) if client_ca else None,
+            max_body_bytes=max_body_mib * 1024 * 1024,
             webhook=WebhookSettings(
                 scheduler_name=scheduler_name or None,
                 controller_url=pod_controller_url or url,
@@ -91,3 +177,42 @@ def serve(
             ),
         )
     )
+
+
+def caller_rule(
+    role: str,
+    group: str,
+    client_ca: Path | None,
+    names: list[str],
+    token_file: Path | None,
+    insecure: bool,
+) -> CallerRule:
+    """The rule of one group of endpoints from its flags; BadInput where it admits no one,
+    or contradicts itself."""
+    from gpupool.k8s.callers import CallerRule, token_digest
+
+    flag = f"--insecure-unauthenticated-{group}"
+    if insecure and (names or token_file is not None):
+        raise BadInput(f"{flag} admits everyone: give it or --{group}-client/-token-file")
+    if insecure:
+        return CallerRule(role, insecure=True)
+    cleaned = frozenset(n.strip() for n in names if n.strip())
+    if len(cleaned) != len(names):
+        raise BadInput(f"--{group}-client must be a certificate name, not empty")
+    if cleaned and client_ca is None:
+        raise BadInput(f"--{group}-client needs --client-ca (the CA that signed the certificate)")
+    digest = None
+    if token_file is not None:
+        try:
+            token = token_file.read_text().strip()
+        except OSError as exc:
+            raise BadInput(f"--{group}-token-file {token_file}: {exc.strerror}") from None
+        if len(token) < 16:
+            raise BadInput(f"--{group}-token-file {token_file}: a token of 16 characters or more")
+        digest = token_digest(token)
+    if not cleaned and digest is None:
+        raise BadInput(
+            f"the {role} must authenticate to /{group}/: give --{group}-client NAME (with "
+            f"--client-ca) or --{group}-token-file, or {flag} to serve anyone"
+        )
+    return CallerRule(role, certificate_names=cleaned, token_sha256=digest)

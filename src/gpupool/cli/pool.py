@@ -417,6 +417,13 @@ def controller(
             "(default http://HOST:PORT).",
         ),
     ] = None,
+    max_body_mib: Annotated[
+        int,
+        typer.Option(
+            "--max-body-mib",
+            help="Refuse request bodies over this many MiB (413) before reading them.",
+        ),
+    ] = 4,
 ) -> None:
     if ha and not (db or "").startswith(("postgresql://", "postgres://")):
         raise BadInput("--ha needs a PostgreSQL shared by the controllers: --db postgresql://...")
@@ -445,6 +452,8 @@ def controller(
         raise BadInput(f"--physical-ready must not be negative, got {physical_ready}")
     if not 0 <= default_max_priority <= 1000:
         raise BadInput(f"--default-max-priority must be 0..1000, got {default_max_priority}")
+    if not 1 <= max_body_mib <= 1024:
+        raise BadInput(f"--max-body-mib must be 1..1024, got {max_body_mib}")
     admin = admin_token(admin_token_file)
     cert, key = tls_files(tls_cert, tls_key)
     with imports_without_gc():
@@ -484,6 +493,7 @@ def controller(
             node_lost_grace_s=node_lost_grace,
             ha=ha,
             advertise_url=advertise_url,
+            max_body_bytes=max_body_mib * 1024 * 1024,
         )
     )
 

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.exc import OperationalError
 from starlette.exceptions import HTTPException
 
 from gpupool import __version__
@@ -36,8 +37,9 @@ from gpupool.controller.services.metrics import SchedulingTimer
 from gpupool.controller.services.tenants import ensure_default
 from gpupool.controller.services.watch import open_watch
 from gpupool.controller.settings import ControllerSettings
-from gpupool.controller.store import Store
+from gpupool.controller.store import StorageUnavailable, Store, storage_reason
 from gpupool.core import PoolError
+from gpupool.protocol.bodylimit import BodyLimit
 from gpupool.protocol.v1 import API_PREFIX
 from gpupool.protocol.v1.api import ErrorOut, ValidationErrorOut
 
@@ -47,7 +49,13 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     403: {"model": ErrorOut, "description": "Not allowed for this token, or by the quota"},
     404: {"model": ErrorOut, "description": "No such object"},
     409: {"model": ErrorOut, "description": "Conflicts with the pool's state"},
+    413: {"model": ErrorOut, "description": "The request body is over the size limit"},
     422: {"model": ValidationErrorOut, "description": "Invalid request"},
+    503: {
+        "model": ErrorOut,
+        "description": "The database cannot take the change now (a storage fault), or a "
+        "standby has no leader to forward it to; nothing was changed",
+    },
 }
 """What any route may answer besides its success, so the OpenAPI document says all of it."""
 
@@ -79,6 +87,7 @@ def create_app(settings: ControllerSettings) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         store = await asyncio.to_thread(open_store, settings)
         app.state.store = store
+        store.on_fatal = getattr(app.state, "on_fatal", None)
         app.state.tokens = auth.TokenCache()
         stop = asyncio.Event()
         if settings.ha:
@@ -115,10 +124,24 @@ def create_app(settings: ControllerSettings) -> FastAPI:
     app.add_middleware(SchedulingTimer)
     # Outermost: a standby forwards a write before anything else of it runs.
     app.add_middleware(ha.Standby, group=lambda: getattr(app.state, "ha", None))
+    # Outside even that: an oversized body is refused before a standby would forward it.
+    app.add_middleware(BodyLimit, limit_bytes=settings.max_body_bytes)
     app.add_exception_handler(PoolError, _pool_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(OperationalError, _storage_error)
     return app
+
+
+async def _storage_error(request: Request, exc: Exception) -> JSONResponse:
+    """A read (or the HA fence) that the database could not answer: 503 with the reason,
+    rather than a 500 and a traceback; the writer's faults come as StorageUnavailable."""
+    reason = storage_reason(exc)
+    log.warning("%s %s: the database did not answer: %s", request.method, request.url.path, reason)
+    error = StorageUnavailable(
+        f"the controller's database cannot answer now ({reason}); try again shortly"
+    )
+    return JSONResponse({"error": error.code, "detail": error.message}, status_code=503)
 
 
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:

@@ -11,6 +11,11 @@ NODE_LOST_POLICIES = ("keep", "release")
 DEFAULT_MAX_PRIORITY = 0
 MAX_PRIORITY = 1000
 """Priorities run 0..1000 (LeaseCreate.priority)."""
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+"""The largest request a controller takes by default. The largest legitimate ones are an
+agent's register (at most 1024 GPUs of about 300 bytes each: 0.3 MiB) and its heartbeat
+(telemetry and one report per worker: tens of kB on a busy node); 4 MiB leaves a margin of
+more than ten times and parses in tens of milliseconds."""
 
 
 @dataclass(slots=True)
@@ -79,12 +84,18 @@ class ControllerSettings:
             raise ValueError(
                 f"node_lost_grace_s must not be negative, got {self.node_lost_grace_s}"
             )
+        if self.max_body_bytes < 1024:
+            raise ValueError(
+                f"max_body_bytes must be at least 1024 (1 KiB), got {self.max_body_bytes}"
+            )
     ha: bool = False
     """High availability: controllers sharing one PostgreSQL elect one leader (controller/ha)."""
     advertise_url: str | None = None
     """The URL other controllers forward writes to (default: http://host:port)."""
     ha_tick_s: float = 0.5
     """How often an HA controller tries for the lead, checks it still leads, and reports."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    """Request bodies over this many bytes are refused with 413 before they are read."""
 
     def own_url(self) -> str:
         """Where this controller is reached, as other controllers and the HA status show it."""

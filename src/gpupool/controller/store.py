@@ -18,7 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, select
+from sqlalchemy import Engine, event, select
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session
 
 from gpupool.controller.models import GpuRow, LeaseRow, NodeRow, TenantRow
@@ -45,6 +46,12 @@ T = TypeVar("T")
 Command = Callable[[Session], Any]
 
 BATCH_MAX = 128
+
+STALL_MIN_S = 2.0
+STALL_INTERVALS = 4
+"""The reconcile loop counts as stalled when it did not run for STALL_INTERVALS of its
+intervals, and at least STALL_MIN_S: long enough that a busy loop or a collection pause does
+not count, short enough that no holder's heartbeat can have been lost to it unseen."""
 
 
 @dataclass(slots=True)
@@ -89,9 +96,26 @@ class Store:
         """False on an HA standby: it serves reads and runs no reconcile loop or webhook."""
         self.idle_timeouts: dict[str, float | None] = {}
         """Tenants → their remote leases' idle timeout (services/elastic.py)."""
+        self.last_reconcile_mono: float | None = None
+        self.fault: str | None = None
+        """The storage fault writes fail with now (None: writes work)."""
+        self.stale_since: float | None = None
+        """Since when (monotonic) the pool could not be rebuilt from the database."""
+        self._flushed = False
+        """Whether the batch being run wrote anything (a fault ends only with a real write)."""
+        self.fatal: str | None = None
+        """Why the store cannot go on; the process then exits non-zero (server.serve)."""
+        self.on_fatal: Callable[[str], None] | None = None
+        """Called (on the writer thread) when the store cannot go on: stops the server."""
+        """When the reconcile loop last ran (monotonic), to see that it stalled."""
 
     def _new_session(self) -> Session:
-        return Session(self.engine, expire_on_commit=False)
+        session = Session(self.engine, expire_on_commit=False)
+        event.listen(session, "after_flush", self._note_flush)
+        return session
+
+    def _note_flush(self, _session: Session, _context: Any) -> None:
+        self._flushed = True
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -127,6 +151,7 @@ class Store:
         the times it kept as a standby were never updated by the heartbeats.
         """
         grace_start = time.time()
+        self._flushed = False
         with self.lock:
             self.session.close()
             self.session = session = self._new_session()
@@ -188,6 +213,44 @@ class Store:
                 self.live.lease_seen.setdefault(lease.id, seen)
             session.commit()
             self.pool = pool
+            # What the loop missed before this load does not count as a stall: the load
+            # itself gave every holder its grace.
+            self.last_reconcile_mono = None
+
+    def stall_s(self, now_mono: float) -> float | None:
+        """How long the reconcile loop did not run, where that is a stall; else None.
+
+        Called by each round of the loop, on the writer thread. The gap counts whatever kept
+        the loop from running: the process stopped (SIGSTOP, a frozen VM), the event loop
+        blocked, or the writer thread busy, since the round runs as a write.
+        """
+        last, self.last_reconcile_mono = self.last_reconcile_mono, now_mono
+        if last is None:
+            return None
+        gap_s = now_mono - last
+        expected_s = max(STALL_MIN_S, STALL_INTERVALS * self.settings.reconcile_interval_s)
+        return gap_s if gap_s > expected_s else None
+
+    def regrace(self) -> tuple[int, int]:
+        """Give every holder and every node its timeout again from now, as a restart does.
+
+        After a stall, heartbeats sent meanwhile could not be answered (or are still in
+        the sockets' buffers); counting the stall against the holders would release every
+        lease at once although each holder kept heartbeating. Preemption deadlines run on,
+        as after a restart: a preempted holder was told to stop before the stall.
+        Returns (leases, nodes) whose grace started again.
+        """
+        now = time.time()
+        live = self.live
+        leases = [lid for lid, seen in live.lease_seen.items() if seen < now]
+        for lease_id in leases:
+            live.lease_seen[lease_id] = now
+        nodes = [name for name, seen in live.node_seen.items() if seen < now]
+        for name in nodes:
+            live.node_seen[name] = now
+        for name in self.node_rows:
+            live.node_seen.setdefault(name, now)
+        return len(leases), len(nodes)
 
     # ---- commands --------------------------------------------------------------------
 
@@ -224,7 +287,23 @@ class Store:
                     self._commands.put(None)
                     break
                 batch.append(nxt)
-            self._run_batch(batch)
+            try:
+                self._run_batch(batch)
+            except Exception as exc:
+                # Nothing of a batch may end the writer thread unseen: every later write would
+                # wait for ever. The controller says why and stops instead.
+                self.fail_fatally(f"the writer thread failed: {exc!r}")
+                _fail_all(batch, StorageUnavailable(f"the controller is stopping: {exc!r}"))
+                return
+
+    def fail_fatally(self, reason: str) -> None:
+        """The store cannot go on: say why, loudly, and have the process stop (non-zero)."""
+        if self.fatal is not None:
+            return
+        self.fatal = reason
+        log.critical("gpupool controller cannot go on: %s; stopping", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
 
     def _refused(self, session: Session, batch: list[tuple[Command, Future[Any]]]) -> bool:
         """Ask the fence; a refusal fails the batch before any command ran, so there is
@@ -240,8 +319,33 @@ class Store:
             return True
         return False
 
+    def _recovered(self, batch: list[tuple[Command, Future[Any]]]) -> bool:
+        """After a failed write whose reload failed too, rebuild the pool before any command
+        runs on it (it may hold the failed batch's changes); refuse the batch while the
+        database cannot be read. Past STALE_EXIT_S of that the controller stops."""
+        if self.stale_since is None:
+            return True
+        try:
+            self.load()
+        except Exception as exc:
+            stale_s = time.monotonic() - self.stale_since
+            reason = storage_reason(exc)
+            if stale_s > STALE_EXIT_S:
+                self.fail_fatally(
+                    f"the database could not be read for {stale_s:.0f} s ({reason}), so the "
+                    "pool cannot be rebuilt from it"
+                )
+            _fail_all(batch, StorageUnavailable(refusal(reason)))
+            return False
+        log.warning("the database can be read again: pool rebuilt from it")
+        self.stale_since = None
+        return True
+
     def _run_batch(self, batch: list[tuple[Command, Future[Any]]]) -> None:
+        if not self._recovered(batch):
+            return
         outcomes: list[tuple[Future[Any], Any, BaseException | None]] = []
+        self._flushed = False
         try:
             with self.lock:
                 session = self.session
@@ -255,21 +359,82 @@ class Store:
                         outcomes.append((future, None, exc))
                 session.commit()
         except Exception as exc:
-            log.exception("a write batch failed; reloading the pool from the database")
-            try:
-                session.rollback()
-                self.load()
-            except Exception:
-                log.exception("reloading the pool failed")
-            for _command, future in batch:
-                if not future.done():
-                    future.set_exception(exc)
+            self._undo(batch, exc)
             return
+        if self.fault is not None and self._flushed:
+            log.warning("writes work again (after: %s)", self.fault)
+            self.fault = None
         for future, result, error in outcomes:
             if error is not None:
                 future.set_exception(error)
             else:
                 future.set_result(result)
+
+    def _undo(self, batch: list[tuple[Command, Future[Any]]], exc: Exception) -> None:
+        """A batch failed (a storage fault, or a command's bug): nothing of it was committed,
+        so the pool is rebuilt from the database and every caller is told.
+
+        A storage fault (read-only or full disk, I/O error, database away) is answered with
+        StorageUnavailable (503, the reason, nothing changed) and logged once when it
+        begins, not once per batch; anything else is logged with its traceback.
+        """
+        is_fault = isinstance(exc, STORAGE_FAULTS)
+        if not is_fault:
+            log.exception("a write batch failed; reloading the pool from the database")
+        elif self.fault is None:
+            self.fault = storage_reason(exc)
+            log.error(
+                "the database refused a write (%s): writes are answered 503 until it takes "
+                "them again; reads go on",
+                self.fault,
+            )
+        try:
+            self.session.rollback()
+            self.load()
+        except Exception as reload_exc:
+            log.error(
+                "the pool cannot be rebuilt from the database (%s): every write is refused "
+                "until it can",
+                storage_reason(reload_exc),
+            )
+            self.stale_since = time.monotonic()
+        error: Exception = StorageUnavailable(refusal(storage_reason(exc))) if is_fault else exc
+        _fail_all(batch, error)
+
+
+class StorageUnavailable(PoolError):
+    """The database cannot take (or give) the change now; nothing of it was committed."""
+
+    code = "storage_unavailable"
+    http_status = 503
+
+
+STORAGE_FAULTS: tuple[type[Exception], ...] = (OperationalError, OSError)
+"""What a database raises when its storage fails: SQLite's read-only, full or failing disk
+(sqlite3.OperationalError, wrapped by SQLAlchemy), PostgreSQL gone or out of space."""
+
+STALE_EXIT_S = 60.0
+"""How long the controller may fail to read its database back before it stops."""
+
+
+def storage_reason(exc: BaseException) -> str:
+    """The driver's own words for a fault, without SQLAlchemy's statement and link."""
+    original = getattr(exc, "orig", None) or exc
+    text = str(original).strip().splitlines()[0] if str(original).strip() else repr(original)
+    return text[:200]
+
+
+def refusal(reason: str) -> str:
+    return (
+        f"the controller's database cannot take changes now ({reason}); nothing was changed. "
+        "Try again once its storage works (the operator sees this in the controller's log)."
+    )
+
+
+def _fail_all(batch: list[tuple[Command, Future[Any]]], exc: BaseException) -> None:
+    for _command, future in batch:
+        if not future.done():
+            future.set_exception(exc)
 
 
 def new_pool(settings: ControllerSettings) -> Pool:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import ssl
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,9 +18,23 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
+from gpupool.k8s.callers import CallerCheck, Callers, peer_certificate_protocol
 from gpupool.k8s.extender import Extender
 from gpupool.k8s.kube import KubeApi, KubeError
+from gpupool.k8s.payloads import (
+    MalformedPayload,
+    check_admission_review,
+    check_binding_args,
+    check_extender_args,
+)
 from gpupool.k8s.webhook import WebhookSettings, review
+from gpupool.protocol.bodylimit import MIB, BodyLimit
+
+DEFAULT_MAX_BODY_BYTES = 16 * MIB
+"""The largest request `k8s serve` takes by default. The API server stores objects of at most
+1.5 MiB (etcd) and takes request bodies of at most 3 MiB; an AdmissionReview of an UPDATE
+carries the object twice (object, oldObject). ExtenderArgs with node names (the chart sets
+nodeCacheCapable) are a Pod and a list of names. 16 MiB is more than twice the largest."""
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +51,12 @@ class ServeSettings:
     sweep_interval_s: float = 10.0
     admit_timeout_s: float = 300.0
     webhook: WebhookSettings = field(default_factory=WebhookSettings)
+    callers: Callers = field(default_factory=Callers)
+    """Who may call the extender and the webhook; the default admits no one."""
+    client_ca: str | None = None
+    """CA file whose client certificates the TLS handshake verifies (callers may then
+    present one; which names each path accepts is in `callers`)."""
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
 
 def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> FastAPI:
@@ -52,16 +73,30 @@ def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> Fast
             await sweeper
             await kube.close()
 
-    app = FastAPI(title="gpupool Kubernetes extender and webhook", lifespan=lifespan)
+    # No /docs or /openapi.json: the only callers are the scheduler and the API server.
+    app = FastAPI(
+        title="gpupool Kubernetes extender and webhook",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.extender = extender
+    app.add_middleware(
+        BodyLimit,
+        limit_bytes=settings.max_body_bytes,
+        error_body=lambda code, detail: {"Error": detail, "error": code, "detail": detail},
+    )
+    # Outermost: a caller that is not admitted gets nothing else of the server.
+    app.add_middleware(CallerCheck, callers=settings.callers)
 
     async def body_of(request: Request) -> dict[str, Any] | JSONResponse:
         try:
             body = await request.json()
         except ValueError:
-            return JSONResponse({"Error": "body is not JSON"}, status_code=400)
+            return _malformed("body is not JSON")
         if not isinstance(body, dict):
-            return JSONResponse({"Error": "body must be a JSON object"}, status_code=400)
+            return _malformed("body must be a JSON object")
         return body
 
     @app.get("/healthz")
@@ -71,28 +106,56 @@ def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> Fast
     @app.post("/extender/filter")
     async def filter_(request: Request) -> Any:
         body = await body_of(request)
-        return body if isinstance(body, JSONResponse) else await extender.filter(body)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            check_extender_args(body)
+        except MalformedPayload as exc:
+            return _malformed(f"ExtenderArgs: {exc}")
+        return await extender.filter(body)
 
     @app.post("/extender/prioritize")
     async def prioritize(request: Request) -> Any:
         body = await body_of(request)
-        return body if isinstance(body, JSONResponse) else await extender.prioritize(body)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            check_extender_args(body)
+        except MalformedPayload as exc:
+            return _malformed(f"ExtenderArgs: {exc}")
+        return await extender.prioritize(body)
 
     @app.post("/extender/bind")
     async def bind(request: Request) -> Any:
         body = await body_of(request)
-        return body if isinstance(body, JSONResponse) else await extender.bind(body)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            check_binding_args(body)
+        except MalformedPayload as exc:
+            return _malformed(f"ExtenderBindingArgs: {exc}")
+        return await extender.bind(body)
 
     @app.post("/webhook/mutate")
     async def mutate(request: Request) -> Any:
         body = await body_of(request)
         if isinstance(body, JSONResponse):
             return body
-        if body.get("kind") != "AdmissionReview" or not isinstance(body.get("request"), dict):
-            return JSONResponse({"error": "expected an AdmissionReview"}, status_code=400)
+        try:
+            check_admission_review(body)
+        except MalformedPayload as exc:
+            return _malformed(f"AdmissionReview: {exc}")
         return review(body, settings.webhook)
 
     return app
+
+
+def _malformed(reason: str) -> JSONResponse:
+    """400 with the reason, in the fields both callers read (`Error`: the scheduler's)."""
+    log.info("refused a malformed payload: %s", reason)
+    return JSONResponse(
+        {"Error": reason, "error": "malformed_payload", "detail": reason}, status_code=400
+    )
 
 
 async def _sweep_forever(extender: Extender, interval_s: float, stop: asyncio.Event) -> None:
@@ -116,11 +179,20 @@ def serve(settings: ServeSettings) -> None:
     kube = KubeApi(settings.kube_api) if settings.kube_api else KubeApi.in_cluster()
     pool = PoolClient(settings.controller_url, actor="k8s-extender")
     app = create_app(settings, pool, kube)
+    for prefix, rule in settings.callers.rules.items():
+        if rule.insecure:
+            log.warning("%s* admits every caller (insecure, as its flag asked)", prefix)
     uvicorn.run(
         app,
         host=settings.host,
         port=settings.port,
         ssl_certfile=settings.tls_cert,
         ssl_keyfile=settings.tls_key,
+        # Optional at the handshake, so that the kubelet's probe of /healthz (which has no
+        # certificate) gets in; a certificate given must chain to the client CA, and the
+        # protected paths want one (or a token): CallerCheck.
+        ssl_ca_certs=settings.client_ca,
+        ssl_cert_reqs=ssl.CERT_OPTIONAL if settings.client_ca else ssl.CERT_NONE,
+        http=peer_certificate_protocol(),
         log_level="warning",
     )

@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
+
+from pydantic import ValidationError
 
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
 from gpupool.k8s.kube import KubeApi, KubeError
@@ -72,6 +75,9 @@ class Extender:
             f.node: f.reason or "does not fit" for f in answer.nodes if not f.fits and not f.never
         }
         never = {f.node: f.reason or "does not fit" for f in answer.nodes if f.never}
+        for name in names:
+            if not _is_pool_node_name(name):
+                never[name] = "not a gpupool node (its name is not one a node registers with)"
         return _filter_result(fits, node_objects, retry, never)
 
     async def prioritize(self, args: Mapping[str, Any]) -> list[dict[str, Any]]:
@@ -93,7 +99,12 @@ class Extender:
         ask = gpu_ask(pod)
         if ask.access == "remote":
             return None
-        query = PlacementQuery(request=ask.lease_request(), nodes=names)
+        try:
+            query = PlacementQuery(
+                request=ask.lease_request(), nodes=[n for n in names if _is_pool_node_name(n)]
+            )
+        except ValidationError as exc:
+            raise PodRefused(f"the pod's GPU request is not valid: {_first_error(exc)}") from None
         return await asyncio.to_thread(self.pool.k8s_placement, query)
 
     # ---- bind ----------------------------------------------------------------------------
@@ -109,7 +120,7 @@ class Extender:
             pod = await self.kube.get_pod(namespace, name)
         except KubeError as exc:
             return {"Error": str(exc)}
-        actual_uid = str(pod.get("metadata", {}).get("uid", ""))
+        actual_uid = str((pod.get("metadata") or {}).get("uid", ""))
         if uid and actual_uid != uid:
             return {"Error": f"pod {namespace}/{name} is now {actual_uid}, not {uid}"}
         try:
@@ -141,7 +152,13 @@ class Extender:
                 f"pod {pod_name(pod)} has no {CLAIM_LABEL} label: was it admitted "
                 "through the gpupool webhook?"
             )
-        body = ClaimCreate(claim=claim, node=node, pod=pod_name(pod), request=ask.lease_request())
+        try:
+            body = ClaimCreate(
+                claim=claim, node=node, pod=pod_name(pod), request=ask.lease_request()
+            )
+        except ValidationError as exc:
+            why = _first_error(exc)
+            raise BindRefused(f"pod {pod_name(pod)} cannot be claimed: {why}") from None
         try:
             await asyncio.to_thread(self.pool.create_claim, body)
         except (ApiError, ControllerUnreachable) as exc:
@@ -188,6 +205,22 @@ class Extender:
         return result
 
 
+_POOL_NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+
+
+def _is_pool_node_name(name: str) -> bool:
+    """Whether `name` could be a gpupool node's (NodeRegister's rule); others never are."""
+    return bool(_POOL_NODE_NAME.match(name))
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return str(exc)
+    where = ".".join(str(p) for p in errors[0]["loc"])
+    return f"{where}: {errors[0]['msg']}" if where else errors[0]["msg"]
+
+
 def _candidates(args: Mapping[str, Any]) -> tuple[list[str], list[dict[str, Any]] | None]:
     """Node names, and the Node objects when the scheduler sent whole nodes."""
     names = field(args, "NodeNames")
@@ -195,7 +228,7 @@ def _candidates(args: Mapping[str, Any]) -> tuple[list[str], list[dict[str, Any]
         return [str(n) for n in names], None
     nodes = field(args, "Nodes") or {}
     items = list(nodes.get("items") or [])
-    return [str(n.get("metadata", {}).get("name", "")) for n in items], items
+    return [str((n.get("metadata") or {}).get("name", "")) for n in items], items
 
 
 def _filter_result(
@@ -217,6 +250,6 @@ def _filter_result(
         result["Nodes"] = {
             "apiVersion": "v1",
             "kind": "NodeList",
-            "items": [n for n in node_objects if n.get("metadata", {}).get("name") in keep],
+            "items": [n for n in node_objects if (n.get("metadata") or {}).get("name") in keep],
         }
     return result

@@ -63,7 +63,7 @@ class GpuAsk:
 
 
 def containers(pod: Pod) -> list[dict[str, Any]]:
-    return list(pod.get("spec", {}).get("containers") or [])
+    return list((pod.get("spec") or {}).get("containers") or [])
 
 
 def _resources(container: dict[str, Any]) -> dict[str, str]:
@@ -99,17 +99,17 @@ def _int(container: str, key: str, value: str, low: int, high: int, unit: str = 
 
 def asks_for_gpus(pod: Pod) -> bool:
     """Whether the pod is gpupool's business: our resources, or one of our annotations."""
-    annotations = pod.get("metadata", {}).get("annotations") or {}
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
     if any(k.startswith(DOMAIN + "/") for k in annotations):
         return True
-    spec = pod.get("spec", {})
+    spec = pod.get("spec") or {}
     every = list(spec.get("containers") or []) + list(spec.get("initContainers") or [])
     return any(_resources(c) for c in every)
 
 
 def gpu_ask(pod: Pod) -> GpuAsk:
     """Read the pod's GPU request, or raise PodRefused saying what is wrong with it."""
-    spec = pod.get("spec", {})
+    spec = pod.get("spec") or {}
     for init in spec.get("initContainers") or []:
         if _resources(init):
             raise PodRefused(
@@ -126,7 +126,7 @@ def gpu_ask(pod: Pod) -> GpuAsk:
         raise PodRefused(f"only one container per pod may ask for GPUs; {names} do")
     index, container, res = asking[0]
     name = str(container.get("name", "?"))
-    annotations = pod.get("metadata", {}).get("annotations") or {}
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
     access = annotations.get(ACCESS_ANNOTATION, "direct")
     if access not in ("direct", "remote"):
         raise PodRefused(f"{ACCESS_ANNOTATION} must be direct or remote, got {access!r}")
@@ -175,18 +175,18 @@ def _priority(pod: Pod, annotations: dict[str, Any]) -> int:
         if not _PLAIN_INT.match(text) or int(text) > MAX_PRIORITY:
             raise PodRefused(f"{PRIORITY_ANNOTATION} must be 0..{MAX_PRIORITY}, got {text!r}")
         return int(text)
-    from_class = pod.get("spec", {}).get("priority")
+    from_class = (pod.get("spec") or {}).get("priority")
     if isinstance(from_class, int):
         return max(0, min(from_class, MAX_PRIORITY))
     return 0
 
 
 def claim_of(pod: Pod) -> str | None:
-    labels = pod.get("metadata", {}).get("labels") or {}
+    labels = (pod.get("metadata") or {}).get("labels") or {}
     value = labels.get(CLAIM_LABEL)
     return str(value) if value else None
 
 
 def pod_name(pod: Pod) -> str:
-    meta = pod.get("metadata", {})
+    meta = pod.get("metadata") or {}
     return f"{meta.get('namespace', 'default')}/{meta.get('name') or meta.get('generateName', '?')}"

@@ -120,12 +120,12 @@ def admit(request: dict[str, Any], settings: WebhookSettings) -> list[dict[str, 
 
 
 def _all_containers(pod: Pod) -> list[dict[str, Any]]:
-    spec = pod.get("spec", {})
+    spec = pod.get("spec") or {}
     return list(spec.get("containers") or []) + list(spec.get("initContainers") or [])
 
 
 def _refuse_unsafe(pod: Pod) -> None:
-    spec = pod.get("spec", {})
+    spec = pod.get("spec") or {}
     for container in _all_containers(pod):
         name = container.get("name", "?")
         security = container.get("securityContext") or {}
@@ -178,10 +178,12 @@ def _escapes(name: str) -> bool:
 
 def _make_direct(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
     claim = settings.new_claim()
-    labels = pod.setdefault("metadata", {}).setdefault("labels", {})
+    meta = pod["metadata"] = pod.get("metadata") or {}
+    labels = meta["labels"] = meta.get("labels") or {}
     labels[CLAIM_LABEL] = claim
     container = pod["spec"]["containers"][ask.container]
-    container.setdefault("env", []).append({"name": CLAIM_ENV, "value": claim})
+    env = container["env"] = container.get("env") or []
+    env.append({"name": CLAIM_ENV, "value": claim})
     if settings.scheduler_name:
         pod["spec"]["schedulerName"] = settings.scheduler_name
 
@@ -206,7 +208,7 @@ def _make_remote(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
         wrapper += ["--memory", f"{ask.memory_mib}MiB"]
     container["command"] = [*wrapper, "--", *command, *(container.get("args") or [])]
     container.pop("args", None)
-    env = container.setdefault("env", [])
+    env = container["env"] = container.get("env") or []
     own = {str(e.get("name")) for e in env}
     if "GPUPOOL_URL" not in own:
         env.append({"name": "GPUPOOL_URL", "value": settings.controller_url})

@@ -48,21 +48,37 @@ else the admin token. */}}
 {{- end -}}
 
 {{/*
-The TLS certificate of the extender and webhook: the given Secret, else one generated with
-a CA of its own, reused from the cluster on upgrades so the webhook's caBundle stays valid.
-Returns a dict with crt, key and ca (all base64).
+The TLS certificates of the extender and webhook: the server's (the given Secret, else one
+generated with a CA of its own) and the scheduler's client certificate, signed by the same
+CA. Reused from the cluster on upgrades so the webhook's caBundle stays valid; made again
+(all together) where an older release left no client certificate. Returns a dict with crt,
+key, ca, schedulerCrt and schedulerKey (all base64).
 */}}
 {{- define "gpupool.tls" -}}
-{{- $name := printf "%s-tls" (include "gpupool.k8sService" .) -}}
-{{- $existing := lookup "v1" "Secret" .Release.Namespace $name -}}
-{{- if and $existing $existing.data (index $existing.data "ca.crt") -}}
-{{- dict "crt" (index $existing.data "tls.crt") "key" (index $existing.data "tls.key") "ca" (index $existing.data "ca.crt") | toJson -}}
-{{- else -}}
 {{- $service := include "gpupool.k8sService" . -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (printf "%s-tls" $service) -}}
+{{- $client := lookup "v1" "Secret" .Release.Namespace (printf "%s-scheduler-client" $service) -}}
+{{- if and $existing $existing.data (index $existing.data "ca.crt") $client $client.data (index $client.data "tls.crt") -}}
+{{- dict "crt" (index $existing.data "tls.crt") "key" (index $existing.data "tls.key") "ca" (index $existing.data "ca.crt") "schedulerCrt" (index $client.data "tls.crt") "schedulerKey" (index $client.data "tls.key") | toJson -}}
+{{- else -}}
 {{- $dns := list $service (printf "%s.%s" $service .Release.Namespace) (printf "%s.%s.svc" $service .Release.Namespace) -}}
 {{- $ca := genCA "gpupool-k8s-ca" 3650 -}}
 {{- $cert := genSignedCert (printf "%s.%s.svc" $service .Release.Namespace) nil $dns 3650 $ca -}}
-{{- dict "crt" ($cert.Cert | b64enc) "key" ($cert.Key | b64enc) "ca" ($ca.Cert | b64enc) | toJson -}}
+{{- $scheduler := genSignedCert .Values.k8s.auth.schedulerClientName nil nil 3650 $ca -}}
+{{- dict "crt" ($cert.Cert | b64enc) "key" ($cert.Key | b64enc) "ca" ($ca.Cert | b64enc) "schedulerCrt" ($scheduler.Cert | b64enc) "schedulerKey" ($scheduler.Key | b64enc) | toJson -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+The bearer token kube-apiserver sends to the webhook (k8s.auth.webhookToken): made once,
+kept across upgrades.
+*/}}
+{{- define "gpupool.webhookToken" -}}
+{{- $existing := lookup "v1" "Secret" .Release.Namespace (printf "%s-webhook-token" (include "gpupool.k8sService" .)) -}}
+{{- if and $existing $existing.data (index $existing.data "token") -}}
+{{- index $existing.data "token" | b64dec -}}
+{{- else -}}
+{{- randAlphaNum 48 -}}
 {{- end -}}
 {{- end -}}
 
