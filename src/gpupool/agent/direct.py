@@ -148,7 +148,7 @@ def _over_share(
         top,
         lease_id,
         f"its lease {lease_id} has {piece.compute_pct} % of {piece.gpu_uuid}; its processes "
-        f"there use {total:g} % of the SMs (measured by NVML)",
+        f"there use {total:g} % of the SMs (per-process samples)",
         compute_pct=total,
         share_pct=piece.compute_pct,
     )

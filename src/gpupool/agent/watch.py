@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
-import os
 import threading
 import time
 from collections import Counter, deque
@@ -189,7 +188,7 @@ class DirectWatch:
         self, processes: list[GpuProcess]
     ) -> tuple[dict[int, str | None], list[GpuProcess]]:
         """Each visible, non-exempt process's lease (None: none); and those /proc hides."""
-        exempt = self._exempt() | {os.getpid()}
+        exempt = self._exempt()
         with self._lock:
             roots = dict(self._roots)
         owners: dict[int, str | None] = {}
