@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -283,3 +284,33 @@ def test_compute_over_the_share_is_reported_once_per_episode(backend: FakeBacken
     backend.set_processes(0, busy)  # type: ignore[list-item]
     assert [e.kind for e in watch.poll(backend)] == ["compute_over_share"]
     assert child.poll() is None
+
+
+def test_attachments_survive_an_agent_restart_but_dead_ones_do_not(
+    backend: FakeBackend, spawn, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    saved = tmp_path / "direct.json"
+    first = DirectWatch(WatchMode.ENFORCE, set, roots_file=saved)
+    first.set_leases(leases(backend))
+    alive, dying = spawn(), spawn()
+    first.attach("l-a", TOKEN, alive.pid)
+    first.attach("l-a", TOKEN, dying.pid)
+    assert saved.stat().st_mode & 0o777 == 0o600
+    dying.kill()
+    dying.wait()
+    again = DirectWatch(WatchMode.ENFORCE, set, roots_file=saved)
+    again.restore()
+    assert [(r.pid, r.lease_id) for r in again.roots()] == [(alive.pid, "l-a")]
+    again.set_leases(leases(backend))
+    backend.set_processes(0, [{"pid": alive.pid, "used_memory_mib": 10}])
+    assert again.poll(backend) == [], "the restarted agent still knows the program's lease"
+    assert alive.poll() is None
+
+
+def test_a_damaged_attachment_file_loses_attachments_not_the_agent(tmp_path: Path) -> None:
+    saved = tmp_path / "direct.json"
+    for text in ("{not json", '{"pid": 1}', '[{"pid": "x"}, 7]'):
+        saved.write_text(text)
+        watch = DirectWatch(WatchMode.ENFORCE, set, roots_file=saved)
+        watch.restore()
+        assert watch.roots() == []

@@ -114,7 +114,7 @@ class AttachServer:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._learn(), LEASE_WAIT_S)
         try:
-            self.watch.attach(request.lease_id, request.token, pid)
+            await asyncio.to_thread(self.watch.attach, request.lease_id, request.token, pid)
         except AttachRefused as exc:
             return self._refuse(str(exc), pid)
         self.attached += 1

@@ -204,7 +204,9 @@ class Agent:
         self._faults: asyncio.Queue[GpuEvent] = asyncio.Queue()
         self.device_plugins: Any = None
         """The kubelet device plugin (gpupool.k8s), when the agent serves it."""
-        self.watch = DirectWatch(settings.watch_mode, self._not_tenants)
+        self.watch = DirectWatch(
+            settings.watch_mode, self._not_tenants, roots_file=settings.data_dir / "direct.json"
+        )
         self.attach_server: AttachServer | None = None
         self._direct_events: asyncio.Queue[DirectEvent] = asyncio.Queue()
         self._heartbeat_now = asyncio.Event()
@@ -317,6 +319,7 @@ class Agent:
     async def _start_attach(self) -> None:
         """The socket `gpupool run` attaches at; without it the watch would stop every direct
         program as one without a lease, so a failure here leaves the watch reporting only."""
+        await asyncio.to_thread(self.watch.restore)
         server = AttachServer(self.settings.attach_path, self.watch, self._learn_leases)
         try:
             await server.start()
@@ -487,7 +490,7 @@ class Agent:
         if reply.leases != self._remote_leases:
             self._remote_leases = reply.leases
             self._workers_wake.set()
-        self.watch.set_leases(reply.direct)
+        await asyncio.to_thread(self.watch.set_leases, reply.direct)
         async with self._replied:
             self._replies += 1
             self._replied.notify_all()

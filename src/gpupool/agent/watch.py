@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import json
 import logging
+import os
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import StrEnum
+from pathlib import Path
 
 import psutil
 
@@ -82,8 +85,12 @@ class DirectWatch:
         *,
         grace_s: float = STOP_GRACE_S,
         clock: Callable[[], float] = time.monotonic,
+        roots_file: Path | None = None,
     ) -> None:
         self.mode = mode
+        self.roots_file = roots_file
+        """Where the attached processes are kept: an agent started again must not take every
+        running direct program for one without a lease."""
         self.grace_s = grace_s
         self._exempt = exempt
         self._clock = clock
@@ -102,6 +109,12 @@ class DirectWatch:
         self.usage: dict[tuple[str, str], tuple[int, float | None]] = {}
         """(lease, GPU) → (MiB its processes hold, % of SMs they use or None), last reading."""
 
+    def restore(self) -> None:
+        """Take over the attachments an earlier agent saved (blocks: reads the file)."""
+        roots = self._load_roots()
+        with self._lock:
+            self._roots.update(roots)
+
     # ---- what the controller says --------------------------------------------------------
 
     def set_leases(self, leases: Mapping[str, DirectLease] | None) -> None:
@@ -109,8 +122,11 @@ class DirectWatch:
         with self._lock:
             self._leases = None if leases is None else dict(leases)
             if self._leases is not None:
-                for pid in [p for p, r in self._roots.items() if r.lease_id not in self._leases]:
+                ended = [p for p, r in self._roots.items() if r.lease_id not in self._leases]
+                for pid in ended:
                     del self._roots[pid]
+                if ended:
+                    self._save_roots()
 
     def knows(self, lease_id: str) -> bool:
         with self._lock:
@@ -140,6 +156,7 @@ class DirectWatch:
                     f"lease {lease_id} has {MAX_ROOTS_PER_LEASE} attached processes already"
                 )
             self._roots[pid] = Root(pid, created, lease_id)
+            self._save_roots()
         log.info("process %d attached to direct lease %s", pid, lease_id)
 
     def roots(self) -> list[Root]:
@@ -403,6 +420,46 @@ class DirectWatch:
             with self._lock:
                 for pid in dead:
                     self._roots.pop(pid, None)
+                self._save_roots()
+
+    def _load_roots(self) -> dict[int, Root]:
+        """The attached processes an earlier agent kept that still run (same creation time)."""
+        if self.roots_file is None:
+            return {}
+        try:
+            entries = json.loads(self.roots_file.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.error("cannot read %s (%s): earlier attachments are lost", self.roots_file, exc)
+            return {}
+        roots: dict[int, Root] = {}
+        for entry in entries if isinstance(entries, list) else []:
+            try:
+                root = Root(int(entry["pid"]), float(entry["create_time"]), str(entry["lease_id"]))
+            except (KeyError, TypeError, ValueError):
+                log.error("ignoring a malformed entry of %s: %r", self.roots_file, entry)
+                continue
+            if _alive(root):
+                roots[root.pid] = root
+        return roots
+
+    def _save_roots(self) -> None:
+        """Write the attached processes atomically; called with the lock held."""
+        if self.roots_file is None:
+            return
+        entries = [asdict(r) for r in self._roots.values()]
+        try:
+            self.roots_file.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.roots_file.with_suffix(".tmp")
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps(entries))
+            os.replace(tmp, self.roots_file)
+        except OSError as exc:
+            log.error(
+                "cannot save %s (%s): a restarted agent would not know them", self.roots_file, exc
+            )
 
 
 _EXEMPT = object()
