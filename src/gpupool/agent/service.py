@@ -345,12 +345,17 @@ class Agent:
 
     async def _watch_direct(self, backend: Backend, done: asyncio.Event) -> None:
         """Read the GPUs' processes every WATCH_INTERVAL_S and act on what breaks a lease."""
+        failing: str | None = None
         while not done.is_set():
             try:
                 events = await asyncio.to_thread(self.watch.poll, backend)
-            except Exception:
-                # A failing reading (NVML, /proc) must not end the watch: the next one may work.
-                log.exception("watching direct slices failed; retrying")
+                failing = None
+            except Exception as exc:
+                # A failing reading (NVML, /proc) must not end the watch: the next one may
+                # work. Logged once per kind of failure, not four times a second.
+                if repr(exc) != failing:
+                    log.exception("watching direct slices failed; retrying")
+                    failing = repr(exc)
                 events = []
             for event in events:
                 self._direct_events.put_nowait(event)
@@ -364,22 +369,34 @@ class Agent:
             batch = [await self._direct_events.get()]
             while not self._direct_events.empty() and len(batch) < MAX_DIRECT_EVENTS_PER_POST:
                 batch.append(self._direct_events.get_nowait())
-            body = DirectEvents(events=batch).model_dump(mode="json", exclude_none=True)
-            backoff = Backoff(FIRST_RETRY_S, self.settings.retry_max_s)
-            while True:
-                try:
-                    response = await client.post(path, json=body)
-                except httpx.TransportError:
-                    await asyncio.sleep(backoff.next_s())
-                    continue
-                if response.is_error:
-                    log.error(
-                        "controller refused %d direct-slice event(s): HTTP %d %s",
-                        len(batch),
-                        response.status_code,
-                        response.text[:300],
-                    )
-                break
+            refused = await self._post_direct(client, path, batch)
+            if refused is not None and len(batch) > 1:
+                # One event the controller will not take (its lease gone from the controller's
+                # memory, say) must not cost the others: each goes on its own.
+                for event in batch:
+                    await self._post_direct(client, path, [event])
+
+    async def _post_direct(
+        self, client: httpx.AsyncClient, path: str, batch: list[DirectEvent]
+    ) -> httpx.Response | None:
+        """POST one batch, retrying while the controller is unreachable; the refusal, if any."""
+        body = DirectEvents(events=batch).model_dump(mode="json", exclude_none=True)
+        backoff = Backoff(FIRST_RETRY_S, self.settings.retry_max_s)
+        while True:
+            try:
+                response = await client.post(path, json=body)
+            except httpx.TransportError:
+                await asyncio.sleep(backoff.next_s())
+                continue
+            if not response.is_error:
+                return None
+            log.error(
+                "controller refused %d direct-slice event(s): HTTP %d %s",
+                len(batch),
+                response.status_code,
+                response.text[:300],
+            )
+            return response
 
     def _not_tenants(self) -> set[int]:
         """Processes on a GPU that are the agent's own, not a tenant's: remote leases' workers
