@@ -141,3 +141,16 @@ def test_only_agents_report_watch_events(client: TestClient, role: str) -> None:
         f"{API}/nodes/node-a/direct-events", json={"events": [event()]}, headers=bearer(token)
     )
     assert answer.status_code == 403, answer.text
+
+
+def test_an_event_about_a_lease_that_just_ended_is_still_recorded(client: TestClient) -> None:
+    made = client.post(
+        f"{API}/leases", json={"compute_pct": 30, "memory": "1GiB", "node": "node-a"}
+    ).json()
+    gpu = made["slices"][0]["gpu_uuid"]
+    assert client.delete(f"{API}/leases/{made['id']}").status_code in (200, 204)
+    body = {"events": [event(lease_id=made["id"], gpu_uuid=gpu, reason="no_lease")]}
+    answer = client.post(f"{API}/nodes/node-a/direct-events", json=body)
+    assert answer.status_code == 200, answer.text
+    kinds = [e["kind"] for e in client.get(f"{API}/events", params={"subject": made["id"]}).json()]
+    assert kinds[-1] == "direct.process_stopped"

@@ -198,6 +198,10 @@ class DirectWatch:
             key for key in self._over_share if self._still_over(key, leases)
         }
         events += self._raised_limits(judged, owners, leases)
+        # What was said about processes that left the GPUs is forgotten: the set stays as
+        # small as the GPUs' process lists (keys are (what, pid, ...)).
+        present = {p.pid for p in processes} | set(self._stopping)
+        self._said = {key for key in self._said if key[1] in present}
         self.events.extend(events)
         return events
 
@@ -270,6 +274,10 @@ class DirectWatch:
             except psutil.NoSuchProcess:
                 return None
             except psutil.AccessDenied:
+                key = ("denied", proc.pid, proc.gpu_uuid, finding.reason.value)
+                if key in self._said:
+                    return None
+                self._said.add(key)
                 log.error("cannot stop pid %d (%s): permission denied", proc.pid, detail)
                 kind, verb = "process_not_stopped", "could not stop (permission denied)"
             else:

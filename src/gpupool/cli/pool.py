@@ -537,6 +537,14 @@ def agent(
             "--device-plugin, whose pods' processes no `gpupool run` attaches.",
         ),
     ] = None,
+    direct_socket: Annotated[
+        Path | None,
+        typer.Option(
+            "--direct-socket",
+            help="Where `gpupool run` attaches direct programs to the watch (default: "
+            "direct.sock in --data-dir); tenants' users must be able to reach it.",
+        ),
+    ] = None,
 ) -> None:
     watch_modes = ("enforce", "report", "off")
     if direct_watch is not None and direct_watch not in watch_modes:
@@ -583,6 +591,7 @@ def agent(
             mps_shm_dir=mps_shm_dir,
             room_timeout_s=room_timeout,
             direct_watch=WatchMode(direct_watch) if direct_watch is not None else None,
+            direct_socket=direct_socket,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None

@@ -8,7 +8,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from gpupool.controller.models import GpuRow, NodeRow, utcnow
+from gpupool.controller.models import GpuRow, LeaseRow, NodeRow, utcnow
 from gpupool.controller.services import elastic, oversubscription
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, release
@@ -264,17 +264,21 @@ def record_direct_events(
     that node's GPUs, and leases that exist, are taken: an agent speaks for its node only."""
     if store.node_row(session, name) is None:
         raise NotFound(f"no node {name!r}: register it first")
+    tenants: dict[str, str] = {}
     for event in body.events:
         gpu = store.pool.gpus.get(event.gpu_uuid)
         if gpu is None or gpu.node != name:
             raise NotFound(f"no GPU {event.gpu_uuid} on node {name}")
-        if event.lease_id is not None and event.lease_id not in store.lease_rows:
-            raise NotFound(f"no lease {event.lease_id}")
+        if event.lease_id is not None:
+            # Released leases leave the store's memory but not the database: a process
+            # stopped as its lease ended is still told about that lease.
+            lease = store.lease_rows.get(event.lease_id) or session.get(LeaseRow, event.lease_id)
+            if lease is None:
+                raise NotFound(f"no lease {event.lease_id}")
+            tenants[event.lease_id] = lease.tenant
     for event in body.events:
         data = event.model_dump(exclude_none=True, exclude={"kind", "message"})
-        tenant = None
-        if event.lease_id is not None:
-            tenant = store.lease_rows[event.lease_id].tenant
+        tenant = tenants.get(event.lease_id) if event.lease_id is not None else None
         record(
             session,
             actor,
