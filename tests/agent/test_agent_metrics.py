@@ -139,3 +139,33 @@ def test_agent_api_serves_metrics(agent: Agent) -> None:
         "DCGM_FI_DEV_GPU_TEMP",
         "DCGM_FI_DEV_XID_ERRORS",
     } <= names
+
+
+def test_the_direct_watch_is_exported() -> None:
+    from gpupool.agent.metrics import AgentView, HealthCounts, exposition
+
+    view = AgentView(
+        node="n",
+        backend="fake",
+        simulated=True,
+        registered=True,
+        controller_reachable=True,
+        heartbeats_sent=1,
+        mps_daemons=0,
+        inventory=[],
+        telemetry=[],
+        desired={},
+        health=HealthCounts(),
+        direct_stopped={"over_memory": 2},
+        direct_reported={"compute_over_share": 1},
+        direct_usage={("l-a", "GPU-0"): (512, 42.0), ("l-b", "GPU-0"): (10, None)},
+        direct_attached=3,
+    )
+    text = exposition(view).decode()
+    assert 'gpupool_direct_processes_stopped_total{reason="over_memory"} 2.0' in text
+    assert 'gpupool_direct_processes_stopped_total{reason="no_lease"} 0.0' in text
+    assert 'gpupool_direct_reports_total{reason="compute_over_share"} 1.0' in text
+    assert 'gpupool_direct_lease_memory_used_bytes{UUID="GPU-0",lease="l-a"}' in text
+    assert 'gpupool_direct_lease_sm_percent{UUID="GPU-0",lease="l-a"} 42.0' in text
+    assert 'lease="l-b"} ' not in text.split("gpupool_direct_lease_sm_percent")[-1]
+    assert "gpupool_direct_attached_processes 3.0" in text

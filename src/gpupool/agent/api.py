@@ -36,6 +36,17 @@ def create_agent_app(agent: Agent) -> FastAPI:
             "controller_reachable": agent.controller_reachable,
             "faults_reported": agent.faults_reported,
             "mps": {uuid: agent.mps.pipe_dir(uuid) for uuid in agent.mps.daemons},
+            "direct_watch": {
+                "mode": agent.watch.mode.value,
+                "socket": str(agent.settings.attach_path) if agent.attach_server else None,
+                "attached": [{"pid": r.pid, "lease_id": r.lease_id} for r in agent.watch.roots()],
+                "stopped": dict(agent.watch.stopped),
+                "reported": dict(agent.watch.reported),
+                "events": [
+                    e.model_dump(mode="json", exclude_none=True)
+                    for e in list(agent.watch.events)[-50:]
+                ],
+            },
             "health_events": [
                 {"gpu_uuid": e.gpu_uuid, "kind": e.kind, "value": e.value, "message": e.message}
                 for e in list(agent.health_events)[-50:]

@@ -98,6 +98,10 @@ class AgentView:
     telemetry: list[GpuTelemetry]
     desired: dict[str, GpuDesired]
     health: HealthCounts
+    direct_stopped: dict[str, int] = field(default_factory=dict)
+    direct_reported: dict[str, int] = field(default_factory=dict)
+    direct_usage: dict[tuple[str, str], tuple[int, float | None]] = field(default_factory=dict)
+    direct_attached: int = 0
 
 
 def read_view(agent: Agent) -> AgentView:
@@ -117,6 +121,10 @@ def read_view(agent: Agent) -> AgentView:
         telemetry=telemetry,
         desired=dict(agent.desired),
         health=agent.health_counts.copy(),
+        direct_stopped=dict(agent.watch.stopped),
+        direct_reported=dict(agent.watch.reported),
+        direct_usage=dict(agent.watch.usage),
+        direct_attached=len(agent.watch.roots()),
     )
 
 
@@ -159,6 +167,7 @@ class AgentCollector(Collector):
         yield from (free, total, xid_last)
         yield from _health_families(view, gpus)
         yield from _lease_families(view, gpus)
+        yield from _direct_families(view)
 
 
 def _agent_families(view: AgentView) -> Iterator[Metric]:
@@ -260,6 +269,49 @@ def _lease_families(view: AgentView, gpus: list[Row]) -> Iterator[Metric]:
             if t.memory_used_mib is not None:
                 memory.add_metric([leases[0], *labels], t.memory_used_mib * MIB)
     yield from (held, util, memory)
+
+
+DIRECT_REASONS = ("over_memory", "foreign_gpu", "no_lease")
+DIRECT_REPORTS = ("compute_over_share", "raised_limits", "unattributable")
+
+
+def _direct_families(view: AgentView) -> Iterator[Metric]:
+    """The watch of direct slices: what it stopped and saw, and each lease's measured use."""
+    stopped = CounterMetricFamily(
+        "gpupool_direct_processes_stopped",
+        "Processes of direct slices stopped (or, with --direct-watch report, found) by reason.",
+        labels=["reason"],
+    )
+    for reason in DIRECT_REASONS:
+        stopped.add_metric([reason], view.direct_stopped.get(reason, 0))
+    reported = CounterMetricFamily(
+        "gpupool_direct_reports",
+        "What the watch of direct slices reported without stopping anything, by reason.",
+        labels=["reason"],
+    )
+    for reason in DIRECT_REPORTS:
+        reported.add_metric([reason], view.direct_reported.get(reason, 0))
+    memory = GaugeMetricFamily(
+        "gpupool_direct_lease_memory_used_bytes",
+        "GPU memory the processes of a direct lease hold on a GPU, as the driver reports it.",
+        labels=["lease", "UUID"],
+    )
+    sm = GaugeMetricFamily(
+        "gpupool_direct_lease_sm_percent",
+        "SM use of a direct lease's processes on a GPU (NVML per-process samples), where "
+        "the driver samples processes.",
+        labels=["lease", "UUID"],
+    )
+    for (lease, uuid), (mib, pct) in sorted(view.direct_usage.items()):
+        memory.add_metric([lease, uuid], mib * MIB)
+        if pct is not None:
+            sm.add_metric([lease, uuid], pct)
+    attached = GaugeMetricFamily(
+        "gpupool_direct_attached_processes",
+        "Processes attached to direct leases by `gpupool run` (each with its descendants).",
+        value=view.direct_attached,
+    )
+    yield from (stopped, reported, memory, sm, attached)
 
 
 def exposition(view: AgentView) -> bytes:

@@ -174,6 +174,10 @@ class MpsSupervisor:
         for uuid in set(self.daemons) - set(modes):
             self.daemons[uuid].stop()
 
+    def pids(self) -> set[int]:
+        """The running control daemons (the MPS servers are their children)."""
+        return {pid for d in list(self.daemons.values()) if (pid := d.pid()) is not None}
+
     def pipe_dir(self, gpu_uuid: str) -> str | None:
         daemon = self.daemons.get(gpu_uuid)
         return str(daemon.pipe_dir) if daemon is not None and daemon.running() else None

@@ -19,14 +19,18 @@ from typing import Any
 import httpx
 import psutil
 
+from gpupool.agent.attach import AttachServer
 from gpupool.agent.backends import Backend, FakeBackend, GpuEvent, detect
 from gpupool.agent.health import is_fault, isolation_reason
 from gpupool.agent.metrics import HealthCounts
 from gpupool.agent.mps import MpsSupervisor
+from gpupool.agent.watch import WATCH_INTERVAL_S, DirectWatch, WatchMode
 from gpupool.agent.workers import WorkerSupervisor
 from gpupool.protocol.failover import AsyncFailoverTransport, split_urls
 from gpupool.protocol.tls import tls_verify
 from gpupool.protocol.v1.api import (
+    DirectEvent,
+    DirectEvents,
     GpuDesired,
     GpuInventory,
     NodeHeartbeat,
@@ -55,6 +59,7 @@ def write_secret(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as out:
         out.write(text + "\n")
     os.replace(tmp, path)
+MAX_DIRECT_EVENTS_PER_POST = 256
 
 
 class NoGpuFound(Exception):
@@ -106,6 +111,22 @@ class AgentSettings:
     room_timeout_s: float | None = None
     """How long a worker's allocation that its GPU lacks memory for waits for other sessions
     to be swapped out (memory oversubscription); None: the worker's default, 60 s."""
+    direct_watch: WatchMode | None = None
+    """The watch of direct slices (gpupool.agent.watch): enforce, report or off. None:
+    enforce, except with the kubelet device plugin, whose pods' processes nobody attaches
+    (they would all be stopped as processes without a lease): report there."""
+    direct_socket: Path | None = None
+    """Where `gpupool run` attaches its processes; None: `direct.sock` in the data dir."""
+
+    @property
+    def watch_mode(self) -> WatchMode:
+        if self.direct_watch is not None:
+            return self.direct_watch
+        return WatchMode.REPORT if self.device_plugin_dir is not None else WatchMode.ENFORCE
+
+    @property
+    def attach_path(self) -> Path:
+        return self.direct_socket or self.data_dir / "direct.sock"
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -126,7 +147,11 @@ class AgentSettings:
 def open_backend(settings: AgentSettings) -> Backend:
     """The fake backend when a spec is given, else real GPUs; blocks (NVML starts here)."""
     if settings.fake_spec is not None:
-        return FakeBackend.from_spec(settings.fake_spec, node_name=settings.node_name)
+        return FakeBackend.from_spec(
+            settings.fake_spec,
+            node_name=settings.node_name,
+            process_dir=settings.data_dir / "simulated-gpu-processes",
+        )
     backend = detect(settings.node_name)
     if backend is None:
         raise NoGpuFound(
@@ -201,6 +226,14 @@ class Agent:
         self._credential_ready = asyncio.Event()
         self.device_plugins: Any = None
         """The kubelet device plugin (gpupool.k8s), when the agent serves it."""
+        self.watch = DirectWatch(
+            settings.watch_mode, self._not_tenants, roots_file=settings.data_dir / "direct.json"
+        )
+        self.attach_server: AttachServer | None = None
+        self._direct_events: asyncio.Queue[DirectEvent] = asyncio.Queue()
+        self._heartbeat_now = asyncio.Event()
+        self._replies = 0
+        self._replied = asyncio.Condition()
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register, then heartbeat until `stop` is set; a missing controller never ends it."""
@@ -229,6 +262,10 @@ class Agent:
         done = asyncio.Event()
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")
         keeper = asyncio.create_task(self._keep_workers(done), name="agent-workers")
+        direct = None
+        if self.watch.mode is not WatchMode.OFF:
+            await self._start_attach()
+            direct = asyncio.create_task(self._watch_direct(backend, done), name="agent-direct")
         plugin = None
         if self.settings.device_plugin_dir is not None:
             plugin = asyncio.create_task(self._serve_device_plugin(done), name="agent-k8s")
@@ -249,16 +286,24 @@ class Agent:
             ) as client:
                 if not await self._node_credential(client, stop):
                     return
-                reporter = asyncio.create_task(self._report_faults(client), name="agent-faults")
+                reporters = [
+                    asyncio.create_task(self._report_faults(client), name="agent-faults"),
+                    asyncio.create_task(self._report_direct(client), name="agent-direct-events"),
+                ]
                 try:
                     await self._heartbeat_loop(client, backend, stop)
                 finally:
-                    reporter.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await reporter
+                    for reporter in reporters:
+                        reporter.cancel()
+                        with contextlib.suppress(asyncio.CancelledError):
+                            await reporter
         finally:
             done.set()
             await watcher
+            if direct is not None:
+                await direct
+            if self.attach_server is not None:
+                await self.attach_server.stop()
             if plugin is not None:
                 await plugin
             if api is not None:
@@ -364,6 +409,96 @@ class Agent:
         log.info("agent API on %s", self.agent_url)
         return server
 
+    async def _start_attach(self) -> None:
+        """The socket `gpupool run` attaches at; without it the watch would stop every direct
+        program as one without a lease, so a failure here leaves the watch reporting only."""
+        await asyncio.to_thread(self.watch.restore)
+        server = AttachServer(self.settings.attach_path, self.watch, self._learn_leases)
+        try:
+            await server.start()
+        except OSError as exc:
+            log.error(
+                "cannot serve direct attach socket %s (%s): the direct watch only reports",
+                self.settings.attach_path,
+                exc,
+            )
+            self.watch.mode = WatchMode.REPORT
+            return
+        self.attach_server = server
+        if self.watch.mode is WatchMode.REPORT:
+            log.warning("the watch of direct slices only reports: it stops no process")
+
+    async def _learn_leases(self) -> None:
+        """Heartbeat now and return once the controller's answer is in (a new direct lease
+        attaching its process moments after its grant)."""
+        async with self._replied:
+            seen = self._replies
+            self._heartbeat_now.set()
+            await self._replied.wait_for(lambda: self._replies > seen)
+
+    async def _watch_direct(self, backend: Backend, done: asyncio.Event) -> None:
+        """Read the GPUs' processes every WATCH_INTERVAL_S and act on what breaks a lease."""
+        failing: str | None = None
+        while not done.is_set():
+            try:
+                events = await asyncio.to_thread(self.watch.poll, backend)
+                failing = None
+            except Exception as exc:
+                # A failing reading (NVML, /proc) must not end the watch: the next one may
+                # work. Logged once per kind of failure, not four times a second.
+                if repr(exc) != failing:
+                    log.exception("watching direct slices failed; retrying")
+                    failing = repr(exc)
+                events = []
+            for event in events:
+                self._direct_events.put_nowait(event)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(done.wait(), timeout=WATCH_INTERVAL_S)
+
+    async def _report_direct(self, client: httpx.AsyncClient) -> None:
+        """Send the watch's events to the controller's event log as they come."""
+        path = f"/api/v1/nodes/{self.settings.node_name}/direct-events"
+        while True:
+            batch = [await self._direct_events.get()]
+            while not self._direct_events.empty() and len(batch) < MAX_DIRECT_EVENTS_PER_POST:
+                batch.append(self._direct_events.get_nowait())
+            refused = await self._post_direct(client, path, batch)
+            if refused is not None and len(batch) > 1:
+                # One event the controller will not take (its lease gone from the controller's
+                # memory, say) must not cost the others: each goes on its own.
+                for event in batch:
+                    await self._post_direct(client, path, [event])
+
+    async def _post_direct(
+        self, client: httpx.AsyncClient, path: str, batch: list[DirectEvent]
+    ) -> httpx.Response | None:
+        """POST one batch, retrying while the controller is unreachable; the refusal, if any."""
+        body = DirectEvents(events=batch).model_dump(mode="json", exclude_none=True)
+        backoff = Backoff(FIRST_RETRY_S, self.settings.retry_max_s)
+        while True:
+            try:
+                response = await client.post(path, json=body)
+            except httpx.TransportError:
+                await asyncio.sleep(backoff.next_s())
+                continue
+            if not response.is_error:
+                return None
+            log.error(
+                "controller refused %d direct-slice event(s): HTTP %d %s",
+                len(batch),
+                response.status_code,
+                response.text[:300],
+            )
+            return response
+
+    def _not_tenants(self) -> set[int]:
+        """Processes on a GPU that are the agent's own, not a tenant's: remote leases' workers
+        and the MPS daemons (whose servers hold their clients' contexts)."""
+        pids = self.mps.pids()
+        if self.workers is not None:
+            pids |= self.workers.pids()
+        return pids
+
     async def _report_faults(self, client: httpx.AsyncClient) -> None:
         """Tell the controller at once about each fault, so the GPU is isolated within seconds."""
         while True:
@@ -415,9 +550,9 @@ class Agent:
                 self._controller_answered()
                 self._log_refusal(exc)
                 wait_s = backoff.next_s()
-            if wait_s > 0:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=wait_s)
+            if wait_s > 0 and not self._heartbeat_now.is_set():
+                await _first_of(stop, self._heartbeat_now, wait_s)
+            self._heartbeat_now.clear()
 
     async def _register(self, client: httpx.AsyncClient, backend: Backend) -> None:
         body = await asyncio.to_thread(self._registration, backend)
@@ -465,6 +600,10 @@ class Agent:
         if reply.leases != self._remote_leases:
             self._remote_leases = reply.leases
             self._workers_wake.set()
+        await asyncio.to_thread(self.watch.set_leases, reply.direct)
+        async with self._replied:
+            self._replies += 1
+            self._replied.notify_all()
         self.heartbeats_sent += 1
         self._refusal_logged = None
         return True
@@ -506,10 +645,12 @@ class Agent:
 
     def _heartbeat_body(self, backend: Backend) -> tuple[NodeHeartbeat, list[GpuInventory]]:
         gpus = backend.inventory()
+        attach = str(self.settings.attach_path) if self.attach_server is not None else None
         telemetry = [
             t.model_copy(
                 update={
                     "mps_pipe_dir": self.mps.pipe_dir(t.uuid),
+                    "direct_socket": attach,
                     **self.health_counts.telemetry_fields(t.uuid),
                 }
             )
@@ -645,6 +786,16 @@ class Agent:
         if text != self._refusal_logged:
             log.error("controller refused %s; retrying", text)
             self._refusal_logged = text
+
+
+async def _first_of(stop: asyncio.Event, now: asyncio.Event, timeout_s: float) -> None:
+    """Wait until either event is set, or `timeout_s` passed."""
+    waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(now.wait())]
+    try:
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
 
 
 def _embedded_server_class() -> Any:

@@ -450,6 +450,11 @@ class WorkerSupervisor:
         ]
         return out
 
+    def pids(self) -> set[int]:
+        """The workers' processes: on a real GPU they hold contexts, and are not tenants'."""
+        with self._lock:
+            return {w.proc.pid for w in self.workers.values()}
+
     def stop_all(self) -> None:
         """Stop every worker (the agent is shutting down). The registry keeps them, so the
         next agent reports them gone and their leases end with that reason."""

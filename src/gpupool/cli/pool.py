@@ -340,11 +340,12 @@ def controller(
         float, typer.Option("--compute-ratio", help="Compute oversubscription, 1 = none.")
     ] = 1.0,
     memory_ratio: Annotated[
-        float, typer.Option(
+        float,
+        typer.Option(
             "--memory-ratio",
             help="Memory oversubscription, 1 = none; the part above a GPU's own memory goes to "
             "remote leases only (their sessions can be swapped out, direct ones cannot).",
-        )
+        ),
     ] = 1.0,
     alert_webhook: Annotated[
         str | None,
@@ -560,7 +561,29 @@ def agent(
             "before it fails (default 60).",
         ),
     ] = None,
+    direct_watch: Annotated[
+        str | None,
+        typer.Option(
+            "--direct-watch",
+            help="The watch of direct slices' GPU processes: enforce (stop what breaks its "
+            "lease), report (only say so) or off. Default: enforce; report with "
+            "--device-plugin, whose pods' processes no `gpupool run` attaches.",
+        ),
+    ] = None,
+    direct_socket: Annotated[
+        Path | None,
+        typer.Option(
+            "--direct-socket",
+            help="Where `gpupool run` attaches direct programs to the watch (default: "
+            "direct.sock in --data-dir); tenants' users must be able to reach it.",
+        ),
+    ] = None,
 ) -> None:
+    watch_modes = ("enforce", "report", "off")
+    if direct_watch is not None and direct_watch not in watch_modes:
+        raise BadInput(
+            f"--direct-watch must be one of {', '.join(watch_modes)}, got {direct_watch!r}"
+        )
     if room_timeout is not None and not 0 < room_timeout <= 3600:
         raise BadInput(f"--room-timeout must be in (0, 3600] seconds, got {room_timeout:g}")
     if interval <= 0:
@@ -573,6 +596,7 @@ def agent(
         raise BadInput(f"--api-port must be 0..65535, got {api_port}")
     with imports_without_gc():
         from gpupool.agent.service import AgentSettings, run_agent
+        from gpupool.agent.watch import WatchMode
 
     controller_url = resolve_url(url) if url else cli_context(ctx).url
     token = resolve_token(controller_url, cli_context(ctx).token)
@@ -601,6 +625,8 @@ def agent(
             device_plugin_slots=vgpu_slots,
             mps_shm_dir=mps_shm_dir,
             room_timeout_s=room_timeout,
+            direct_watch=WatchMode(direct_watch) if direct_watch is not None else None,
+            direct_socket=direct_socket,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None

@@ -41,6 +41,7 @@ from gpupool.client.sdk import (
     resolve_token,
 )
 from gpupool.protocol.v1.api import GpuOut, LeaseCreate, LeaseOut
+from gpupool.protocol.v1.attach import AttachRefused, attach
 
 HELP = (
     "Run a command on GPUs of this server and give them back when it ends.\n\n"
@@ -115,6 +116,71 @@ def unenforced_warning(
         f"warning: no MPS daemon runs for {names}: the compute share and memory limit "
         "of this slice are not enforced (is nvidia-cuda-mps-control installed on the agent?)"
     )
+
+
+def attach_socket(gpus: Sequence[GpuOut]) -> Path | None:
+    """The agent's socket where this process attaches to its lease's watch, if it has one."""
+    for gpu in gpus:
+        path = gpu.telemetry.get("direct_socket")
+        if isinstance(path, str) and path:
+            return Path(path)
+    return None
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Keep the command's orphans (a daemonising child) as our descendants: the agent finds
+    a process's lease through its ancestry, and a process re-parented to init has none (it
+    would be stopped as one without a lease). Linux only; elsewhere nothing changes."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+
+
+def attach_to_watch(lease: LeaseOut, token: str | None, gpus: Sequence[GpuOut]) -> None:
+    """Tell the agent that this process, and so the command it starts next, belongs to the
+    lease: the agent stops GPU processes that belong to no lease. Before the command starts,
+    so that the command is never on a GPU without its lease known."""
+    path = attach_socket(gpus)
+    if path is None:
+        if not any(g.simulated for g in gpus):
+            note(
+                "[yellow]warning: the agent does not watch direct slices (an older agent): "
+                "nothing on the server stops a program that raises its own limits[/yellow]"
+            )
+        return
+    if not token:
+        raise CommandFailed(
+            f"lease {lease.id} came without its token (a controller older than the watch of "
+            "direct slices?): the agent would stop the command as one without a lease",
+            1,
+        )
+    try:
+        attach(path, lease.id, token)
+    except AttachRefused as exc:
+        raise CommandFailed(f"the agent refused to attach lease {lease.id}: {exc}", 1) from None
+    except OSError as exc:
+        raise CommandFailed(
+            f"cannot reach the agent's socket {path} ({exc.strerror or exc}): the agent would "
+            "stop the command as one without a lease; run on the GPU's own server",
+            1,
+        ) from None
+    become_subreaper()
+
+
+def _local(path: Path | None) -> bool:
+    try:
+        return path is not None and path.is_socket()
+    except OSError:
+        return False
 
 
 def child_env(base: Mapping[str, str], lease_vars: Mapping[str, str]) -> dict[str, str]:
@@ -225,7 +291,12 @@ def _release(client: PoolClient, lease: LeaseOut) -> None:
 
 
 def _run_on_lease(
-    context: CliContext, client: PoolClient, lease: LeaseOut, cmd: Sequence[str], grace_s: float
+    context: CliContext,
+    client: PoolClient,
+    lease: LeaseOut,
+    token: str | None,
+    cmd: Sequence[str],
+    grace_s: float,
 ) -> int:
     here = socket.gethostname()
     elsewhere = sorted({piece.node for piece in lease.slices if piece.node != here})
@@ -239,6 +310,9 @@ def _run_on_lease(
     warning = unenforced_warning(lease, gpus, env)
     if warning is not None:
         note(f"[yellow]{escape(warning)}[/yellow]")
+    if not elsewhere or _local(attach_socket(gpus)):
+        # A node named otherwise than this host may still be this host (agent --node).
+        attach_to_watch(lease, token, gpus)
     note(
         escape(granted_text(lease))
         + (" [yellow](SIMULATED)[/yellow]" if "GPUPOOL_SIMULATED" in env else "")
@@ -398,7 +472,7 @@ def run(
                 lease = await_workers(client, lease)
                 code = _run_remote(context, lease, token or "", cmd, grace)
             else:
-                code = _run_on_lease(context, client, lease, cmd, grace)
+                code = _run_on_lease(context, client, lease, token, cmd, grace)
         finally:
             _release(client, lease)
     raise typer.Exit(code)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from gpupool.agent.backends.base import Backend, EventKind, GpuEvent, xid_event
+from gpupool.agent.backends.base import Backend, EventKind, GpuEvent, GpuProcess, xid_event
 from gpupool.agent.backends.fake import FakeBackend, parse_spec
 from gpupool.agent.backends.nvml import NvmlBackend, NvmlError, ReplayNvml, record_fixture
 
@@ -15,6 +15,7 @@ __all__ = [
     "EventKind",
     "FakeBackend",
     "GpuEvent",
+    "GpuProcess",
     "NvmlBackend",
     "NvmlError",
     "ReplayNvml",

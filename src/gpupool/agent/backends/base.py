@@ -52,6 +52,20 @@ def xid_event(gpu_uuid: str, code: int) -> GpuEvent:
     return GpuEvent(gpu_uuid=gpu_uuid, kind=kind, value=code, message=message)
 
 
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """One process with a compute context on one GPU, as the driver (or the simulation) reports
+    it: the agent's watch of direct slices compares these with the leases."""
+
+    gpu_uuid: str
+    pid: int
+    used_memory_mib: int | None
+    """None: the driver does not report this process's memory."""
+    sm_util_pct: float | None = None
+    """The share of the GPU's SMs it used lately (NVML's per-process samples); None: not
+    measured (no samples, or a driver that does not sample processes)."""
+
+
 class Backend(Protocol):
     """A source of GPUs. Every method may block (NVML does): call it off the event loop."""
 
@@ -68,6 +82,10 @@ class Backend(Protocol):
 
     def poll_events(self, timeout_ms: int) -> list[GpuEvent]:
         """Events since the last call; waits up to `timeout_ms` when there are none yet."""
+        ...
+
+    def gpu_processes(self) -> list[GpuProcess]:
+        """Every process with a compute context on any GPU now, MPS clients included."""
         ...
 
     def close(self) -> None: ...

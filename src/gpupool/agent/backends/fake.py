@@ -1,13 +1,27 @@
-"""Simulated GPUs for tests and demos, with faults that can be injected on demand."""
+"""Simulated GPUs for tests and demos, with faults that can be injected on demand.
+
+SIMULATED GPU processes: nothing runs on a simulated GPU, so a real process says that it
+"uses" one by holding open a file `<process_dir>/<gpu uuid>/<its pid>` whose content is the
+MiB it pretends to hold (`SimulatedGpuUse` writes it). The backend reports such a process,
+as NVML would a real one, only while that very process has the file open: the kernel's fd
+table, which only the process itself changes, is the proof, so nobody can make another
+process appear on a GPU (and be stopped by the agent's watch) by writing a file.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import re
 import socket
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import IO
 
-from gpupool.agent.backends.base import GpuEvent, xid_event
+from gpupool.agent.backends.base import GpuEvent, GpuProcess, xid_event
 from gpupool.protocol.v1.api import GpuInventory, GpuTelemetry
 
 MAX_GPUS_PER_NODE = 64
@@ -21,6 +35,10 @@ BUSY_POWER_W = 600.0
 IDLE_SM_CLOCK_MHZ = 345
 BUSY_SM_CLOCK_MHZ = 1980
 MEM_CLOCK_MHZ = 2619
+MAX_USE_FILE_BYTES = 256
+MAX_FDS_CHECKED = 4096
+"""A process with more descriptors than this is not searched for its use file (and so not
+reported): the agent's watch must not stall on one process."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,14 +126,20 @@ class FakeBackend:
     name = "fake"
     simulated = True
 
-    def __init__(self, gpus: list[GpuInventory]) -> None:
+    def __init__(self, gpus: list[GpuInventory], process_dir: Path | None = None) -> None:
         self._gpus = [FakeGpu(inventory=gpu) for gpu in gpus]
+        self.process_dir = process_dir
+        """Where real processes declare their simulated use of a GPU (module docstring)."""
+        if process_dir is not None:
+            _open_process_dir(process_dir, [gpu.uuid for gpu in gpus])
         self._events: list[GpuEvent] = []
         # poll_events runs in a worker thread while faults are injected from another.
         self._changed = threading.Condition()
 
     @classmethod
-    def from_spec(cls, spec: str, node_name: str | None = None) -> FakeBackend:
+    def from_spec(
+        cls, spec: str, node_name: str | None = None, process_dir: Path | None = None
+    ) -> FakeBackend:
         node = node_name if node_name is not None else socket.gethostname()
         gpus: list[GpuInventory] = []
         for item in parse_spec(spec):
@@ -132,7 +156,7 @@ class FakeBackend:
                         simulated=True,
                     )
                 )
-        return cls(gpus)
+        return cls(gpus, process_dir)
 
     # ---- Backend ------------------------------------------------------------------------
 
@@ -161,6 +185,30 @@ class FakeBackend:
         with self._changed:
             self._changed.notify_all()
 
+    def gpu_processes(self) -> list[GpuProcess]:
+        """The processes set with set_processes, and the real processes that hold a use file
+        (module docstring); both SIMULATED uses of simulated GPUs."""
+        with self._changed:
+            out = [
+                GpuProcess(
+                    gpu.inventory.uuid,
+                    int(p["pid"]),
+                    p.get("used_memory_mib"),
+                    float(p["sm_util_pct"]) if "sm_util_pct" in p else None,
+                )
+                for gpu in self._gpus
+                for p in gpu.processes
+            ]
+            uuids = [gpu.inventory.uuid for gpu in self._gpus]
+        if self.process_dir is not None:
+            listed = {(p.gpu_uuid, p.pid) for p in out}
+            out += [
+                p
+                for p in _declared_uses(self.process_dir, uuids)
+                if (p.gpu_uuid, p.pid) not in listed
+            ]
+        return out
+
     # ---- settings of the simulation -----------------------------------------------------
 
     def set_utilization(self, index: int, pct: float) -> None:
@@ -179,7 +227,8 @@ class FakeBackend:
             gpu.memory_used_mib = mib
 
     def set_processes(self, index: int, processes: list[dict[str, int]]) -> None:
-        """Compute processes as NVML lists them: `{"pid": ..., "used_memory_mib": ...}`."""
+        """Compute processes as NVML lists them: `{"pid": ..., "used_memory_mib": ...}`, with
+        `"sm_util_pct"` where a test wants per-process SM use."""
         with self._changed:
             self._gpu(index).processes = [dict(p) for p in processes]
 
@@ -253,3 +302,125 @@ class FakeBackend:
         self._events.append(event)
         self._changed.notify_all()
         return event
+
+
+# ---- simulated use of a GPU by a real process ------------------------------------------------
+
+
+def _open_process_dir(root: Path, uuids: list[str]) -> None:
+    """One directory per GPU, writable by every local user (sticky, as /tmp): any tenant's
+    program may pretend to use a simulated GPU, none may touch another's file."""
+    for directory in [root, *(root / uuid for uuid in uuids)]:
+        directory.mkdir(parents=True, exist_ok=True)
+        directory.chmod(0o1777)
+
+
+def _declared_uses(root: Path, uuids: list[str]) -> list[GpuProcess]:
+    out: list[GpuProcess] = []
+    for uuid in uuids:
+        try:
+            names = os.listdir(root / uuid)
+        except OSError:
+            continue
+        for name in names:
+            if not name.isdigit() or len(name) > 10:
+                continue
+            path = root / uuid / name
+            pid = int(name)
+            try:
+                st = os.stat(path, follow_symlinks=False)
+            except OSError:
+                continue
+            if not _holds_open(pid, st.st_dev, st.st_ino):
+                continue
+            used = _read_use(path)
+            if used is not None:
+                out.append(GpuProcess(uuid, pid, used[0], used[1]))
+    return out
+
+
+def _holds_open(pid: int, dev: int, ino: int) -> bool:
+    """Whether process `pid` has the file (dev, ino) open: its proof that it uses the GPU."""
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return False
+    if len(fds) > MAX_FDS_CHECKED:
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(f"{fd_dir}/{fd}")
+        except OSError:
+            continue
+        if (st.st_dev, st.st_ino) == (dev, ino):
+            return True
+    return False
+
+
+def _read_use(path: Path) -> tuple[int, float | None] | None:
+    """`{"used_memory_mib": N, "sm_util_pct": X}` from a use file; None when unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        raw = os.read(fd, MAX_USE_FILE_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_USE_FILE_BYTES:
+        return None
+    try:
+        data = json.loads(raw or b"{}")
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    used, sm = data.get("used_memory_mib", 0), data.get("sm_util_pct")
+    if isinstance(used, bool) or not isinstance(used, int) or not 0 <= used < 2**31:
+        return None
+    if sm is not None and (isinstance(sm, bool) or not isinstance(sm, int | float)):
+        return None
+    if sm is not None and not 0 <= sm <= 100:
+        return None
+    return used, None if sm is None else float(sm)
+
+
+class SimulatedGpuUse:
+    """A real process's pretended use of a simulated GPU (module docstring): held while the
+    object is open, changed with `set()`. SIMULATED: it allocates nothing anywhere."""
+
+    def __init__(self, process_dir: Path | str, gpu_uuid: str, used_memory_mib: int = 0) -> None:
+        self.path = Path(process_dir) / gpu_uuid / str(os.getpid())
+        self._file: IO[str] | None = open(self.path, "w")  # noqa: SIM115 (held open on purpose)
+        self.set(used_memory_mib)
+
+    def set(self, used_memory_mib: int, sm_util_pct: float | None = None) -> None:
+        assert self._file is not None, "closed"
+        body: dict[str, float] = {"used_memory_mib": used_memory_mib}
+        if sm_util_pct is not None:
+            body["sm_util_pct"] = sm_util_pct
+        self._file.seek(0)
+        self._file.truncate()
+        self._file.write(json.dumps(body))
+        self._file.flush()
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+    def __enter__(self) -> SimulatedGpuUse:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()

@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, TypeAlias, TypeVar
 
-from gpupool.agent.backends.base import EventKind, GpuEvent, xid_event
+from gpupool.agent.backends.base import EventKind, GpuEvent, GpuProcess, xid_event
 from gpupool.protocol.v1.api import GpuInventory, GpuTelemetry
 
 log = logging.getLogger(__name__)
@@ -26,6 +26,7 @@ MIB = 1024 * 1024
 # NVML return codes (nvml.h) that change what the backend does; mirrored here so that
 # replaying a fixture needs no NVML library at all.
 NVML_ERROR_NOT_SUPPORTED = 3
+NVML_ERROR_NOT_FOUND = 6
 NVML_ERROR_TIMEOUT = 10
 NVML_ERROR_GPU_IS_LOST = 15
 FIXTURE_MISSING = -1
@@ -40,6 +41,8 @@ WATCHED_EVENTS = EVENT_DOUBLE_BIT_ECC | EVENT_XID_CRITICAL | EVENT_GPU_UNAVAILAB
 # that a card hovering at the threshold does not raise an event every heartbeat.
 TEMPERATURE_HYSTERESIS_C = 5
 MAX_EVENTS_PER_POLL = 64
+SAMPLE_WINDOW_US = 2_000_000
+"""How far back a reading of per-process utilisation looks (NVML samples every ~1/6 s)."""
 
 EccKind = Literal["corrected", "uncorrected"]
 ClockKind = Literal["sm", "mem"]
@@ -91,6 +94,15 @@ class Utilization:
 class ProcessInfo:
     pid: int
     used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessSample:
+    """NVML's per-process utilisation sample: the share of SMs a process used lately."""
+
+    pid: int
+    timestamp_us: int
+    sm_util_pct: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,16 +184,41 @@ class NvmlApi:
         return _int(self.call("clock_mhz", index, clock), "clock_mhz")
 
     def compute_processes(self, index: int) -> list[ProcessInfo]:
-        rows = self.call("compute_processes", index)
+        return self._processes("compute_processes", index)
+
+    def mps_compute_processes(self, index: int) -> list[ProcessInfo]:
+        """The MPS clients of a GPU (nvmlDeviceGetMPSComputeRunningProcesses): under MPS the
+        plain list may show only the MPS server, which holds the clients' contexts."""
+        return self._processes("mps_compute_processes", index)
+
+    def process_utilization(self, index: int, since_us: int) -> list[ProcessSample]:
+        """Per-process samples newer than `since_us` (nvmlDeviceGetProcessUtilization)."""
+        rows = self.call("process_utilization", index, since_us)
         if not isinstance(rows, list):
-            raise _malformed("compute_processes", rows)
+            raise _malformed("process_utilization", rows)
+        out: list[ProcessSample] = []
+        for row in rows:
+            fields = _dict(row, "process_utilization[]")
+            out.append(
+                ProcessSample(
+                    pid=_int(fields.get("pid"), "process_utilization[].pid"),
+                    timestamp_us=_int(fields.get("timestamp_us"), "process_utilization[].ts"),
+                    sm_util_pct=_int(fields.get("sm_util_pct"), "process_utilization[].sm"),
+                )
+            )
+        return out
+
+    def _processes(self, method: str, index: int) -> list[ProcessInfo]:
+        rows = self.call(method, index)
+        if not isinstance(rows, list):
+            raise _malformed(method, rows)
         out: list[ProcessInfo] = []
         for row in rows:
-            fields = _dict(row, "compute_processes[]")
+            fields = _dict(row, f"{method}[]")
             used = fields.get("used_bytes")
             out.append(
                 ProcessInfo(
-                    pid=_int(fields.get("pid"), "compute_processes[].pid"),
+                    pid=_int(fields.get("pid"), f"{method}[].pid"),
                     used_bytes=None if used is None else _int(used, "used_bytes"),
                 )
             )
@@ -261,6 +298,8 @@ class PynvmlApi(NvmlApi):
             "ecc_errors": self._ecc_errors,
             "clock_mhz": self._clock_mhz,
             "compute_processes": self._compute_processes,
+            "mps_compute_processes": self._mps_compute_processes,
+            "process_utilization": self._process_utilization,
             "wait_event": self._wait_event,
         }
 
@@ -310,11 +349,29 @@ class PynvmlApi(NvmlApi):
         return int(nvml.nvmlDeviceGetClockInfo(self._handle(index), kind))
 
     def _compute_processes(self, index: int) -> Json:
-        rows: list[Json] = []
-        for proc in self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle(index)):
-            used = proc.usedGpuMemory
-            rows.append({"pid": int(proc.pid), "used_bytes": None if used is None else int(used)})
-        return rows
+        return _process_rows(self._nvml.nvmlDeviceGetComputeRunningProcesses(self._handle(index)))
+
+    def _mps_compute_processes(self, index: int) -> Json:
+        listing = getattr(self._nvml, "nvmlDeviceGetMPSComputeRunningProcesses", None)
+        if listing is None:  # a nvidia-ml-py older than the call
+            raise nvml_error(NVML_ERROR_NOT_SUPPORTED, "nvmlDeviceGetMPSComputeRunningProcesses")
+        return _process_rows(listing(self._handle(index)))
+
+    def _process_utilization(self, index: int, since_us: int) -> Json:
+        try:
+            samples = self._nvml.nvmlDeviceGetProcessUtilization(self._handle(index), since_us)
+        except self._nvml.NVMLError as exc:
+            if int(exc.value) == NVML_ERROR_NOT_FOUND:
+                return []  # no process ran on the GPU since `since_us`: no samples
+            raise
+        return [
+            {
+                "pid": int(s.pid),
+                "timestamp_us": int(s.timeStamp),
+                "sm_util_pct": int(s.smUtil),
+            }
+            for s in samples
+        ]
 
     def _wait_event(self, timeout_ms: int) -> Json:
         event_set = self._events()
@@ -343,6 +400,15 @@ class PynvmlApi(NvmlApi):
                     log.info("GPU %d gives no NVML events: %s", index, exc)
             self._event_set = event_set
             return event_set
+
+
+def _process_rows(processes: Any) -> Json:
+    rows: list[Json] = []
+    for proc in processes:
+        # pynvml gives None for NVML_VALUE_NOT_AVAILABLE.
+        used = proc.usedGpuMemory
+        rows.append({"pid": int(proc.pid), "used_bytes": None if used is None else int(used)})
+    return rows
 
 
 def _key(method: str, args: tuple[int | str, ...]) -> str:
@@ -507,6 +573,18 @@ class NvmlBackend:
             wait_ms = 0
         return events
 
+    def gpu_processes(self) -> list[GpuProcess]:
+        """Compute processes and MPS clients of every GPU, with their memory and, where NVML
+        samples processes, their recent SM use."""
+        out: list[GpuProcess] = []
+        for index in range(self.device_count):
+            try:
+                uuid = self._uuid(index)
+            except NvmlError:
+                continue
+            out += self._processes_of(index, uuid)
+        return out
+
     def close(self) -> None:
         try:
             self.api.shutdown()
@@ -567,6 +645,39 @@ class NvmlBackend:
                 for p in processes
             ],
         )
+
+    def _processes_of(self, index: int, uuid: str) -> list[GpuProcess]:
+        used: dict[int, int | None] = {}
+        for listing in (self.api.compute_processes, self.api.mps_compute_processes):
+            try:
+                rows = listing(index)
+            except NvmlError:
+                # No MPS clients call on this driver (or the GPU stopped answering): the
+                # other list still counts; a lost GPU is reported through telemetry.
+                continue
+            for row in rows:
+                mib = None if row.used_bytes is None else row.used_bytes // MIB
+                before = used.get(row.pid)
+                # A client may be in both lists; its larger reading is the true one.
+                used[row.pid] = mib if before is None else max(before, mib or 0)
+        sm = self._sm_util(index, set(used))
+        return [GpuProcess(uuid, pid, mib, sm.get(pid)) for pid, mib in sorted(used.items())]
+
+    def _sm_util(self, index: int, pids: set[int]) -> dict[int, float]:
+        """Each process's mean SM use over NVML's samples of the last SAMPLE_WINDOW_US: a
+        window, not "since the last reading", as the watch reads faster than NVML samples."""
+        if not pids:
+            return {}
+        since_us = int(time.time() * 1_000_000) - SAMPLE_WINDOW_US
+        try:
+            samples = self.api.process_utilization(index, since_us)
+        except NvmlError:
+            return {}
+        by_pid: dict[int, list[int]] = {}
+        for sample in samples:
+            if sample.pid in pids:
+                by_pid.setdefault(sample.pid, []).append(sample.sm_util_pct)
+        return {pid: sum(v) / len(v) for pid, v in by_pid.items()}
 
     def _gpu_lost(self, index: int, uuid: str, exc: NvmlError) -> None:
         if index in self._lost:

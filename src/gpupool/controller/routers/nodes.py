@@ -8,7 +8,13 @@ from gpupool.controller.routers.common import ADMIN, AGENTS, ANYONE, Key, get_st
 from gpupool.controller.services import elastic, nodes
 from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
-from gpupool.protocol.v1.api import NodeHeartbeat, NodeHeartbeatReply, NodeOut, NodeRegister
+from gpupool.protocol.v1.api import (
+    DirectEvents,
+    NodeHeartbeat,
+    NodeHeartbeatReply,
+    NodeOut,
+    NodeRegister,
+)
 
 router = APIRouter(tags=["nodes"], dependencies=[Depends(ANYONE)])
 
@@ -31,6 +37,21 @@ async def heartbeat(
     """The answer holds the data-plane tokens of the node's remote leases, and only its own."""
     who.check_node(name, "send a heartbeat")
     return await store.write(lambda s: nodes.heartbeat(store, s, name, body))
+
+
+@router.post("/nodes/{name}/direct-events", response_model=dict[str, int])
+async def direct_events(
+    name: Key,
+    body: DirectEvents,
+    store: Store = Depends(get_store),
+    who: Principal = Depends(AGENTS),
+) -> dict[str, int]:
+    """What the node's watch of direct slices stopped or saw, into the event log."""
+    who.check_node(name, "report direct-slice events")
+    recorded = await store.write(
+        lambda s: nodes.record_direct_events(store, s, name, body, who.actor)
+    )
+    return {"recorded": recorded}
 
 
 @router.get("/nodes", response_model=list[NodeOut])

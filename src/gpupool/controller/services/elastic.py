@@ -381,7 +381,7 @@ def remote_lease_for(store: Store, row: LeaseRow, node: str) -> RemoteLease | No
     """The workers `node` runs for a remote lease: the current generation's slices, and while
     a handoff lasts the old generation's too (the new ones adopt from them)."""
     state = LeaseState(row.state)
-    if row.worker_token is None or state not in KEEP_STATES:
+    if row.access != Access.REMOTE.value or row.worker_token is None or state not in KEEP_STATES:
         return None
     current = handoff(row)
     gen = generation(row)

@@ -16,6 +16,7 @@ from gpupool.controller.store import Store, gpu_of, host_of
 from gpupool.controller.views import node_out
 from gpupool.core import (
     HOLDING,
+    Access,
     Conflict,
     GpuMode,
     LeaseState,
@@ -24,6 +25,9 @@ from gpupool.core import (
     transition,
 )
 from gpupool.protocol.v1.api import (
+    DirectEvents,
+    DirectLease,
+    DirectSlice,
     GpuDesired,
     NodeHeartbeat,
     NodeHeartbeatReply,
@@ -32,6 +36,7 @@ from gpupool.protocol.v1.api import (
     RemoteLease,
     WorkerReport,
 )
+from gpupool.protocol.v1.attach import token_sha256
 
 
 def register(store: Store, session: Session, body: NodeRegister, actor: str) -> NodeOut:
@@ -138,7 +143,10 @@ def heartbeat(store: Store, session: Session, name: str, body: NodeHeartbeat) ->
         record(session, "controller", "node.up", name, "heartbeats resumed")
         persist_grants(store, session, store.pool.serve_queue(), utcnow())
     return NodeHeartbeatReply(
-        resumed=resumed, gpus=desired(store, name), leases=remote_leases(store, name)
+        resumed=resumed,
+        gpus=desired(store, name),
+        leases=remote_leases(store, name),
+        direct=direct_leases(store, name),
     )
 
 
@@ -179,9 +187,7 @@ IDLE_AFTER_S = 30.0
 """A remote lease whose workers ran no op for this long shows as idle."""
 
 
-def note_workers(
-    store: Store, reports: list[WorkerReport], session: Session | None = None
-) -> None:
+def note_workers(store: Store, reports: list[WorkerReport], session: Session | None = None) -> None:
     """Record where each remote slice's worker listens and what it is doing."""
     now = time.time()
     by_lease: dict[str, list[WorkerReport]] = {}
@@ -258,6 +264,68 @@ def remote_leases(store: Store, node: str) -> dict[str, RemoteLease]:
         if wanted is not None:
             out[lease_id] = wanted
     return out
+
+
+DIRECT_WATCHED = HOLDING | {LeaseState.PREEMPTED}
+"""A preempted lease's program may still run on its slice until the lease is released."""
+
+
+def direct_leases(store: Store, node: str) -> dict[str, DirectLease]:
+    """The direct leases with slices on `node`, for its agent's watch of their processes:
+    the limits of each slice and the hash of the lease's token (never the token)."""
+    out: dict[str, DirectLease] = {}
+    for lease_id, row in store.lease_rows.items():
+        if row.access != Access.DIRECT.value or LeaseState(row.state) not in DIRECT_WATCHED:
+            continue
+        pieces = [
+            DirectSlice(
+                gpu_uuid=s.gpu_uuid,
+                compute_pct=s.compute_pct,
+                memory_mib=s.memory_mib,
+                whole=bool(s.whole or row.physical),
+            )
+            for s in row.slices
+            if s.node == node
+        ]
+        if pieces:
+            digest = token_sha256(row.worker_token) if row.worker_token else None
+            out[lease_id] = DirectLease(token_sha256=digest, slices=pieces)
+    return out
+
+
+def record_direct_events(
+    store: Store, session: Session, name: str, body: DirectEvents, actor: str
+) -> int:
+    """Put what a node's watch of direct slices did into the event log. Only events about
+    that node's GPUs, and leases that exist, are taken: an agent speaks for its node only."""
+    if store.node_row(session, name) is None:
+        raise NotFound(f"no node {name!r}: register it first")
+    tenants: dict[str, str] = {}
+    for event in body.events:
+        gpu = store.pool.gpus.get(event.gpu_uuid)
+        if gpu is None or gpu.node != name:
+            raise NotFound(f"no GPU {event.gpu_uuid} on node {name}")
+        if event.lease_id is not None:
+            # Released leases leave the store's memory but not the database: a process
+            # stopped as its lease ended is still told about that lease.
+            lease = store.lease_rows.get(event.lease_id) or session.get(LeaseRow, event.lease_id)
+            if lease is None:
+                raise NotFound(f"no lease {event.lease_id}")
+            tenants[event.lease_id] = lease.tenant
+    for event in body.events:
+        data = event.model_dump(exclude_none=True, exclude={"kind", "message"})
+        tenant = tenants.get(event.lease_id) if event.lease_id is not None else None
+        record(
+            session,
+            actor,
+            f"direct.{event.kind}",
+            event.lease_id or event.gpu_uuid,
+            f"{name}: {event.message}",
+            node=name,
+            **data,
+            **({"tenant": tenant} if tenant else {}),
+        )
+    return len(body.events)
 
 
 def desired(store: Store, node: str) -> dict[str, GpuDesired]:
@@ -356,9 +424,7 @@ def remove(store: Store, session: Session, name: str, actor: str) -> None:
 def list_nodes(store: Store, session: Session) -> list[NodeOut]:
     counts = {
         node: count
-        for node, count in session.execute(
-            select(GpuRow.node, func.count()).group_by(GpuRow.node)
-        )
+        for node, count in session.execute(select(GpuRow.node, func.count()).group_by(GpuRow.node))
     }
     rows = list(session.scalars(select(NodeRow).order_by(NodeRow.name)))
     return [node_out(r, counts.get(r.name, 0), store.live.host.get(r.name)) for r in rows]

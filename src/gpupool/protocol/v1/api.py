@@ -101,6 +101,9 @@ class GpuTelemetry(Strict):
     mem_clock_mhz: int | None = None
     processes: list[dict[str, Any]] = Field(default_factory=list)
     mps_pipe_dir: str | None = None
+    direct_socket: Annotated[str, Field(max_length=512)] | None = None
+    """The agent's Unix socket where `gpupool run` attaches a direct lease's processes, so
+    the agent's watch knows them (see gpupool.protocol.v1.attach); None: no watch."""
     """Where the GPU's MPS control daemon listens; None when the GPU runs without MPS."""
     xid_errors: int | None = None
     """Xid errors the agent has seen on the GPU since it started."""
@@ -186,11 +189,69 @@ class WorkerReport(BaseModel):
     """While an allocation waits for room: how much the GPU lacks (oversubscription); else 0."""
 
 
+class DirectSlice(BaseModel):
+    """One slice of a direct lease on the agent's node: what its processes may use there."""
+
+    gpu_uuid: str
+    compute_pct: int
+    memory_mib: int
+    whole: bool = False
+    """A whole GPU (physical lease, or a 100 % slice of all its memory): no memory limit below
+    the GPU's own."""
+
+
+class DirectLease(BaseModel):
+    """A direct lease with slices on the agent's node, for the agent's watch of its processes."""
+
+    token_sha256: str | None
+    """The SHA-256 (hex) of the lease's token: `gpupool run` proves it holds the lease with the
+    token itself; the agent never learns more than the hash. None: the lease has no token (made
+    before direct leases had one) and nothing can be attached to it."""
+    slices: list[DirectSlice]
+
+
 class NodeHeartbeatReply(BaseModel):
     ok: bool = True
     resumed: bool = False
     gpus: dict[str, GpuDesired] = Field(default_factory=dict)
     leases: dict[str, RemoteLease] = Field(default_factory=dict)
+    direct: dict[str, DirectLease] | None = None
+    """The direct leases with slices on this node; None from a controller that does not say
+    (the agent then watches nothing rather than stopping every process it cannot place)."""
+
+
+DirectEventKind = Literal[
+    "process_stopped",
+    "process_not_stopped",
+    "compute_over_share",
+    "limits_raised",
+    "process_unattributable",
+]
+"""process_stopped: a process broke its lease's memory or GPUs and was stopped;
+process_not_stopped: the same, seen by an agent whose watch only reports; compute_over_share:
+a lease's processes use more SM time than its share; limits_raised: a process was started
+with MPS or device variables beyond its lease; process_unattributable: a process on a GPU
+that the agent cannot see in /proc (another pid namespace) and so can neither place nor stop."""
+
+
+class DirectEvent(Strict):
+    """What the agent's watch of direct slices did or saw, for the controller's event log."""
+
+    kind: DirectEventKind
+    reason: Annotated[str, Field(min_length=1, max_length=64)]
+    message: Annotated[str, Field(min_length=1, max_length=500)]
+    gpu_uuid: Annotated[str, Field(min_length=1, max_length=128)]
+    lease_id: Annotated[str, Field(min_length=1, max_length=32)] | None = None
+    pid: Annotated[int, Field(ge=0, le=INT32_MAX)]
+    command: Annotated[str, Field(max_length=256)] = ""
+    used_memory_mib: Int32 | None = None
+    limit_memory_mib: Int32 | None = None
+    compute_pct: Annotated[float, Field(ge=0, le=100_000)] | None = None
+    share_pct: Annotated[int, Field(ge=0, le=100)] | None = None
+
+
+class DirectEvents(Strict):
+    events: Annotated[list[DirectEvent], Field(min_length=1, max_length=256)]
 
 
 class NodeOut(BaseModel):
@@ -270,9 +331,9 @@ class LeaseCreate(Strict):
     priority: Annotated[int, Field(ge=0, le=1000)] = 0
     access: Literal["direct", "remote"] = "direct"
     node: Annotated[str, Field(max_length=128)] | None = None
-    gpu_models: Annotated[
-        list[Annotated[str, Field(max_length=128)]], Field(max_length=64)
-    ] = Field(default_factory=list)
+    gpu_models: Annotated[list[Annotated[str, Field(max_length=128)]], Field(max_length=64)] = (
+        Field(default_factory=list)
+    )
     span_nodes: bool = True
     cpu: str | None = None
     """CPU of the lease's server a direct lease needs: cores (`4`, `0.5`) or millicores (`500m`)."""
