@@ -193,6 +193,19 @@ def needles_of(label: str, secret: bytes) -> list[tuple[str, bytes]]:
     return out
 
 
+def addresses_in(data: bytes, ranges: np.ndarray) -> np.ndarray:
+    """The aligned 64-bit words of `data` that point into one of `ranges` ([start, end) rows):
+    a heap, stack or library address of the worker, which a tensor's values never are (user
+    space ends at 2^47; random data hits a mapping with odds of about 2^-32 a word)."""
+    words = np.frombuffer(data[: len(data) // 8 * 8], dtype=np.uint64)
+    words = words[(words > 0x10000) & (words < np.uint64(1 << 47))]
+    if not len(words) or not len(ranges):
+        return words[:0]
+    slot = np.searchsorted(ranges[:, 0], words, side="right") - 1
+    inside = (slot >= 0) & (words < ranges[np.maximum(slot, 0), 1])
+    return words[inside]
+
+
 def find_secret(data: bytes, needles: list[tuple[str, bytes]]) -> str | None:
     for label, needle in needles:
         if needle and needle in data:
@@ -430,7 +443,53 @@ ARG_TYPES_WE_BUILD = re.compile(
     r"Device|Generator|Dimname|List\[(Optional\[Tensor\]|Tensor|int|SymInt|float|bool|number|Dimname)\])\]?$"
 )
 RISKY_ARG_NAMES = frozenset(
-    ["index", "indices", "offsets", "offset", "storage_offset", "stride", "strides", "size", "sizes", "lengths", "indptr", "crow_indices", "col_indices", "ccol_indices", "row_indices", "compressed_indices", "plain_indices", "start", "end", "step", "dim", "dims", "source", "src", "idx", "padding_idx", "output_size", "num_classes", "minlength", "batch_sizes", "unsafe", "segment_ids", "splits", "split_size", "split_sizes", "repeats", "chunks", "shifts", "length", "pos", "seq_lens", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k"]
+    [
+        "index",
+        "indices",
+        "offsets",
+        "offset",
+        "storage_offset",
+        "stride",
+        "strides",
+        "size",
+        "sizes",
+        "lengths",
+        "indptr",
+        "crow_indices",
+        "col_indices",
+        "ccol_indices",
+        "row_indices",
+        "compressed_indices",
+        "plain_indices",
+        "start",
+        "end",
+        "step",
+        "dim",
+        "dims",
+        "source",
+        "src",
+        "idx",
+        "padding_idx",
+        "output_size",
+        "num_classes",
+        "minlength",
+        "batch_sizes",
+        "unsafe",
+        "segment_ids",
+        "splits",
+        "split_size",
+        "split_sizes",
+        "repeats",
+        "chunks",
+        "shifts",
+        "length",
+        "pos",
+        "seq_lens",
+        "cu_seqlens_q",
+        "cu_seqlens_k",
+        "max_seqlen_q",
+        "max_seqlen_k",
+    ]
 )
 RISKY_NAME_PARTS = (
     "unsafe", "sparse", "strided", "set_", "resize", "index", "gather", "scatter", "embedding",
@@ -1014,6 +1073,11 @@ class Fuzzer:
         except BaseException:
             self.__exit__()
             raise
+        self.use_table(base, refused)
+        return self
+
+    def use_table(self, base: list[OpSpec], refused: set[str]) -> None:
+        """Draw from `base`; what the worker's policy refuses, rarely."""
         self.tally.policy_refused = len(refused)
         self.table = [
             OpSpec(s.name, s.schema, s.weight * (REFUSED_WEIGHT if s.name in refused else 1.0),
@@ -1022,7 +1086,6 @@ class Fuzzer:
         ]  # fmt: skip
         self.cumulative = list(itertools.accumulate(spec.weight for spec in self.table))
         self.by_name = {spec.name: spec for spec in self.table}
-        return self
 
     def __exit__(self, *exc: object) -> None:
         if self.victim is not None:
@@ -1315,16 +1378,11 @@ class Fuzzer:
         if found is not None:
             self._find("leak", case.op, session, index, f"a reply holds the {found}", sent)
         if len(reply.tail) >= 8:
-            words = np.frombuffer(reply.tail[: len(reply.tail) // 8 * 8], dtype=np.uint64)
-            words = words[words > 0x10000]
-            if len(words):
-                ranges = self.fuzzed.address_ranges()
-                slot = np.searchsorted(ranges[:, 0], words, side="right") - 1
-                inside = (slot >= 0) & (words < ranges[np.maximum(slot, 0), 1])
-                if inside.any():
-                    self._find("address", case.op, session, index,
-                               f"a reply holds {int(inside.sum())} words that are addresses in the "
-                               f"worker's memory, e.g. {int(words[inside][0]):#x}", sent)  # fmt: skip
+            addresses = addresses_in(reply.tail, self.fuzzed.address_ranges())
+            if len(addresses):
+                self._find("address", case.op, session, index,
+                           f"a reply holds {len(addresses)} words that are addresses in the "
+                           f"worker's memory, e.g. {int(addresses[0]):#x}", sent)  # fmt: skip
 
     def _find(
         self, kind: str, op: str, session: int, index: int, detail: str, sent: list[str]
