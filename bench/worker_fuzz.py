@@ -33,14 +33,16 @@ from tests.worker.worker_fuzzing import Finding, Fuzzer, Guard, machine, secret_
 RESULTS = ROOT / "bench" / "results" / "worker_fuzz.json"
 REPLAY = "python bench/worker_fuzz.py --replay"
 FINDINGS_KEPT_PER_OP = 3
-"""Findings written per (kind, op): the first ones, with their records; the rest are counted."""
+"""Findings written per (kind, op): the first ones, with their records; the rest are counted.
+A leak that follows an earlier one of its session (its op may only have passed the leaked
+values on) counts apart, as a follow-on."""
 
 
 def findings_json(findings: list[Finding]) -> dict[str, Any]:
     by_op: Counter[tuple[str, str]] = Counter()
     kept: list[dict[str, Any]] = []
     for finding in findings:
-        key = (finding.kind, finding.op)
+        key = (finding.kind + (" (follow-on)" if finding.follows else ""), finding.op)
         by_op[key] += 1
         if by_op[key] <= FINDINGS_KEPT_PER_OP:
             kept.append(
@@ -51,6 +53,7 @@ def findings_json(findings: list[Finding]) -> dict[str, Any]:
                     "session": finding.session,
                     "case": finding.case,
                     "detail": finding.detail,
+                    "follows": finding.follows,
                     "replay": f"{REPLAY} {finding.seed}:{finding.session}",
                     "records": finding.records.splitlines()[-12:],
                 }

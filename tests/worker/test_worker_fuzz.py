@@ -6,9 +6,11 @@ The long run is bench/worker_fuzz.py; this is the bounded one CI runs.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import re
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -143,14 +145,19 @@ def test_a_session_is_drawn_from_the_seed_alone(table: list[object], tmp_path: P
 # ---- real workers -------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def short_root() -> Iterator[Path]:
-    root = Path(f"/tmp/gp-opfuzz-{os.getpid()}")
+@pytest.fixture(scope="module")
+def fuzzer() -> Iterator[Fuzzer]:
+    """One fuzzer (a fuzzed worker and the other lease's worker) for the module's tests: a
+    worker's start is mostly torch's import, seconds on a busy CI machine."""
+    root = Path(f"/tmp/gp-opfuzz-{os.getpid()}")  # Unix socket paths must stay short
     root.mkdir(exist_ok=True)
-    yield root
-    for path in sorted(root.rglob("*"), reverse=True):
-        path.rmdir() if path.is_dir() else path.unlink()
-    root.rmdir()
+    try:
+        with Fuzzer(SEED, root) as running:
+            yield running
+    finally:
+        for path in sorted(root.rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+        root.rmdir()
 
 
 def process_memory_holds(pid: int, needle: bytes) -> bool:
@@ -170,41 +177,64 @@ def process_memory_holds(pid: int, needle: bytes) -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_the_fuzzed_worker_holds_the_planted_secrets_and_runs_under_its_guards(
-    short_root: Path,
+    fuzzer: Fuzzer,
 ) -> None:
     """The secrets the fuzz looks for are really there to be found, and the guards are on."""
-    with Fuzzer(SEED, short_root) as fuzzer:
-        assert fuzzer.fuzzed is not None and fuzzer.victim is not None
-        pid = fuzzer.fuzzed.proc.pid
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        assert f"{ENV_SECRET_VAR}={fuzzer.secrets.env_token}".encode() in environ
-        assert process_memory_holds(pid, fuzzer.secrets.heap * 8)
-        assert process_memory_holds(fuzzer.victim.worker.proc.pid, fuzzer.secrets.other * 8)
-        limits = Path(f"/proc/{pid}/limits").read_text()
-        address_space = re.search(r"Max address space\s+(\d+)", limits)
-        assert (
-            address_space is not None
-            and int(address_space.group(1)) == Guard().address_space_mib << 20
-        )
-        assert re.search(rf"Max file size\s+{Guard().file_size_mib << 20}", limits)
-        assert os.getpriority(os.PRIO_PROCESS, pid) >= Guard().nice
-        assert fuzzer.table and fuzzer.victim.expected == fuzzer.secrets.other * 128
+    assert fuzzer.fuzzed is not None and fuzzer.victim is not None
+    pid = fuzzer.fuzzed.proc.pid
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert f"{ENV_SECRET_VAR}={fuzzer.secrets.env_token}".encode() in environ
+    assert process_memory_holds(pid, fuzzer.secrets.heap * 8)
+    assert process_memory_holds(fuzzer.victim.worker.proc.pid, fuzzer.secrets.other * 8)
+    limits = Path(f"/proc/{pid}/limits").read_text()
+    address_space = re.search(r"Max address space\s+(\d+)", limits)
+    assert address_space is not None
+    assert int(address_space.group(1)) == Guard().address_space_mib << 20
+    assert re.search(rf"Max file size\s+{Guard().file_size_mib << 20}", limits)
+    assert os.getpriority(os.PRIO_PROCESS, pid) >= Guard().nice
+    assert fuzzer.table and fuzzer.victim.expected == fuzzer.secrets.other * 128
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.xfail(strict=False, reason=KNOWN_FINDINGS)
-def test_fuzzed_ops_return_no_secret_nor_address_and_harm_neither_worker(short_root: Path) -> None:
-    """A few hundred random ops with adversarial arguments (seed 20): no reply holds a secret
-    or an address of the worker, the worker never crashes, hangs or logs a traceback, and the
-    other lease's worker keeps its tensor and answers."""
+def test_fuzzed_ops_return_no_secret_nor_address_and_harm_neither_worker(fuzzer: Fuzzer) -> None:
+    """A few hundred random ops with adversarial arguments (seed 20, sessions 0-11): no reply
+    holds a secret or an address of the worker, the worker never crashes, hangs or logs a
+    traceback, and the other lease's worker keeps its tensor and answers."""
     lines: list[str] = []
-    with Fuzzer(SEED, short_root, log=lines.append) as fuzzer:
-        tally = fuzzer.run(max_ops=CI_OPS, max_seconds=240)
+    fuzzer.log = lines.append
+    tally = fuzzer.run(max_ops=CI_OPS, max_seconds=240)
     assert tally.ops_tried == CI_OPS, tally.summary()
     assert len(tally.overloads) > CI_OPS // 2, "the run tried few distinct overloads"
     report = "\n".join(lines[:40])
     replay = f"replay one: python bench/worker_fuzz.py --replay {SEED}:SESSION"
     assert not tally.findings, f"{len(tally.findings)} findings ({replay}):\n{report}"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_worker_that_dies_or_stops_answering_is_a_finding_and_is_replaced(
+    fuzzer: Fuzzer,
+) -> None:
+    """The crash and hang checks see what they exist for (here caused from outside: a SIGKILL
+    and a SIGSTOP), name the session, and the fuzz goes on with a fresh worker."""
+    assert fuzzer.fuzzed is not None
+    tally, guard, per_session = fuzzer.tally, fuzzer.guard, fuzzer.ops_per_session
+    seen, starts, ops = len(tally.findings), tally.worker_starts, tally.ops_tried
+    fuzzer.guard, fuzzer.ops_per_session = dataclasses.replace(guard, reply_timeout_s=3.0), 1
+    try:
+        fuzzer.fuzzed.proc.send_signal(signal.SIGKILL)
+        fuzzer.run_session(10_001)
+        stopped = fuzzer.fuzzed.proc
+        stopped.send_signal(signal.SIGSTOP)
+        fuzzer.run_session(10_002)
+    finally:
+        fuzzer.guard, fuzzer.ops_per_session = guard, per_session
+    found = [(f.kind, f.session) for f in tally.findings[seen:]]
+    assert found[:2] == [("crash", 10_000), ("hang", 10_001)], tally.findings[seen:]
+    assert stopped.poll() is not None, "the hung worker was killed"
+    assert tally.worker_starts >= starts + 2 and fuzzer.fuzzed.alive()
+    assert tally.ops_tried == ops + 2

@@ -288,7 +288,6 @@ def _limits(guard: Guard) -> Callable[[], None]:
         fsize = guard.file_size_mib * MiB
         resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-        os.nice(guard.nice)
 
     return apply
 
@@ -321,7 +320,7 @@ def launch_worker(
             argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=scratch,
             preexec_fn=_limits(guard),
         )  # fmt: skip
-    return Launched(lease, token, proc, log, scratch)
+    return Launched(lease, token, proc, log, scratch, guard.nice)
 
 
 @dataclass
@@ -333,8 +332,11 @@ class Launched:
     proc: subprocess.Popen[str]
     log: Path
     scratch: Path
+    nice: int
 
     def ready(self) -> FuzzWorker:
+        """Once it serves, the worker yields the CPU to everything else on the machine (it
+        starts at full priority: importing torch is most of a start, on a busy host)."""
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if not line:
@@ -343,6 +345,10 @@ class Launched:
                 f"worker {self.lease} exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}"
             )
         ready = parse_ready(line)
+        with contextlib.suppress(ProcessLookupError):
+            os.setpriority(
+                os.PRIO_PROCESS, self.proc.pid, os.getpriority(os.PRIO_PROCESS, 0) + self.nice
+            )
         return FuzzWorker(
             self.lease, self.token, self.proc, str(ready.address), self.log, self.scratch
         )
@@ -925,10 +931,14 @@ class Finding:
     case: int
     detail: str
     records: str
+    follows: str | None = None
+    """An earlier leak of the same session, whose values this op may only have passed on
+    (`real` of a tensor that segment_reduce read out of the heap): the root cause is that one."""
 
     def line(self) -> str:
+        after = f" (after {self.follows})" if self.follows else ""
         return (f"{self.kind}: {self.op} (seed {self.seed}, session {self.session}, case "
-                f"{self.case}): {self.detail}")  # fmt: skip
+                f"{self.case}): {self.detail}{after}")  # fmt: skip
 
 
 @dataclass
@@ -1027,6 +1037,7 @@ def describe_records(records: list[Any]) -> str:
 
 VICTIM_HANDLE = 1
 VICTIM_GUARD = Guard(nice=0)
+LEAKS = ("leak", "address")
 REFUSED_WEIGHT = 0.02
 """Ops the worker's policy refuses stay in the draw, rarely: their refusals go on being counted."""
 FIRST_POOL_HANDLE = 10
@@ -1133,6 +1144,9 @@ class Fuzzer:
             return f"the other lease's tensor changed: {data.head!r:.200}"
         if sync.head[:2] != [Kind.RESULT, 2]:
             return f"the other lease's worker answered {sync.head!r:.200}"
+        stats = sync.head[2]
+        if stats.get("tensors") != 1 or stats.get("memory_held_bytes") != len(victim.expected):
+            return f"the other lease's worker holds something else now: {stats!r:.300}"
         return None
 
     def _probe_policy(self, names: list[str]) -> set[str]:
@@ -1140,7 +1154,7 @@ class Fuzzer:
         arguments cannot even bind): asked once, so the fuzz spends its time on allowed ops."""
         assert self.fuzzed is not None
         refused: set[str] = set()
-        wire = Wire(self.fuzzed, self.guard.reply_timeout_s)
+        wire: Wire | None = None
         try:
             for start in range(0, len(names), BATCH_MAX_RECORDS // 2):
                 chunk = names[start : start + BATCH_MAX_RECORDS // 2]
@@ -1150,13 +1164,21 @@ class Fuzzer:
                     records.append(
                         [Rec.CALL, start + i, start + i, [{"not": "an argument"}], {}, 0]
                     )
-                wire.send(records)
-                for _ in chunk:
-                    head = wire.recv().head
-                    if head[0] == Kind.ERROR and head[2].get("kind") == ErrorKind.UNSUPPORTED:
-                        refused.add(chunk[head[1] - start - 1])
+                wire = wire or Wire(self.fuzzed, self.guard.reply_timeout_s)
+                try:
+                    wire.send(records)
+                    for _ in chunk:
+                        head = wire.recv().head
+                        if head[0] == Kind.ERROR and head[1] is None:
+                            raise Closed  # a protocol error (a policy refusing at DEF): it closes
+                        if head[0] == Kind.ERROR and head[2].get("kind") == ErrorKind.UNSUPPORTED:
+                            refused.add(chunk[head[1] - start - 1])
+                except (Closed, OSError):
+                    wire.close()
+                    wire = None  # the rest of this chunk stays undecided: drawn as allowed
         finally:
-            wire.close()
+            if wire is not None:
+                wire.close()
         return refused
 
     # -- running --
@@ -1203,20 +1225,25 @@ class Fuzzer:
         return self.tally
 
     def _connect(self, session: int) -> Wire:
-        """A session's connection; a worker that died meanwhile (freeing the last session's
-        tensors, say, on a heap an op corrupted) is a crash of that session, and restarts."""
+        """A session's connection. A worker that died meanwhile (freeing the last session's
+        tensors, say, on a heap an op corrupted) is a crash of that session, one that does not
+        answer is a hang; either is restarted."""
         assert self.fuzzed is not None
         try:
             return Wire(self.fuzzed, self.guard.reply_timeout_s)
-        except (Closed, OSError):
+        except (Closed, OSError) as exc:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.fuzzed.proc.wait(timeout=5)
             code = self.fuzzed.proc.poll()
+            after = "(after the session, as its tensors were freed)"
             if code is None:
-                raise
-            how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-            self._find("crash", "(after the session, as its tensors were freed)", session - 1, -1,
-                       f"the worker died ({how})", self.last_sent)  # fmt: skip
+                self._find("hang", after, session - 1, -1,
+                           f"the worker does not take a new client: {exc!r}", self.last_sent)  # fmt: skip
+            else:
+                how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+                self._find(
+                    "crash", after, session - 1, -1, f"the worker died ({how})", self.last_sent
+                )
             self.fuzzed.kill()
             self.fuzzed = self._launch_fuzzed().ready()
             return Wire(self.fuzzed, self.guard.reply_timeout_s)
@@ -1388,6 +1415,11 @@ class Fuzzer:
         self, kind: str, op: str, session: int, index: int, detail: str, sent: list[str]
     ) -> None:
         finding = Finding(kind, op, self.seed, session, index, detail, "\n".join(sent)[-6000:])
+        if kind in LEAKS:
+            earlier = [f for f in self.tally.findings
+                       if f.kind in LEAKS and f.session == session and f.case < index]  # fmt: skip
+            if earlier:
+                finding.follows = f"a leak of {earlier[0].op} at case {earlier[0].case}"
         self.tally.findings.append(finding)
         self.log(finding.line())
 
