@@ -34,20 +34,15 @@ SEED = 20
 CI_OPS = 300
 """A few hundred ops: seconds on a CPU worker, the same ops every run."""
 
-# Findings of this very run (seed 20, 300 ops) against the worker before issue 20's fixes, see
-# the branch's report: heap reads through segment_reduce(unsafe=True) that return the planted
-# heap secret and heap addresses, uninitialized memory from resize_/new_empty.out/empty
-# (addresses), and SIGSEGV/SIGABRT in _convert_indices_from_csr_to_coo.out,
-# _convert_indices_from_coo_to_csr, _slow_conv2d_backward, _foreach_copy, quantized_lstm_cell,
-# _weight_norm_interface and segment_reduce. The lead removes this mark once the op policy
-# (sec-ops), charging before allocating (sec-memory) and the scrubbed environment (sec-creds)
-# are merged.
+# What this very run (seed 20, 300 ops) finds against the worker before issue 20's fixes: reads
+# through segment_reduce's unchecked lengths and offsets return the planted heap secret and heap
+# addresses, and _stack.out crashes the worker (SIGSEGV). Longer runs find more of the same
+# (bench/results/worker_fuzz.json). The lead removes this mark once the op policy (sec-ops),
+# charging before allocating (sec-memory) and the scrubbed environment (sec-creds) are merged;
+# the test must then pass as it stands.
 KNOWN_FINDINGS = (
-    "issue 20, before its fixes: segment_reduce(unsafe=True) reads the worker's heap (the "
-    "planted secret and heap addresses come back), uninitialized storages (resize_, "
-    "new_empty.out) return heap addresses, and several unchecked ops (sparse index "
-    "conversions, _foreach_copy, _slow_conv2d_backward, quantized_lstm_cell, "
-    "_weight_norm_interface) crash the worker"
+    "issue 20, before its fixes (seed 20): segment_reduce with unchecked lengths/offsets "
+    "returns the planted heap secret and heap addresses; _stack.out crashes the worker (SIGSEGV)"
 )
 
 
