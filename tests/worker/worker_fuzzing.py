@@ -8,7 +8,9 @@ What it sets up, on loopback:
 - the *fuzzed* worker (lease A), started as an agent starts one, but through a launcher that
   plants secrets first: `GPUPOOL_TOKEN=<secret>` in its environment (the agent's controller
   token, which is what leaked before) and a second secret in its heap, in torch tensors and a
-  Python object no handle points to;
+  Python object no handle points to, sprinkled between holes the client's small tensors later
+  fill (with one malloc arena for all threads), so that a read a little past a client's tensor
+  meets it;
 - a *victim* worker of another lease (B) on the same host, whose own client (the harness)
   holds a tensor filled with a third secret.
 
