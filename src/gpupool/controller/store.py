@@ -97,6 +97,7 @@ class Store:
         self.idle_timeouts: dict[str, float | None] = {}
         """Tenants → their remote leases' idle timeout (services/elastic.py)."""
         self.last_reconcile_mono: float | None = None
+        """When the reconcile loop last ran (monotonic), to see that it stalled."""
         self.fault: str | None = None
         """The storage fault writes fail with now (None: writes work)."""
         self.stale_since: float | None = None
@@ -107,7 +108,6 @@ class Store:
         """Why the store cannot go on; the process then exits non-zero (server.serve)."""
         self.on_fatal: Callable[[str], None] | None = None
         """Called (on the writer thread) when the store cannot go on: stops the server."""
-        """When the reconcile loop last ran (monotonic), to see that it stalled."""
 
     def _new_session(self) -> Session:
         session = Session(self.engine, expire_on_commit=False)
@@ -287,6 +287,11 @@ class Store:
                     self._commands.put(None)
                     break
                 batch.append(nxt)
+            if self.fatal is not None:
+                # Stopping: every write is answered at once (none may wait for ever, the
+                # shutdown's own included) and none runs on a pool that may be wrong.
+                _fail_all(batch, StorageUnavailable(f"the controller is stopping: {self.fatal}"))
+                continue
             try:
                 self._run_batch(batch)
             except Exception as exc:
@@ -294,7 +299,6 @@ class Store:
                 # wait for ever. The controller says why and stops instead.
                 self.fail_fatally(f"the writer thread failed: {exc!r}")
                 _fail_all(batch, StorageUnavailable(f"the controller is stopping: {exc!r}"))
-                return
 
     def fail_fatally(self, reason: str) -> None:
         """The store cannot go on: say why, loudly, and have the process stop (non-zero)."""
