@@ -158,11 +158,14 @@ def attach_to_watch(lease: LeaseOut, token: str | None, gpus: Sequence[GpuOut]) 
             )
         return
     if not token:
-        raise CommandFailed(
-            f"lease {lease.id} came without its token (a controller older than the watch of "
-            "direct slices?): the agent would stop the command as one without a lease",
-            1,
+        # A controller older than the watch: it gives the agent no direct leases either, so
+        # the agent judges nothing. Refusing to run would protect no one.
+        note(
+            f"[yellow]warning: lease {lease.id} came without its token (a controller older "
+            "than the watch of direct slices): the command is not attached to its lease; "
+            "an agent told of the lease would stop it[/yellow]"
         )
+        return
     try:
         attach(path, lease.id, token)
     except AttachRefused as exc:
