@@ -293,6 +293,12 @@ def test_segment_reduce_backward_with_forged_lengths_is_refused(raw: Raw) -> Non
     refused(raw, "_segment_reduce_backward")
 
 
+def test_sparse_index_conversion_that_crashed_the_worker_is_refused(raw: Raw) -> None:
+    """`_convert_indices_from_csr_to_coo` with a row pointer past its columns segfaulted."""
+    raw.run("aten::_convert_indices_from_csr_to_coo", [longs([0, 100_000]), longs([0])], {}, [2])
+    refused(raw, "is not allowed on a gpupool worker", "crashed the worker")
+
+
 def test_an_op_of_another_namespace_or_a_scripting_op_is_refused(raw: Raw) -> None:
     raw.run("aten::Int.str", ["12"], {}, [None])
     refused(raw, "TorchScript interpreter op")

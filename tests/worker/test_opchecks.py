@@ -342,3 +342,23 @@ def test_variable_length_attention_is_refused() -> None:
         "aten::_flash_attention_forward", q, q, q, cu, cu, 8, 8, 0.0, False, False,
         match="variable-length",
     )  # fmt: skip
+
+
+def test_batch_norm_impl_index_backward_needs_a_statistic_per_channel() -> None:
+    x = torch.randn(4, 8)
+    refuses(
+        "aten::_batch_norm_impl_index_backward",
+        0, x, torch.ones(4, 8), None, None, None, torch.zeros(1), torch.ones(1), True, 1e-5,
+        [True, True, True], torch.empty(0), match="save_mean",
+    )  # fmt: skip
+
+
+def test_sparse_gather_backward_makes_only_valid_sparse_tensors() -> None:
+    grad = checked("aten::_gather_sparse_backward")(
+        torch.ones(4), 0, torch.tensor([1]), torch.ones(1)
+    )
+    assert grad.to_dense().tolist() == [0.0, 1.0, 0.0, 0.0]
+    refuses(
+        "aten::_gather_sparse_backward", torch.ones(4), 0, torch.tensor([100_000]), torch.ones(1),
+        match="invalid sparse tensor",
+    )  # fmt: skip

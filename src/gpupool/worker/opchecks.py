@@ -285,7 +285,7 @@ def _layer_norm_backward(a: Args) -> None:
 
 _PER_CHANNEL = (
     "weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd", "save_var",
-    "mean", "invstd", "sum_dy", "sum_dy_xmu",
+    "save_var_transform", "mean", "invstd", "sum_dy", "sum_dy_xmu",
 )  # fmt: skip
 
 

@@ -104,6 +104,7 @@ CHECKED: dict[str, str] = {
     "_sparse_bsr_tensor_unsafe": "valid_sparse",
     "_sparse_bsc_tensor_unsafe": "valid_sparse",
     "_spdiags": "valid_sparse",
+    "_gather_sparse_backward": "valid_sparse",
     # backward ops that trust the saved tensors of their forward
     "_segment_reduce_backward": "segment_backward",
     "_softmax_backward_data": "softmax_backward",
@@ -115,6 +116,8 @@ CHECKED: dict[str, str] = {
     "batch_norm_backward_reduce": "batch_norm",
     "batch_norm_backward_elemt": "batch_norm",
     "native_batch_norm": "batch_norm",
+    "_batch_norm_impl_index": "batch_norm",
+    "_batch_norm_impl_index_backward": "batch_norm",
     "_native_batch_norm_legit": "batch_norm",
     "_native_batch_norm_legit_functional": "batch_norm",
     "_native_batch_norm_legit_no_training": "batch_norm",
@@ -190,6 +193,11 @@ REFUSED: dict[str, str] = {
     "resize_as_sparse": "changes a sparse tensor's size under its indices",
     "resize_as_sparse_": "changes a sparse tensor's size under its indices",
     "_sparse_compressed_tensor_with_dims": "makes a sparse tensor whose indices are never set",
+    "_convert_indices_from_coo_to_csr": "converts sparse indices it trusts (out of range, it "
+    "corrupted the worker's heap)",
+    "_convert_indices_from_csr_to_coo": "converts sparse indices it trusts (out of range, it "
+    "crashed the worker)",
+    "_efficientzerotensor": "makes a ZeroTensor, whose arithmetic hung the worker (torch 2.13)",
     "_nested_view_from_buffer": _RAW_OFFSETS,
     "_nested_view_from_buffer_copy": _RAW_OFFSETS,
     "_nested_view_from_jagged": _RAW_OFFSETS,
