@@ -153,3 +153,29 @@ def test_torch_keeps_the_unsafe_named_index_ops_in_bounds() -> None:
         target, torch.tensor([False]), [far], torch.ones(1)
     )
     assert target.tolist() == [0.0] * 16
+
+
+ONE_OF = {
+    "attention_backward": {"grad_out", "grad_out_"},
+    "embedding_backward": {"grad", "grad_output"},
+    "embedding_bag_backward": {"num_weights", "weight"},
+}
+"""Arguments a check reads under one of two names."""
+
+
+@pytest.mark.parametrize("path", REGISTRIES, ids=[p.stem for p in REGISTRIES])
+def test_every_checked_op_has_the_arguments_its_check_reads(path: Path) -> None:
+    """A check reads arguments by name; the GPU machine's torch names them in its own schemas.
+    A name the schema lacks would refuse every call of the op there (safe, but it would break
+    the client): compared here for the running torch and every stored registry."""
+    registries = [oppolicy.load_registry(path)[1], oppolicy.registry()]
+    for ops in registries:
+        for name, op in ops.items():
+            decided = oppolicy.table().get(name)
+            if decided is None or decided.decision is not Decision.CHECK or op.schema is None:
+                continue
+            arguments = {a.name for a in torch._C.parse_schema(op.schema).arguments}
+            missing = CHECKS[decided.detail].needs - arguments
+            assert not missing, f"{name} lacks {sorted(missing)} ({op.schema})"
+            either = ONE_OF.get(decided.detail)
+            assert either is None or arguments & either, f"{name} lacks one of {sorted(either)}"

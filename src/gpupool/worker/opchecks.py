@@ -36,6 +36,9 @@ class Check:
 
     pre: Pre | None = None
     post: Post | None = None
+    needs: frozenset[str] = frozenset()
+    """Arguments the check reads by name: every op it guards has them, in every torch the
+    table covers (a test compares them with each registry's schemas)."""
 
 
 # ---- binding ----------------------------------------------------------------------------------
@@ -513,28 +516,62 @@ def _attention_backward(a: Args) -> None:
             raise OpRefused(f"{name} {list(other.shape)} does not match query {list(query.shape)}")
 
 
+def _needs(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
 CHECKS: dict[str, Check] = {
-    "within_storage": Check(pre=_within_storage),
+    "within_storage": Check(pre=_within_storage, needs=_needs("self", "size", "stride")),
     "copy_outputs": Check(post=_copy_outputs),
-    "force_safe": Check(pre=_force_safe),
+    "force_safe": Check(pre=_force_safe, needs=_needs("unsafe")),
     "valid_sparse": Check(pre=_uncoalesced, post=_valid_sparse),
-    "segment_backward": Check(pre=_segment_backward),
-    "softmax_backward": Check(pre=_softmax_backward),
-    "layer_norm_backward": Check(pre=_layer_norm_backward),
-    "batch_norm": Check(pre=_batch_norm),
-    "group_norm_backward": Check(pre=_group_norm_backward),
-    "embedding_backward": Check(pre=_embedding_grad),
-    "embedding_bag": Check(pre=_embedding_bag),
-    "embedding_bag_backward": Check(pre=_embedding_bag_backward),
-    "pool2d_backward": Check(pre=partial(_pool_backward, spatial=2)),
-    "pool3d_backward": Check(pre=partial(_pool_backward, spatial=3)),
-    "ctc_backward": Check(pre=_ctc_backward),
-    "pdist_backward": Check(pre=_pdist_backward),
-    "cdist_backward": Check(pre=_cdist_backward),
-    "weight_norm_backward": Check(pre=_weight_norm_backward),
-    "cum_helper": Check(pre=_cum_helper),
-    "fused_optimizer": Check(pre=_fused_optimizer),
+    "segment_backward": Check(
+        pre=_segment_backward, needs=_needs("data", "reduce", "output", "grad")
+    ),
+    "softmax_backward": Check(pre=_softmax_backward, needs=_needs("grad_output", "output")),
+    "layer_norm_backward": Check(
+        pre=_layer_norm_backward,
+        needs=_needs("input", "normalized_shape", "grad_out", "mean", "rstd"),
+    ),
+    "batch_norm": Check(pre=_batch_norm, needs=_needs("input")),
+    "group_norm_backward": Check(
+        pre=_group_norm_backward,
+        needs=_needs("N", "C", "HxW", "group", "input", "grad_out", "mean", "rstd"),
+    ),
+    "embedding_backward": Check(pre=_embedding_grad, needs=_needs("num_weights", "indices")),
+    "embedding_bag": Check(pre=_embedding_bag, needs=_needs("weight", "indices")),
+    "embedding_bag_backward": Check(
+        pre=_embedding_bag_backward, needs=_needs("grad", "indices", "offset2bag")
+    ),
+    "pool2d_backward": Check(
+        pre=partial(_pool_backward, spatial=2), needs=_needs("grad_output", "indices", "self")
+    ),
+    "pool3d_backward": Check(
+        pre=partial(_pool_backward, spatial=3), needs=_needs("grad_output", "indices", "self")
+    ),
+    "ctc_backward": Check(
+        pre=_ctc_backward,
+        needs=_needs(
+            "grad",
+            "log_probs",
+            "targets",
+            "input_lengths",
+            "target_lengths",
+            "neg_log_likelihood",
+            "log_alpha",
+        ),  # fmt: skip
+    ),
+    "pdist_backward": Check(pre=_pdist_backward, needs=_needs("grad", "self", "pdist")),
+    "cdist_backward": Check(pre=_cdist_backward, needs=_needs("grad", "x1", "x2", "cdist")),
+    "weight_norm_backward": Check(
+        pre=_weight_norm_backward,
+        needs=_needs("grad_w", "saved_v", "saved_g", "saved_norms", "dim"),
+    ),
+    "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices")),
+    "fused_optimizer": Check(pre=_fused_optimizer, needs=_needs("self")),
     "no_varlen": Check(pre=_no_varlen),
-    "attention_backward": Check(pre=_attention_backward),
+    "attention_backward": Check(
+        pre=_attention_backward, needs=_needs("query", "key", "value", "out", "logsumexp")
+    ),
 }
 """Every check the policy table may name, by name."""
