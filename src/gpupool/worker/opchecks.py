@@ -559,7 +559,7 @@ CHECKS: dict[str, Check] = {
             "target_lengths",
             "neg_log_likelihood",
             "log_alpha",
-        ),  # fmt: skip
+        ),
     ),
     "pdist_backward": Check(pre=_pdist_backward, needs=_needs("grad", "self", "pdist")),
     "cdist_backward": Check(pre=_cdist_backward, needs=_needs("grad", "x1", "x2", "cdist")),
