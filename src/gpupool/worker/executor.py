@@ -35,13 +35,15 @@ from gpupool.protocol.v1.tensors import (
 )
 from gpupool.worker.activity import Activity
 from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
+from gpupool.worker.opchecks import CHECKS, guard
+from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
 from gpupool.worker.transfer import Arrivals, PeerLinks, TransferFailed
 
 ALLOWED_NAMESPACES = frozenset({"aten"})
-DENIED_OPS = frozenset({"aten::from_file"})
-"""Ops that touch the worker's files; everything else a tenant may run on its own tensors."""
+"""Ops of other namespaces (custom libraries, prims, distributed) never run on a worker; aten's
+own are decided one by one by the op policy (`gpupool.worker.oppolicy`)."""
 
 SHM_READ_MIN_BYTES = 1 << 20
 """Smaller reads ride in the reply frame; larger ones go through the shared arena."""
@@ -303,21 +305,31 @@ class Executor:
         self.ops[op_id] = self._resolve_op(name)
 
     def _resolve_op(self, name: str) -> _Op:
-        shim = SHIMS.get(name)
-        if shim is not None:
-            return _Op(name, shim)
+        """The op a DEF names, as the op policy decides it: refused ops keep their reason (the
+        client hears it when it runs them), checked ops run behind their check."""
         namespace = name.partition("::")[0]
-        if namespace not in ALLOWED_NAMESPACES or name in DENIED_OPS:
+        if namespace not in ALLOWED_NAMESPACES:
             return _Op(name, None, f"{name} is not allowed on a gpupool worker")
-        try:
-            fn = op_overload(name)
-        except (AttributeError, RuntimeError, ProtocolError):
-            fn = None
-        if not isinstance(fn, torch._ops.OpOverload):
-            return _Op(name, None, f"{name} is unknown to the worker's torch {torch.__version__}")
-        if any(arg.name == "filename" for arg in fn._schema.arguments):
-            return _Op(name, None, f"{name} reads files and is not allowed on a gpupool worker")
-        return _Op(name, fn)
+        decided = ruling(name)
+        if decided.decision is Decision.REFUSE:
+            return _Op(name, None, f"{name} is not allowed on a gpupool worker: {decided.detail}")
+        fn: Any = SHIMS.get(name)
+        if fn is None:
+            try:
+                fn = op_overload(name)
+            except (AttributeError, RuntimeError, ProtocolError):
+                fn = None
+            if not isinstance(fn, torch._ops.OpOverload):
+                return _Op(
+                    name, None, f"{name} is unknown to the worker's torch {torch.__version__}"
+                )
+        op = _Op(name, fn)
+        if decided.decision is Decision.CHECK:
+            check = CHECKS.get(decided.detail)
+            if check is None:
+                return _Op(name, None, f"{name}: the op policy names an unknown check")
+            op.call = guard(name, check, fn, op.call or fn)
+        return op
 
     def _op(self, rec: list[Any], link: Link) -> None:
         _, op_id, args, kwargs, outs = rec

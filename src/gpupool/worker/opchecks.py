@@ -1,0 +1,577 @@
+"""Argument checks for the aten ops a worker runs only after checking what PyTorch trusts.
+
+PyTorch's kernels trust some of their arguments: a backward op trusts that the saved tensors it
+is given are the ones its forward made, `_reshape_alias` trusts its strides, a sparse
+constructor trusts its indices, `unsafe=True` switches bounds checks off. On a worker every
+argument comes from a tenant, so an op the policy (`oppolicy`) marks "check" runs behind one of
+the checks here, which refuse (`OpRefused`, a RuntimeError the client sees as the op's error)
+before any kernel reads or writes memory the tensors do not own. Ops without a check keep the
+bare C++ callable: the checks cost nothing where they are not needed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+
+class OpRefused(RuntimeError):
+    """An op's arguments would make its kernel reach outside its tensors."""
+
+
+Args = dict[str, Any]
+Pre = Callable[[Args], None]
+Post = Callable[[Args, Any], Any]
+
+
+@dataclass(frozen=True)
+class Check:
+    """What guards one op: `pre` sees (and may fix) the bound arguments before the kernel runs;
+    `post` sees the result before the executor stores it."""
+
+    pre: Pre | None = None
+    post: Post | None = None
+    needs: frozenset[str] = frozenset()
+    """Arguments the check reads by name: every op it guards has them, in every torch the
+    table covers (a test compares them with each registry's schemas)."""
+
+
+# ---- binding ----------------------------------------------------------------------------------
+
+
+class _Binder:
+    """Names an op's arguments from its schema, the way the dispatcher would read them."""
+
+    def __init__(self, schema: Any) -> None:
+        self.positional = [a.name for a in schema.arguments if not a.kwarg_only]
+        self.keyword = [a.name for a in schema.arguments if a.kwarg_only]
+        self.defaults = {a.name: a.default_value for a in schema.arguments if a.has_default_value()}
+        self.known = frozenset(self.positional) | frozenset(self.keyword)
+
+    def bind(self, args: Sequence[Any], kwargs: dict[str, Any]) -> Args:
+        if len(args) > len(self.positional):
+            raise OpRefused(
+                f"{len(args)} positional arguments, the op takes {len(self.positional)}"
+            )
+        bound: Args = dict(self.defaults)
+        bound.update(zip(self.positional, args, strict=False))
+        for name, value in kwargs.items():
+            if name not in self.known:
+                raise OpRefused(f"unknown argument {name!r}")
+            bound[name] = value
+        return bound
+
+    def split(self, bound: Args) -> tuple[list[Any], dict[str, Any]]:
+        """Back to the call's form: positional up to the last one given, the rest by name."""
+        args = [bound[name] for name in self.positional if name in bound]
+        kwargs = {name: bound[name] for name in self.keyword if name in bound}
+        return args, kwargs
+
+
+def guard(name: str, check: Check, fn: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call` behind `check`: what `_Op.call` becomes for an op the policy checks."""
+    binder = _Binder(fn._schema)
+    pre, post = check.pre, check.post
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        bound = binder.bind(args, kwargs)
+        try:
+            if pre is not None:
+                pre(bound)
+        except OpRefused as exc:
+            raise OpRefused(f"{name} refused: {exc}") from None
+        call_args, call_kwargs = binder.split(bound)
+        result = call(*call_args, **call_kwargs)
+        if post is None:
+            return result
+        try:
+            return post(bound, result)
+        except OpRefused as exc:
+            raise OpRefused(f"{name} refused: {exc}") from None
+
+    checked.__name__ = f"checked_{name.replace('::', '_').replace('.', '_')}"
+    return checked
+
+
+# ---- small facts about tensors -----------------------------------------------------------------
+
+
+def _tensor(value: Any, what: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise OpRefused(f"{what} must be a tensor")
+    return value
+
+
+def _present(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.numel() > 0
+
+
+def _ints(value: Any, what: str) -> list[int]:
+    if isinstance(value, torch.Size | list | tuple) and all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        return list(value)
+    raise OpRefused(f"{what} must be a list of ints")
+
+
+def _int(value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise OpRefused(f"{what} must be an int")
+    return value
+
+
+def _integral(tensor: torch.Tensor, what: str) -> None:
+    if tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool:
+        raise OpRefused(f"{what} must hold integers, not {tensor.dtype}")
+
+
+def _in_range(tensor: torch.Tensor, low: int, high: int, what: str) -> None:
+    """Every value of an index tensor in [low, high): one reduction (a sync on a GPU)."""
+    _integral(tensor, what)
+    if tensor.numel() == 0:
+        return
+    smallest, largest = int(tensor.min()), int(tensor.max())
+    if smallest < low or largest >= high:
+        raise OpRefused(f"{what} holds values in [{smallest}, {largest}], outside [{low}, {high})")
+
+
+def _shape(tensor: torch.Tensor, expected: Sequence[int], what: str) -> None:
+    if list(tensor.shape) != list(expected):
+        raise OpRefused(f"{what} has shape {list(tensor.shape)}, expected {list(expected)}")
+
+
+def _numel(tensor: torch.Tensor, expected: int, what: str) -> None:
+    if tensor.numel() != expected:
+        raise OpRefused(f"{what} has {tensor.numel()} elements, expected {expected}")
+
+
+def _covers(tensor: torch.Tensor, count: int, what: str) -> None:
+    """At least `count` elements that are really there: a kernel that walks the data pointer
+    reads `count` elements past the offset, whatever the tensor's strides claim."""
+    available = tensor.untyped_storage().nbytes() // max(tensor.element_size(), 1)
+    available -= int(tensor.storage_offset())
+    if tensor.numel() < count or available < count:
+        raise OpRefused(f"{what} holds {min(tensor.numel(), available)} elements, needs {count}")
+
+
+def reach_bytes(sizes: Sequence[int], strides: Sequence[int], offset: int, itemsize: int) -> int:
+    """One past the last byte a strided view reads: 0 for an empty view."""
+    if any(size == 0 for size in sizes):
+        return 0
+    last = offset + sum((size - 1) * stride for size, stride in zip(sizes, strides, strict=True))
+    return (last + 1) * itemsize
+
+
+# ---- views -------------------------------------------------------------------------------------
+
+
+def _within_storage(a: Args) -> None:
+    """`_reshape_alias` takes sizes and strides as given: the view must stay in its storage."""
+    tensor = _tensor(a["self"], "self")
+    sizes, strides = _ints(a["size"], "size"), _ints(a["stride"], "stride")
+    if len(sizes) != len(strides):
+        raise OpRefused(f"{len(sizes)} sizes and {len(strides)} strides")
+    if any(s < 0 for s in sizes) or any(s < 0 for s in strides):
+        raise OpRefused(f"negative sizes or strides {sizes} {strides}")
+    offset = int(tensor.storage_offset())
+    needed = reach_bytes(sizes, strides, offset, tensor.element_size())
+    held = tensor.untyped_storage().nbytes()
+    if needed > held:
+        raise OpRefused(
+            f"sizes {sizes} and strides {strides} at offset {offset} reach "
+            f"byte {needed} of a storage of {held} bytes"
+        )
+
+
+def _copy_outputs(a: Args, result: Any) -> Any:
+    """Index tensors a sparse or nested tensor keeps inside: the caller gets a copy, so writing
+    into it cannot move the tensor's own indices out of range."""
+    if isinstance(result, torch.Tensor):
+        return result.clone()
+    if isinstance(result, tuple | list):
+        return type(result)(r.clone() if isinstance(r, torch.Tensor) else r for r in result)
+    return result
+
+
+# ---- unsafe switches ---------------------------------------------------------------------------
+
+
+def _force_safe(a: Args) -> None:
+    """`unsafe=True` skips the index checks of `segment_reduce` and `_index_put_impl_`: the
+    worker always runs the checked path (same results for valid input)."""
+    a["unsafe"] = False
+
+
+# ---- sparse ------------------------------------------------------------------------------------
+
+
+def _uncoalesced(a: Args) -> None:
+    """`is_coalesced=True` is a promise (sorted, unique indices) kernels rely on and nothing
+    checks: the worker drops it (the tensor is coalesced again when an op needs it)."""
+    if a.get("is_coalesced") is not None:
+        a["is_coalesced"] = None
+
+
+def _valid_sparse(a: Args, result: Any) -> Any:
+    """A sparse tensor is checked as PyTorch's own `check_invariants=True` would: indices in
+    range, shapes that agree (the constructors skip it by default; the `_unsafe` and
+    `_with_dims_and_tensors` ones always). Building one touches no memory at its indices; the
+    first op that uses it would."""
+    for value in result if isinstance(result, tuple | list) else (result,):
+        if isinstance(value, torch.Tensor):
+            _validate_sparse(value)
+    return result
+
+
+def _validate_sparse(tensor: torch.Tensor) -> None:
+    layout = tensor.layout
+    try:
+        if layout == torch.sparse_coo:
+            if tensor._indices().size(0) != tensor.sparse_dim():
+                raise OpRefused("indices do not match the sparse dimensions")
+            torch._validate_sparse_coo_tensor_args(
+                tensor._indices(), tensor._values(), tensor.size()
+            )
+        elif layout in (torch.sparse_csr, torch.sparse_bsr):
+            torch._validate_sparse_compressed_tensor_args(
+                tensor.crow_indices(), tensor.col_indices(), tensor.values(), tensor.size(), layout
+            )
+        elif layout in (torch.sparse_csc, torch.sparse_bsc):
+            torch._validate_sparse_compressed_tensor_args(
+                tensor.ccol_indices(), tensor.row_indices(), tensor.values(), tensor.size(), layout
+            )
+    except (RuntimeError, ValueError, IndexError) as exc:
+        if isinstance(exc, OpRefused):
+            raise
+        raise OpRefused(f"invalid sparse tensor: {str(exc).splitlines()[0]}") from None
+
+
+# ---- ops whose saved tensors come from the client -------------------------------------------
+
+
+def _segment_backward(a: Args) -> None:
+    """`_segment_reduce_backward` trusts lengths/offsets: the checked forward validates them
+    against the data, and grad and output must have the forward's shape."""
+    data = _tensor(a["data"], "data")
+    forward = torch.ops.aten.segment_reduce.default(
+        data, a["reduce"], lengths=a.get("lengths"), offsets=a.get("offsets"),
+        axis=a.get("axis", 0), unsafe=False, initial=a.get("initial"),
+    )  # fmt: skip
+    _shape(_tensor(a["output"], "output"), forward.shape, "output")
+    _shape(_tensor(a["grad"], "grad"), forward.shape, "grad")
+
+
+def _softmax_backward(a: Args) -> None:
+    grad, output = _tensor(a["grad_output"], "grad_output"), _tensor(a["output"], "output")
+    _shape(grad, output.shape, "grad_output")
+
+
+def _layer_norm_backward(a: Args) -> None:
+    inp = _tensor(a["input"], "input")
+    normalized = _ints(a["normalized_shape"], "normalized_shape")
+    axis = inp.dim() - len(normalized)
+    if axis < 0 or list(inp.shape[axis:]) != normalized:
+        raise OpRefused(f"normalized_shape {normalized} does not end input {list(inp.shape)}")
+    _shape(_tensor(a["grad_out"], "grad_out"), inp.shape, "grad_out")
+    rows, cols = math.prod(inp.shape[:axis]), math.prod(normalized)
+    for name in ("mean", "rstd"):
+        _covers(_tensor(a[name], name), rows, name)
+    for name in ("weight", "bias"):
+        if isinstance(a.get(name), torch.Tensor):
+            _covers(a[name], cols, name)
+
+
+_PER_CHANNEL = (
+    "weight", "bias", "running_mean", "running_var", "save_mean", "save_invstd", "save_var",
+    "save_var_transform", "mean", "invstd", "sum_dy", "sum_dy_xmu",
+)  # fmt: skip
+
+
+def _batch_norm(a: Args) -> None:
+    """Batch-norm kernels (forward and backward) walk every per-channel tensor with the
+    input's channel count and the gradient with the input's shape."""
+    inp = _tensor(a["input"], "input")
+    channels = inp.size(1) if inp.dim() > 1 else 1
+    for name in ("grad_out", "grad_output"):
+        if isinstance(a.get(name), torch.Tensor):
+            _shape(a[name], inp.shape, name)
+    for name in _PER_CHANNEL:
+        value = a.get(name)
+        if isinstance(value, torch.Tensor) and value.numel() > 0:
+            _covers(value, channels, name)
+
+
+def _group_norm_backward(a: Args) -> None:
+    n, c, group = _int(a["N"], "N"), _int(a["C"], "C"), _int(a["group"], "group")
+    hxw = _int(a["HxW"], "HxW")
+    inp = _tensor(a["input"], "input")
+    if min(n, c, group, hxw) < 0 or n * c * hxw != inp.numel():
+        raise OpRefused(f"N={n} C={c} HxW={hxw} do not describe an input of {inp.numel()}")
+    _shape(_tensor(a["grad_out"], "grad_out"), inp.shape, "grad_out")
+    for name in ("mean", "rstd"):
+        _covers(_tensor(a[name], name), n * group, name)
+    if isinstance(a.get("weight"), torch.Tensor):
+        _covers(a["weight"], c, "weight")
+
+
+def _embedding_backward(a: Args) -> None:
+    weights = _int(a["num_weights"], "num_weights")
+    indices = _tensor(a["indices"], "indices")
+    _in_range(indices, 0, weights, "indices")
+    grad = _tensor(a["grad"], "grad" if "grad" in a else "grad_output")
+    rows = math.prod(grad.shape[:-1]) if grad.dim() else 1
+    if rows != indices.numel():
+        raise OpRefused(f"grad has {rows} rows for {indices.numel()} indices")
+
+
+def _embedding_grad(a: Args) -> None:
+    a.setdefault("grad", a.get("grad_output"))
+    _embedding_backward(a)
+
+
+def _bag_offsets(offsets: torch.Tensor, count: int) -> None:
+    _integral(offsets, "offsets")
+    if offsets.dim() != 1:
+        raise OpRefused("offsets must be one-dimensional")
+    if offsets.numel() == 0:
+        return
+    if int(offsets[0]) != 0:
+        raise OpRefused("offsets must start at 0")
+    if offsets.numel() > 1 and bool((offsets[1:] < offsets[:-1]).any()):
+        raise OpRefused("offsets must not decrease")
+    if int(offsets[-1]) > count:
+        raise OpRefused(f"offsets reach {int(offsets[-1])}, past {count} indices")
+
+
+def _embedding_bag(a: Args) -> None:
+    """The bag forward on CPU checks its offsets; the check here holds on every device."""
+    weight, indices = _tensor(a["weight"], "weight"), _tensor(a["indices"], "indices")
+    _in_range(indices, 0, weight.size(0) if weight.dim() else 0, "indices")
+    offsets = a.get("offsets")
+    if indices.dim() == 1 and isinstance(offsets, torch.Tensor):
+        _bag_offsets(offsets, indices.numel())
+    psw = a.get("per_sample_weights")
+    if isinstance(psw, torch.Tensor):
+        _numel(psw, indices.numel(), "per_sample_weights")
+
+
+def _embedding_bag_backward(a: Args) -> None:
+    """The bag backward ops read `offset2bag`, `bag_size` and `maximum_indices` that the
+    forward made: each must fit the gradient and the indices it is used with."""
+    indices = _tensor(a["indices"], "indices")
+    grad = _tensor(a["grad"], "grad")
+    if "num_weights" in a:
+        _in_range(indices, 0, _int(a["num_weights"], "num_weights"), "indices")
+    else:
+        _in_range(indices, 0, _tensor(a["weight"], "weight").size(0), "indices")
+    if grad.dim() != 2:
+        raise OpRefused("grad must be [bags, embedding]")
+    bags = grad.size(0)
+    if isinstance(a.get("offsets"), torch.Tensor):
+        _bag_offsets(a["offsets"], indices.numel())
+    offset2bag = _tensor(a["offset2bag"], "offset2bag")
+    if offset2bag.numel() > 0:
+        _numel(offset2bag, indices.numel(), "offset2bag")
+        _in_range(offset2bag, 0, max(bags, 1), "offset2bag")
+    if isinstance(a.get("bag_size"), torch.Tensor):
+        _numel(a["bag_size"], bags, "bag_size")
+        _in_range(a["bag_size"], 0, indices.numel() + 1, "bag_size")
+    maximum = a.get("maximum_indices")
+    if a.get("mode") == 2 and isinstance(maximum, torch.Tensor):
+        _shape(maximum, grad.shape, "maximum_indices")
+        weights = a.get("num_weights")
+        _in_range(maximum, -1, weights if isinstance(weights, int) else 0, "maximum_indices")
+    psw = a.get("per_sample_weights")
+    if isinstance(psw, torch.Tensor):
+        _numel(psw, indices.numel(), "per_sample_weights")
+
+
+def _pool_backward(a: Args, spatial: int) -> None:
+    """Max-pool backward ops scatter into the input at the saved indices, unchecked."""
+    grad = _tensor(a["grad_output"], "grad_output")
+    indices = _tensor(a["indices"], "indices")
+    inp = _tensor(a["self"], "self")
+    _shape(indices, grad.shape, "indices")
+    if inp.dim() < spatial:
+        raise OpRefused(f"self has {inp.dim()} dimensions")
+    _in_range(indices, 0, max(math.prod(inp.shape[-spatial:]), 1), "indices")
+    if grad.dim() != inp.dim() or list(grad.shape[:-spatial]) != list(inp.shape[:-spatial]):
+        raise OpRefused(f"grad_output {list(grad.shape)} does not match self {list(inp.shape)}")
+
+
+def _ctc_backward(a: Args) -> None:
+    """The CTC backward reads `log_alpha` as the forward shaped it: recompute the forward's
+    shapes (which validates the lengths too) and compare."""
+    log_probs, targets = _tensor(a["log_probs"], "log_probs"), _tensor(a["targets"], "targets")
+    forward = (
+        torch.ops.aten._ctc_loss.Tensor
+        if isinstance(a["input_lengths"], torch.Tensor)
+        else torch.ops.aten._ctc_loss.default
+    )
+    nll, alpha = forward(
+        log_probs.detach(), targets, a["input_lengths"], a["target_lengths"],
+        a.get("blank", 0), a.get("zero_infinity", False),
+    )  # fmt: skip
+    _shape(_tensor(a["log_alpha"], "log_alpha"), alpha.shape, "log_alpha")
+    _shape(_tensor(a["neg_log_likelihood"], "neg_log_likelihood"), nll.shape, "neg_log_likelihood")
+    _numel(_tensor(a["grad"], "grad"), nll.numel(), "grad")
+
+
+def _pdist_backward(a: Args) -> None:
+    inp = _tensor(a["self"], "self")
+    rows = inp.size(0) if inp.dim() == 2 else -1
+    if rows < 0:
+        raise OpRefused("self must be two-dimensional")
+    pairs = rows * (rows - 1) // 2
+    _numel(_tensor(a["pdist"], "pdist"), pairs, "pdist")
+    _covers(a["pdist"], pairs, "pdist")
+    _shape(_tensor(a["grad"], "grad"), a["pdist"].shape, "grad")
+
+
+def _cdist_backward(a: Args) -> None:
+    x1, x2 = _tensor(a["x1"], "x1"), _tensor(a["x2"], "x2")
+    if x1.dim() < 2 or x2.dim() < 2:
+        raise OpRefused("x1 and x2 need two dimensions")
+    try:
+        batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    except RuntimeError as exc:
+        raise OpRefused(str(exc)) from None
+    expected = [*batch, x1.size(-2), x2.size(-2)]
+    _shape(_tensor(a["cdist"], "cdist"), expected, "cdist")
+    _shape(_tensor(a["grad"], "grad"), expected, "grad")
+
+
+def _weight_norm_backward(a: Args) -> None:
+    v = _tensor(a["saved_v"], "saved_v")
+    dim = _int(a["dim"], "dim")
+    _shape(_tensor(a["grad_w"], "grad_w"), v.shape, "grad_w")
+    g, norms = _tensor(a["saved_g"], "saved_g"), _tensor(a["saved_norms"], "saved_norms")
+    _shape(norms, g.shape, "saved_norms")
+    if not -v.dim() <= dim < max(v.dim(), 1):
+        raise OpRefused(f"dim {dim} out of range for {v.dim()} dimensions")
+    _numel(norms, v.size(dim) if v.dim() else 1, "saved_norms")
+
+
+def _cum_helper(a: Args) -> None:
+    inp = _tensor(a["self"], "self")
+    _shape(_tensor(a["values"], "values"), inp.shape, "values")
+    _shape(_tensor(a["indices"], "indices"), inp.shape, "indices")
+
+
+_OPTIMIZER_LISTS = (
+    "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "momentum_buffer_list", "state_sums",
+)  # fmt: skip
+
+
+def _fused_optimizer(a: Args) -> None:
+    """The fused optimizers walk every list with the params' sizes."""
+    params = a["self"]
+    if not isinstance(params, list | tuple):
+        raise OpRefused("self must be a list of tensors")
+    for name in _OPTIMIZER_LISTS:
+        values = a.get(name)
+        if not isinstance(values, list | tuple) or not values:
+            continue
+        if len(values) != len(params):
+            raise OpRefused(f"{name} has {len(values)} tensors for {len(params)} params")
+        for i, (value, param) in enumerate(zip(values, params, strict=True)):
+            where = f"{name}[{i}]"
+            _shape(_tensor(value, where), _tensor(param, f"self[{i}]").shape, where)
+    steps = a.get("state_steps")
+    if isinstance(steps, list | tuple) and steps:
+        if len(steps) != len(params):
+            raise OpRefused(f"state_steps has {len(steps)} tensors for {len(params)} params")
+        for i, step in enumerate(steps):
+            _numel(_tensor(step, f"state_steps[{i}]"), 1, f"state_steps[{i}]")
+
+
+def _no_varlen(a: Args) -> None:
+    """Packed variable-length attention reads the batch at cumulative offsets the caller gives:
+    the worker runs attention on padded batches only (all the client's SDPA emits)."""
+    for name in ("cum_seq_q", "cum_seq_k", "cu_seqlens_q", "cu_seqlens_k", "seqused_k"):
+        if _present(a.get(name)):
+            raise OpRefused(f"variable-length attention ({name}) does not run on a gpupool worker")
+
+
+def _attention_backward(a: Args) -> None:
+    """Fused attention backward ops read `out` and `logsumexp` with the query's sizes."""
+    _no_varlen(a)
+    query, out = _tensor(a["query"], "query"), _tensor(a["out"], "out")
+    grad = _tensor(a["grad_out"] if "grad_out" in a else a["grad_out_"], "grad_out")
+    if query.dim() != 4:
+        raise OpRefused("query must be [batch, heads, length, dim]")
+    _shape(grad, out.shape, "grad_out")
+    if list(out.shape[:-1]) != list(query.shape[:-1]):
+        raise OpRefused(f"out {list(out.shape)} does not match query {list(query.shape)}")
+    batch, heads, length = query.shape[0], query.shape[1], query.shape[2]
+    _covers(_tensor(a["logsumexp"], "logsumexp"), batch * heads * length, "logsumexp")
+    for name in ("key", "value"):
+        other = _tensor(a[name], name)
+        if other.dim() != 4 or other.shape[0] != batch:
+            raise OpRefused(f"{name} {list(other.shape)} does not match query {list(query.shape)}")
+
+
+def _needs(*names: str) -> frozenset[str]:
+    return frozenset(names)
+
+
+CHECKS: dict[str, Check] = {
+    "within_storage": Check(pre=_within_storage, needs=_needs("self", "size", "stride")),
+    "copy_outputs": Check(post=_copy_outputs),
+    "force_safe": Check(pre=_force_safe, needs=_needs("unsafe")),
+    "valid_sparse": Check(pre=_uncoalesced, post=_valid_sparse),
+    "segment_backward": Check(
+        pre=_segment_backward, needs=_needs("data", "reduce", "output", "grad")
+    ),
+    "softmax_backward": Check(pre=_softmax_backward, needs=_needs("grad_output", "output")),
+    "layer_norm_backward": Check(
+        pre=_layer_norm_backward,
+        needs=_needs("input", "normalized_shape", "grad_out", "mean", "rstd"),
+    ),
+    "batch_norm": Check(pre=_batch_norm, needs=_needs("input")),
+    "group_norm_backward": Check(
+        pre=_group_norm_backward,
+        needs=_needs("N", "C", "HxW", "group", "input", "grad_out", "mean", "rstd"),
+    ),
+    "embedding_backward": Check(pre=_embedding_grad, needs=_needs("num_weights", "indices")),
+    "embedding_bag": Check(pre=_embedding_bag, needs=_needs("weight", "indices")),
+    "embedding_bag_backward": Check(
+        pre=_embedding_bag_backward, needs=_needs("grad", "indices", "offset2bag")
+    ),
+    "pool2d_backward": Check(
+        pre=partial(_pool_backward, spatial=2), needs=_needs("grad_output", "indices", "self")
+    ),
+    "pool3d_backward": Check(
+        pre=partial(_pool_backward, spatial=3), needs=_needs("grad_output", "indices", "self")
+    ),
+    "ctc_backward": Check(
+        pre=_ctc_backward,
+        needs=_needs(
+            "grad",
+            "log_probs",
+            "targets",
+            "input_lengths",
+            "target_lengths",
+            "neg_log_likelihood",
+            "log_alpha",
+        ),
+    ),
+    "pdist_backward": Check(pre=_pdist_backward, needs=_needs("grad", "self", "pdist")),
+    "cdist_backward": Check(pre=_cdist_backward, needs=_needs("grad", "x1", "x2", "cdist")),
+    "weight_norm_backward": Check(
+        pre=_weight_norm_backward,
+        needs=_needs("grad_w", "saved_v", "saved_g", "saved_norms", "dim"),
+    ),
+    "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices")),
+    "fused_optimizer": Check(pre=_fused_optimizer, needs=_needs("self")),
+    "no_varlen": Check(pre=_no_varlen),
+    "attention_backward": Check(
+        pre=_attention_backward, needs=_needs("query", "key", "value", "out", "logsumexp")
+    ),
+}
+"""Every check the policy table may name, by name."""

@@ -1,0 +1,364 @@
+"""Each argument check: the genuine call (saved tensors from the real forward) runs as before,
+the forged one (what a hostile client sends instead) is refused before the kernel runs.
+
+Most forged calls here were seen to read or write outside their tensors without the check
+(`_embedding_bag_dense_backward` segfaulted, `_cummax_helper` and `_segment_reduce_backward`
+corrupted the heap); they run only behind the check, in this process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gpupool.protocol.v1.tensors import op_overload
+from gpupool.worker.opchecks import CHECKS, OpRefused, guard, reach_bytes
+from gpupool.worker.oppolicy import Decision, ruling
+
+aten = torch.ops.aten
+
+
+def checked(name: str) -> Any:
+    """The op as a worker runs it."""
+    decided = ruling(name)
+    assert decided.decision is Decision.CHECK, name
+    fn = op_overload(name)
+    return guard(name, CHECKS[decided.detail], fn, fn._op)
+
+
+def refuses(name: str, *args: Any, match: str = "refused", **kwargs: Any) -> None:
+    with pytest.raises(OpRefused, match=match):
+        checked(name)(*args, **kwargs)
+
+
+def test_reach_bytes_counts_the_last_element_a_view_reads() -> None:
+    assert reach_bytes([4], [1], 0, 4) == 16
+    assert reach_bytes([2, 3], [3, 1], 2, 4) == (2 + 3 + 2 + 1) * 4
+    assert reach_bytes([0, 3], [3, 1], 100, 4) == 0
+
+
+def test_reshape_alias_stays_in_its_storage() -> None:
+    base = torch.arange(16.0)
+    assert checked("aten::_reshape_alias")(base, [4, 4], [4, 1]).equal(base.view(4, 4))
+    assert checked("aten::_reshape_alias")(base[8:], [2, 4], [4, 1]).equal(base[8:].view(2, 4))
+    refuses("aten::_reshape_alias", base, [100], [1], match="storage of 64 bytes")
+    refuses("aten::_reshape_alias", base[8:], [3, 4], [4, 1], match="reach byte")
+    refuses("aten::_reshape_alias", base, [4], [-1], match="negative")
+    refuses("aten::_reshape_alias_copy", base, [100], [1], match="storage")
+
+
+def test_segment_reduce_always_runs_its_checked_path() -> None:
+    data = torch.arange(6.0)
+    out = checked("aten::segment_reduce")(data, "sum", lengths=torch.tensor([2, 4]), unsafe=True)
+    assert out.tolist() == [1.0, 14.0]
+    with pytest.raises(RuntimeError, match="sum"):
+        checked("aten::segment_reduce")(data, "sum", lengths=torch.tensor([1 << 40]), unsafe=True)
+
+
+def test_index_put_impl_always_checks_its_indices() -> None:
+    target = torch.zeros(4)
+    checked("aten::_index_put_impl_")(target, [torch.tensor([1])], torch.ones(1), True, True)
+    assert target.tolist() == [0.0, 1.0, 0.0, 0.0]
+    with pytest.raises(IndexError):
+        checked("aten::_index_put_impl_")(target, [torch.tensor([99])], torch.ones(1), True, True)
+
+
+def test_sparse_constructors_validate_their_indices() -> None:
+    indices, values = torch.tensor([[1, 3]]), torch.ones(2)
+    made = checked("aten::sparse_coo_tensor.indices_size")(indices, values, [4])
+    assert made.to_dense().tolist() == [0.0, 1.0, 0.0, 1.0]
+    refuses("aten::sparse_coo_tensor.indices_size", torch.tensor([[9]]), torch.ones(1), [4])
+    refuses("aten::_sparse_coo_tensor_unsafe", torch.tensor([[-1]]), torch.ones(1), [4])
+    refuses(
+        "aten::_sparse_coo_tensor_with_dims_and_tensors",
+        1, 0, [4], torch.tensor([[5000]]), torch.ones(1),
+        dtype=torch.float32, layout=torch.sparse_coo,
+    )  # fmt: skip
+    crow, col = torch.tensor([0, 1]), torch.tensor([1000])
+    refuses("aten::sparse_csr_tensor.crow_col_value_size", crow, col, torch.ones(1), [1, 4])
+    good = checked("aten::sparse_csr_tensor.crow_col_value_size")(
+        crow, torch.tensor([2]), torch.ones(1), [1, 4]
+    )
+    assert good.to_dense().tolist() == [[0.0, 0.0, 1.0, 0.0]]
+
+
+def test_a_claimed_coalesced_flag_is_dropped() -> None:
+    """is_coalesced=True on duplicate indices is a lie kernels would act on."""
+    made = checked("aten::_sparse_coo_tensor_with_dims_and_tensors")(
+        1, 0, [4], torch.tensor([[1, 1]]), torch.ones(2),
+        dtype=torch.float32, layout=torch.sparse_coo, is_coalesced=True,
+    )  # fmt: skip
+    assert not made.is_coalesced()
+    assert made.to_dense().tolist() == [0.0, 2.0, 0.0, 0.0]
+
+
+def test_a_sparse_tensors_indices_come_out_as_a_copy() -> None:
+    sparse = torch.sparse_coo_tensor(torch.tensor([[1]]), torch.ones(1), [4]).coalesce()
+    indices = checked("aten::_indices")(sparse)
+    indices.add_(1 << 20)
+    assert sparse._indices().tolist() == [[1]]
+    csr = sparse.unsqueeze(0).to_sparse_csr()
+    crow = checked("aten::crow_indices")(csr)
+    crow.add_(1 << 20)
+    assert csr.crow_indices().tolist() == [0, 1]
+
+
+def test_segment_reduce_backward_needs_the_forwards_lengths() -> None:
+    data, lengths = torch.arange(6.0), torch.tensor([2, 4])
+    out = aten.segment_reduce.default(data, "sum", lengths=lengths)
+    grad = checked("aten::_segment_reduce_backward")(
+        torch.ones_like(out), out, data, "sum", lengths=lengths
+    )
+    assert grad.tolist() == [1.0] * 6
+    with pytest.raises(RuntimeError):
+        checked("aten::_segment_reduce_backward")(
+            torch.ones(2), torch.ones(2), data, "sum", lengths=torch.tensor([1000, 1000])
+        )
+    refuses(
+        "aten::_segment_reduce_backward", torch.ones(3), torch.ones(3), data, "sum",
+        lengths=lengths, match="output has shape",
+    )  # fmt: skip
+
+
+def test_log_softmax_backward_needs_matching_shapes() -> None:
+    out = aten._log_softmax.default(torch.randn(4), 0, False)
+    checked("aten::_log_softmax_backward_data")(torch.ones(4), out, 0, torch.float32)
+    refuses("aten::_log_softmax_backward_data", torch.ones(4), torch.ones(2), 0, torch.float32)
+
+
+def test_layer_norm_backward_needs_a_mean_per_row() -> None:
+    x = torch.randn(4, 8)
+    _, mean, rstd = aten.native_layer_norm.default(x, [8], None, None, 1e-5)
+    mask = [True, False, False]
+    checked("aten::native_layer_norm_backward")(
+        torch.ones(4, 8), x, [8], mean, rstd, None, None, mask
+    )
+    refuses(
+        "aten::native_layer_norm_backward",
+        torch.ones(4, 8), x, [8], torch.zeros(1), torch.ones(1), None, None, mask,
+        match="mean holds 1 elements, needs 4",
+    )  # fmt: skip
+    refuses(
+        "aten::native_layer_norm_backward",
+        torch.ones(4, 8), x, [8], torch.zeros(8)[7:].expand(4, 1), rstd, None, None, mask,
+        match="mean holds 1 elements",
+    )  # fmt: skip
+
+
+def test_batch_norm_needs_a_statistic_per_channel() -> None:
+    x = torch.randn(4, 8)
+    running_mean, running_var = torch.zeros(8), torch.ones(8)
+    _, save_mean, save_invstd = checked("aten::native_batch_norm")(
+        x, None, None, running_mean, running_var, True, 0.1, 1e-5
+    )
+    checked("aten::native_batch_norm_backward")(
+        torch.ones(4, 8), x, None, running_mean, running_var, save_mean, save_invstd, True, 1e-5,
+        [True, True, True],
+    )  # fmt: skip
+    refuses(
+        "aten::native_batch_norm_backward",
+        torch.ones(4, 8), x, None, None, None, torch.zeros(1), torch.ones(1), True, 1e-5,
+        [True, True, True], match="save_mean",
+    )  # fmt: skip
+    refuses(
+        "aten::native_batch_norm", x, None, None, torch.zeros(2), torch.ones(2), True, 0.1, 1e-5,
+        match="running_mean",
+    )  # fmt: skip
+
+
+def test_group_norm_backward_needs_its_sizes_to_describe_the_input() -> None:
+    x = torch.randn(2, 4, 3)
+    _, mean, rstd = aten.native_group_norm.default(x, None, None, 2, 4, 3, 2, 1e-5)
+    mask = [True, False, False]
+    args = (torch.ones(2, 4, 3), x, mean, rstd, None)
+    checked("aten::native_group_norm_backward")(*args, 2, 4, 3, 2, mask)
+    refuses("aten::native_group_norm_backward", *args, 2000, 4, 3, 2, mask, match="N=2000")
+    refuses(
+        "aten::native_group_norm_backward",
+        torch.ones(2, 4, 3), x, torch.zeros(1), torch.ones(1), None, 2, 4, 3, 2, mask,
+        match="mean",
+    )  # fmt: skip
+
+
+def test_embedding_backward_keeps_indices_below_num_weights() -> None:
+    grad, indices = torch.ones(2, 3), torch.tensor([0, 3])
+    out = checked("aten::embedding_dense_backward")(grad, indices, 4, -1, False)
+    assert out.shape == (4, 3)
+    refuses(
+        "aten::embedding_dense_backward", grad, torch.tensor([0, 100_000]), 4, -1, False,
+        match="outside",
+    )  # fmt: skip
+    refuses("aten::embedding_dense_backward", torch.ones(5, 3), indices, 4, -1, False, match="rows")
+
+
+def test_embedding_bag_and_its_backward_check_offsets_and_saved_bags() -> None:
+    weight, indices, offsets = torch.randn(4, 3), torch.tensor([0, 1, 3]), torch.tensor([0, 2])
+    checked("aten::_embedding_bag")(weight, indices, offsets)
+    # What autograd saves from the forward: offset2bag, bag_size and maximum_indices.
+    saved = torch.nn.functional.embedding_bag(indices, weight.requires_grad_(), offsets).grad_fn
+    assert saved is not None
+    offset2bag, bag_size = saved._saved_result1, saved._saved_result2  # type: ignore[attr-defined]
+    max_indices = saved._saved_result3  # type: ignore[attr-defined]
+    weight, out = weight.detach(), torch.zeros(2, 3)
+    refuses("aten::_embedding_bag", weight, indices, torch.tensor([0, 100]), match="offsets")
+    refuses("aten::_embedding_bag", weight, indices, torch.tensor([0, 2, 1]), match="decrease")
+    refuses("aten::_embedding_bag", weight, torch.tensor([0, 9, 3]), offsets, match="indices")
+    grad = torch.ones_like(out)
+    genuine = checked("aten::_embedding_bag_backward")(
+        grad, indices, offsets, offset2bag, bag_size, max_indices, 4, False, 0, False, None
+    )
+    assert genuine.shape == (4, 3)
+    dense = checked("aten::_embedding_bag_dense_backward")(
+        grad, indices, offset2bag, bag_size, max_indices, 4, False, 0, None
+    )
+    assert dense.equal(genuine)
+    refuses(
+        "aten::_embedding_bag_dense_backward",
+        grad, torch.tensor([0, 100_000, 1]), offset2bag, bag_size, max_indices, 4, False, 0, None,
+    )  # fmt: skip
+    refuses(
+        "aten::_embedding_bag_dense_backward",
+        grad, indices, torch.tensor([0, 100_000, 1]), bag_size, max_indices, 4, False, 0, None,
+        match="offset2bag",
+    )  # fmt: skip
+    refuses(
+        "aten::_embedding_bag_per_sample_weights_backward",
+        grad, weight, indices, offsets, torch.tensor([0, 100_000, 1]), 0, -1, match="offset2bag",
+    )  # fmt: skip
+
+
+def test_max_pool_backward_scatters_only_inside_the_input() -> None:
+    x = torch.randn(1, 1, 4, 4)
+    out, indices = aten.max_pool2d_with_indices.default(x, [2, 2], [2, 2])
+    args = ([2, 2], [2, 2], [0, 0], [1, 1], False)
+    grad = checked("aten::max_pool2d_with_indices_backward")(
+        torch.ones_like(out), x, *args, indices
+    )
+    assert grad.sum() == 4
+    forged = torch.full_like(indices, 100_000)
+    refuses("aten::max_pool2d_with_indices_backward", torch.ones_like(out), x, *args, forged)
+    refuses("aten::adaptive_max_pool2d_backward", torch.ones_like(out), x, forged)
+    refuses(
+        "aten::max_pool2d_with_indices_backward",
+        torch.ones_like(out), x, *args, indices[..., :1], match="indices has shape",
+    )  # fmt: skip
+    x3 = torch.randn(1, 1, 2, 4, 4)
+    out3, indices3 = aten.max_pool3d_with_indices.default(x3, [2, 2, 2], [2, 2, 2])
+    args3 = ([2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1], False)
+    checked("aten::max_pool3d_with_indices_backward")(torch.ones_like(out3), x3, *args3, indices3)
+    refuses(
+        "aten::max_pool3d_with_indices_backward",
+        torch.ones_like(out3), x3, *args3, torch.full_like(indices3, 100_000),
+    )  # fmt: skip
+
+
+def test_ctc_backward_needs_the_forwards_log_alpha() -> None:
+    log_probs = torch.randn(5, 1, 3).log_softmax(2)
+    targets = torch.tensor([[1, 2]])
+    nll, alpha = aten._ctc_loss.default(log_probs, targets, [5], [2], 0, False)
+    backward = checked("aten::_ctc_loss_backward")
+    assert backward(torch.ones(1), log_probs, targets, [5], [2], nll, alpha, 0).shape == (5, 1, 3)
+    refuses(
+        "aten::_ctc_loss_backward",
+        torch.ones(1), log_probs, targets, [5], [2], nll, torch.zeros(1, 1, 1), 0,
+        match="log_alpha",
+    )  # fmt: skip
+    with pytest.raises(RuntimeError):
+        backward(torch.ones(1), log_probs, targets, [5], [1000], nll, alpha, 0)
+
+
+def test_distance_and_weight_norm_backward_need_the_forwards_outputs() -> None:
+    x = torch.randn(4, 3)
+    pdist = aten._pdist_forward.default(x, 2.0)
+    checked("aten::_pdist_backward")(torch.ones_like(pdist), x, 2.0, pdist)
+    refuses("aten::_pdist_backward", torch.ones(1), x, 2.0, torch.ones(1), match="pdist")
+    y = torch.randn(5, 3)
+    cdist = aten._cdist_forward.default(x, y, 2.0, None)
+    checked("aten::_cdist_backward")(torch.ones_like(cdist), x, y, 2.0, cdist)
+    refuses("aten::_cdist_backward", torch.ones(1, 1), x, y, 2.0, torch.ones(1, 1), match="cdist")
+    v, g = torch.randn(4, 3), torch.randn(4, 1)
+    w, norms = aten._weight_norm_interface.default(v, g, 0)
+    checked("aten::_weight_norm_interface_backward")(torch.ones_like(w), v, g, norms, 0)
+    refuses(
+        "aten::_weight_norm_interface_backward",
+        torch.ones(4, 3), v, torch.ones(1, 1), torch.ones(1, 1), 0, match="saved_norms",
+    )  # fmt: skip
+
+
+def test_cumulative_helpers_write_only_outputs_of_the_inputs_shape() -> None:
+    x = torch.randn(4)
+    values, indices = torch.empty(4), torch.empty(4, dtype=torch.long)
+    checked("aten::_cummax_helper")(x, values, indices, 0)
+    assert values.equal(torch.cummax(x, 0).values)
+    refuses("aten::_cummax_helper", x, torch.empty(4), torch.empty(2, dtype=torch.long), 0)
+    refuses("aten::_cummin_helper", x, torch.empty(2), torch.empty(4, dtype=torch.long), 0)
+
+
+def test_fused_optimizers_need_every_state_the_size_of_its_param() -> None:
+    params = [torch.ones(4)]
+    state = dict(lr=0.1, beta1=0.9, beta2=0.9, weight_decay=0.0, eps=1e-8, amsgrad=False,
+                 maximize=False)  # fmt: skip
+    step = [torch.tensor(1.0)]
+    adam = checked("aten::_fused_adam_")
+    adam(params, [torch.ones(4)], [torch.zeros(4)], [torch.zeros(4)], [], step, **state)
+    assert params[0].lt(1).all()
+    refuses(
+        "aten::_fused_adam_", params, [torch.ones(2)], [torch.zeros(4)], [torch.zeros(4)], [],
+        step, **state, match="grads",
+    )  # fmt: skip
+    refuses(
+        "aten::_fused_adamw_", params, [torch.ones(4)], [torch.zeros(4)], [torch.zeros(4)], [],
+        step * 2, **state, match="state_steps has 2",
+    )  # fmt: skip
+    refuses(
+        "aten::_fused_sgd_", params, [torch.ones(4)], [torch.zeros(1)], weight_decay=0.0,
+        momentum=0.9, lr=0.1, dampening=0.0, nesterov=False, maximize=False, is_first_step=False,
+        match="momentum_buffer_list",
+    )  # fmt: skip
+
+
+def test_attention_backward_needs_out_and_logsumexp_of_the_query() -> None:
+    q, k, v = (torch.randn(1, 2, 8, 4) for _ in range(3))
+    out, logsumexp = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v)
+    backward = checked("aten::_scaled_dot_product_flash_attention_for_cpu_backward")
+    grads = backward(torch.ones_like(out), q, k, v, out, logsumexp, 0.0, False)
+    assert [g.shape for g in grads] == [q.shape] * 3
+    refuses(
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+        torch.ones_like(out), q, k, v, out, torch.zeros(1), 0.0, False, match="logsumexp",
+    )  # fmt: skip
+    refuses(
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+        torch.ones(1, 2, 8, 4), q, k, v, out[:, :, :2], logsumexp, 0.0, False,
+    )  # fmt: skip
+
+
+def test_variable_length_attention_is_refused() -> None:
+    q = torch.randn(8, 2, 4)
+    cu = torch.tensor([0, 100_000], dtype=torch.int32)
+    refuses(
+        "aten::_flash_attention_forward", q, q, q, cu, cu, 8, 8, 0.0, False, False,
+        match="variable-length",
+    )  # fmt: skip
+
+
+def test_batch_norm_impl_index_backward_needs_a_statistic_per_channel() -> None:
+    x = torch.randn(4, 8)
+    refuses(
+        "aten::_batch_norm_impl_index_backward",
+        0, x, torch.ones(4, 8), None, None, None, torch.zeros(1), torch.ones(1), True, 1e-5,
+        [True, True, True], torch.empty(0), match="save_mean",
+    )  # fmt: skip
+
+
+def test_sparse_gather_backward_makes_only_valid_sparse_tensors() -> None:
+    grad = checked("aten::_gather_sparse_backward")(
+        torch.ones(4), 0, torch.tensor([1]), torch.ones(1)
+    )
+    assert grad.to_dense().tolist() == [0.0, 1.0, 0.0, 0.0]
+    refuses(
+        "aten::_gather_sparse_backward", torch.ones(4), 0, torch.tensor([100_000]), torch.ones(1),
+        match="invalid sparse tensor",
+    )  # fmt: skip
