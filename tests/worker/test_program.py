@@ -125,7 +125,8 @@ def test_a_program_runs_eval_batch_norm_through_the_workers_shim() -> None:
     define(executor, body(inputs=[["float32", [1, 3], [3, 1]]], externals=[[1, 10]],
                           steps=[bn], outputs=[2], escapes=[], slots=3))  # fmt: skip
     step = executor.programs.get(5).steps[0]
-    assert step.fn is SHIMS["aten::_batch_norm_no_update"] is executor.ops[6].fn
+    assert executor.ops[6].fn is SHIMS["aten::_batch_norm_no_update"]
+    assert step.fn is executor.ops[6].call  # the shim, with the lease's charge before it runs
     run(executor, [[Rec.DEF, 7, "aten::ones"], [Rec.OP, 7, [[1, 3]], None, [21]],
                    [Rec.RUN, 5, [handle_ext(21)], [30]]])  # fmt: skip
     # weight, mean and variance are all 2: (1 - 2) / sqrt(2) * 2

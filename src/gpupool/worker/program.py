@@ -241,7 +241,9 @@ class Program:
                 if defined[slot]:
                     raise ProtocolError(f"program op {op.name} writes slot {slot} twice")
                 defined[slot] = True
-        return _OpStep(op.name, op.fn, op.problem, args, kwargs, outs)
+        # op.call: where the lease counts storages, it charges each step before it runs.
+        call = op.call if op.fn is not None else None
+        return _OpStep(op.name, call, op.problem, args, kwargs, outs)
 
     def _note_mutations(
         self, fn: Any, args: list[Any], kwargs: dict[str, Any], n_inputs: int
