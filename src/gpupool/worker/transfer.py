@@ -93,10 +93,10 @@ class Arrivals:
                 what = f"the copy from another device (transfer {xid})"
                 reservation = self._reserve(nbytes, what)
             except LimitExceeded as exc:
-                # Nothing is allocated: the bytes are read and dropped as they come, and the
-                # RECV fails with the lease's out-of-memory error.
-                self._receive(conn, xid, nbytes, None)
+                # Nothing is allocated: the RECV fails at once with the lease's out-of-memory
+                # error, and the bytes are read and dropped as they come.
                 self._arrive(xid, ("oom", str(exc)))
+                self._receive(conn, xid, nbytes, None)
                 continue
             try:
                 # Not zero-filled: pages are touched only as the bytes arrive.
