@@ -17,6 +17,7 @@ stored."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
@@ -46,6 +47,25 @@ def written_arguments(schema: torch._C.FunctionSchema) -> tuple[tuple[int, ...],
             if not arg.kwarg_only:
                 positions.append(index)
     return tuple(positions), tuple(names)
+
+
+_warming: threading.Thread | None = None
+
+
+def warm_up() -> None:
+    """Load torch's Python meta kernels in the background, once per process: the first meta
+    call imports them (seconds, as long as torch's own import), which would otherwise delay a
+    new lease's first op rather than the idle time before its client connects. For a worker
+    process only, which leaves by os._exit: an interpreter that finalizes while the thread is
+    inside torch aborts."""
+    global _warming
+    if _warming is None:
+        _warming = threading.Thread(target=_meta_op, name="gpupool-meta-warm-up", daemon=True)
+        _warming.start()
+
+
+def _meta_op() -> None:
+    torch.empty(1, device=_META).add(1)
 
 
 class Admission:

@@ -47,6 +47,7 @@ from gpupool.protocol.v1.dataplane import (
 )
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
 from gpupool.worker.activity import Activity, StatusFile
+from gpupool.worker.admission import warm_up
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor, first_line
 from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
@@ -177,6 +178,8 @@ class Worker:
         self.address = bound_address(self._listener, requested)
         if self._status:
             self._status.start()
+        if self.memory.counts_storages:
+            warm_up()  # the meta kernels that charge ops before they run
         if self.config.restore_from is not None:
             threading.Thread(target=self._adopt, name="gpupool-adopt", daemon=True).start()
         return self.address

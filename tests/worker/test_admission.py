@@ -1,0 +1,108 @@
+"""Charging an op before it runs: output sizes from meta kernels over the worker's own tensors,
+in-place growth, views free, one meta run per signature, and ops meta cannot tell left to the
+count after them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from gpupool.worker.admission import Admission, signature
+from gpupool.worker.memory import HostMemory, LimitExceeded
+
+aten = torch.ops.aten
+
+
+class Spy:
+    """The op's real callable, noting whether it ran."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.calls = 0
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls += 1
+        return self.fn(*args, **kwargs)
+
+
+def admitted(memory: HostMemory, op: Any) -> tuple[Any, Spy, Admission]:
+    admission = Admission(memory)
+    spy = Spy(op)
+    return admission.wrap(op, spy), spy, admission
+
+
+def test_an_op_whose_output_does_not_fit_never_runs() -> None:
+    memory = HostMemory(1000)
+    ones, spy, _ = admitted(memory, aten.ones.default)
+    with pytest.raises(LimitExceeded, match=r"the op's outputs"):
+        ones([1000], dtype=torch.float32, device=torch.device("cpu"))
+    assert spy.calls == 0 and memory.held_bytes() == 0
+    out = ones([10], dtype=torch.float32, device=torch.device("cpu"))
+    assert spy.calls == 1 and out.tolist() == [1.0] * 10
+    assert memory.held_bytes() == 0  # the reservation ends with the op; the store charges
+
+
+def test_in_place_growth_is_refused_before_the_storage_grows() -> None:
+    memory = HostMemory(1000)
+    tensor = torch.zeros(4)
+    memory.charge([tensor])
+    resize, spy, _ = admitted(memory, aten.resize_.default)
+    with pytest.raises(LimitExceeded):
+        resize(tensor, [1000])
+    assert spy.calls == 0 and tensor.untyped_storage().nbytes() == 16
+    resize(tensor, [100])
+    assert memory.held_bytes() == 400  # recounted at its new size
+
+
+def test_set_growing_a_shared_storage_is_predicted() -> None:
+    memory = HostMemory(1000)
+    a, b = torch.zeros(1), torch.zeros(1)
+    memory.charge([a, b])
+    set_, spy, _ = admitted(memory, aten.set_.source_Tensor_storage_offset)
+    with pytest.raises(LimitExceeded):
+        set_(a, b, 0, [1000], [1])
+    assert spy.calls == 0 and b.untyped_storage().nbytes() == 4
+
+
+def test_views_and_in_place_ops_that_do_not_grow_cost_nothing() -> None:
+    memory = HostMemory(100)
+    tensor = torch.zeros(20)  # 80 of the 100 bytes
+    memory.charge([tensor])
+    expand, _, _ = admitted(memory, aten.expand.default)
+    add_, _, _ = admitted(memory, aten.add_.Tensor)
+    view = expand(tensor, [1000, 20])
+    add_(tensor, tensor)
+    assert view.shape == (1000, 20) and memory.held_bytes() == 80
+
+
+def test_a_signature_runs_its_meta_kernel_once() -> None:
+    memory = HostMemory(None)
+    add, spy, admission = admitted(memory, aten.add.Tensor)
+    x, y = torch.zeros(3), torch.zeros(3)
+    for _ in range(5):
+        add(x, y)
+    assert admission.predicted == 1 and spy.calls == 5
+    add(torch.zeros(4), torch.zeros(4))
+    add(x, y, alpha=2)
+    assert admission.predicted == 3
+
+
+def test_an_op_meta_cannot_tell_runs_and_is_left_to_the_count() -> None:
+    memory = HostMemory(1000)
+    nonzero, spy, admission = admitted(memory, aten.nonzero.default)
+    assert nonzero(torch.tensor([0.0, 1.0, 2.0])).tolist() == [[1], [2]]
+    assert nonzero(torch.tensor([0.0, 1.0, 2.0])).tolist() == [[1], [2]]
+    assert spy.calls == 2 and admission.predicted == 1  # "cannot tell" is kept too
+
+
+def test_signatures_tell_storage_layout_only_for_ops_that_write() -> None:
+    x = torch.zeros(8)
+    assert signature((x,), {}, False) == signature((torch.zeros(8),), {}, False)
+    grown = torch.zeros(8)
+    grown.resize_(100)
+    grown.resize_(8)  # same sizes, a storage of 400 bytes
+    assert signature((x,), {}, True) != signature((grown,), {}, True)
+    assert signature((x, x), {}, True) != signature((x, torch.zeros(8)), {}, True)
+    assert signature((object(),), {}, False) is None
