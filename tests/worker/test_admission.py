@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from gpupool.worker.admission import Admission, signature
-from gpupool.worker.memory import HostMemory, LimitExceeded
+from gpupool.worker.admission import MIN_RESERVED_BYTES, Admission, signature
+from gpupool.worker.memory import HostMemory, LimitExceeded, MiB
 
 aten = torch.ops.aten
 
@@ -34,10 +34,10 @@ def admitted(memory: HostMemory, op: Any) -> tuple[Any, Spy, Admission]:
 
 
 def test_an_op_whose_output_does_not_fit_never_runs() -> None:
-    memory = HostMemory(1000)
+    memory = HostMemory(MiB)
     ones, spy, _ = admitted(memory, aten.ones.default)
-    with pytest.raises(LimitExceeded, match=r"the op's outputs"):
-        ones([1000], dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(LimitExceeded, match=r"the op's outputs \(4.0 MiB\)"):
+        ones([MiB], dtype=torch.float32, device=torch.device("cpu"))
     assert spy.calls == 0 and memory.held_bytes() == 0
     out = ones([10], dtype=torch.float32, device=torch.device("cpu"))
     assert spy.calls == 1 and out.tolist() == [1.0] * 10
@@ -45,25 +45,36 @@ def test_an_op_whose_output_does_not_fit_never_runs() -> None:
 
 
 def test_in_place_growth_is_refused_before_the_storage_grows() -> None:
-    memory = HostMemory(1000)
+    memory = HostMemory(MiB)
     tensor = torch.zeros(4)
     memory.charge([tensor])
     resize, spy, _ = admitted(memory, aten.resize_.default)
     with pytest.raises(LimitExceeded):
-        resize(tensor, [1000])
+        resize(tensor, [MiB])
     assert spy.calls == 0 and tensor.untyped_storage().nbytes() == 16
     resize(tensor, [100])
     assert memory.held_bytes() == 400  # recounted at its new size
 
 
 def test_set_growing_a_shared_storage_is_predicted() -> None:
-    memory = HostMemory(1000)
+    memory = HostMemory(MiB)
     a, b = torch.zeros(1), torch.zeros(1)
     memory.charge([a, b])
     set_, spy, _ = admitted(memory, aten.set_.source_Tensor_storage_offset)
     with pytest.raises(LimitExceeded):
-        set_(a, b, 0, [1000], [1])
+        set_(a, b, 0, [MiB], [1])
     assert spy.calls == 0 and b.untyped_storage().nbytes() == 4
+
+
+def test_small_outputs_are_left_to_the_store_to_charge() -> None:
+    """Under MIN_RESERVED_BYTES an output is not reserved first: it runs, and the store's
+    charge (the executor's) refuses it a moment later."""
+    memory = HostMemory(1000)
+    ones, spy, _ = admitted(memory, aten.ones.default)
+    out = ones([1000], dtype=torch.float32, device=torch.device("cpu"))
+    assert spy.calls == 1 and out.numel() * 4 < MIN_RESERVED_BYTES
+    with pytest.raises(LimitExceeded):
+        memory.charge([out])
 
 
 def test_views_and_in_place_ops_that_do_not_grow_cost_nothing() -> None:

@@ -28,6 +28,11 @@ from gpupool.worker.memory import NO_RESERVATION, MemoryLimit
 MAX_SIGNATURES_PER_OP = 4096
 """A stream of ever new signatures (a hostile one) makes the cache start afresh, not grow."""
 _META = torch.device("meta")
+_SCALARS = frozenset({int, float, bool, complex, str, type(None)})
+MIN_RESERVED_BYTES = 64 << 10
+"""Outputs smaller than this are charged when stored, not reserved first: an over-limit one
+is then refused a moment after it was allocated, never more than this much past the limit,
+and most ops of a step skip the reservation's bookkeeping."""
 _UNPREDICTABLE = -1
 """A cached answer: the meta kernel cannot tell (no meta kernel, data-dependent outputs)."""
 
@@ -94,7 +99,7 @@ class Admission:
                 if len(cache) >= MAX_SIGNATURES_PER_OP:
                     cache.clear()
                 cache[key] = need
-            reservation = memory.reserve(need) if need > 0 else NO_RESERVATION
+            reservation = memory.reserve(need) if need >= MIN_RESERVED_BYTES else NO_RESERVATION
             try:
                 result = call(*args, **kwargs) if kwargs else call(*args)
             finally:
@@ -147,21 +152,25 @@ def signature(args: Any, kwargs: dict[str, Any], storages: bool) -> Hashable | N
 
 
 def _describe(value: Any, shared: dict[int, int] | None) -> Hashable:
-    if isinstance(value, torch.Tensor):
+    kind = type(value)
+    if kind in _SCALARS:
+        return (kind, value)  # the type too: 1, 1.0 and True are equal keys, not equal args
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        if shared is None:
+            try:
+                return (value.dtype, value.shape, value.stride())
+            except RuntimeError:  # no strides (sparse, mkldnn): meta tensors cannot stand in
+                raise _Unsupported from None
         if value.layout != torch.strided:
             raise _Unsupported
-        if shared is None:
-            return (value.dtype, value.shape, value.stride())
         storage = value.untyped_storage()
         group = shared.setdefault(storage._cdata, len(shared))
         return (
             value.dtype, value.shape, value.stride(), value.storage_offset(),
             storage.nbytes(), group,
         )  # fmt: skip
-    if isinstance(value, list | tuple):
-        return (type(value), *(_describe(v, shared) for v in value))
-    if value is None or isinstance(value, bool | int | float | complex | str):
-        return (type(value), value)
+    if kind is list or kind is tuple:
+        return (kind, *[_describe(v, shared) for v in value])
     if isinstance(value, torch.dtype | torch.device | torch.layout | torch.memory_format):
         return value
     raise _Unsupported  # a handle the worker does not hold, or anything else
