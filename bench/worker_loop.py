@@ -48,6 +48,9 @@ class UncountedMemory:
     host_limit_bytes = None
     counts_storages = False
 
+    def bounded(self) -> bool:
+        return False
+
     def held_bytes(self) -> int:
         return 0
 

@@ -89,7 +89,7 @@ def test_views_and_in_place_ops_that_do_not_grow_cost_nothing() -> None:
 
 
 def test_a_signature_runs_its_meta_kernel_once() -> None:
-    memory = HostMemory(None)
+    memory = HostMemory(1 << 30)
     add, spy, admission = admitted(memory, aten.add.Tensor)
     x, y = torch.zeros(3), torch.zeros(3)
     for _ in range(5):
@@ -117,3 +117,17 @@ def test_signatures_tell_storage_layout_only_for_ops_that_write() -> None:
     assert signature((x,), {}, True) != signature((grown,), {}, True)
     assert signature((x, x), {}, True) != signature((x, torch.zeros(8)), {}, True)
     assert signature((object(),), {}, False) is None
+
+
+def test_without_a_limit_nothing_is_predicted_but_growth_is_still_counted() -> None:
+    memory = HostMemory(None)
+    tensor = torch.zeros(4)
+    memory.charge([tensor])
+    resize, spy, admission = admitted(memory, aten.resize_.default)
+    resize(tensor, [100])
+    assert admission.predicted == 0 and spy.calls == 1
+    assert memory.held_bytes() == 400
+    memory.set_limit(200)  # a live resize: from now on, charged first
+    with pytest.raises(LimitExceeded):
+        resize(tensor, [MiB])
+    assert admission.predicted == 1 and spy.calls == 1

@@ -92,6 +92,11 @@ class Admission:
         meta_call = getattr(fn, "_op", fn)
 
         def admitted(*args: Any, **kwargs: Any) -> Any:
+            if not memory.bounded():  # nothing to refuse: the store counts what it holds
+                result = call(*args, **kwargs) if kwargs else call(*args)
+                if writes:
+                    memory.recount(_written(args, kwargs, positions, names))
+                return result
             key = signature(args, kwargs, writes)
             need = _UNPREDICTABLE if key is None else cache.get(key)
             if need is None:

@@ -23,8 +23,7 @@ LEDGER_SLACK_BYTES = 16 * MiB
 PROCESS_CAP_MARGIN_BYTES = 512 * MiB
 """What a CPU worker's process may hold past its baseline and its lease's limit: the stream's
 frames (64 MiB each, decoded), torch's thread pools and the transient peak of the op that is
-refused. Measured: an idle CPU worker's data segment grows by under 100 MiB over a torch test
-run; the rest is headroom for one frame in flight and its decoding."""
+refused; `ProcessCap` adds a stack for each of torch's threads."""
 _TRIED = re.compile(r"Tried to allocate ([0-9.]+) ([KMGT]i?B)")
 _UNITS = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 _HOST_ALLOC_FAILED = "DefaultCPUAllocator: can't allocate memory"
@@ -79,6 +78,10 @@ class MemoryLimit(Protocol):
         """The lease's host-memory allowance: host tensors and every host buffer the worker
         allocates for the lease (staging, reads, transfers, swap)."""
 
+    def bounded(self) -> bool:
+        """Whether anything holds this memory (a limit, a simulated GPU's room): without, an
+        op's charge ahead of it has nothing to refuse, and is skipped."""
+
     def held_bytes(self) -> int: ...
 
     def host_held_bytes(self) -> int: ...
@@ -119,7 +122,11 @@ class ProcessCap:
     at each live resize; the hard limit stays as it was, so a resize may raise the cap again."""
 
     def __init__(self, margin_bytes: int = PROCESS_CAP_MARGIN_BYTES) -> None:
-        self.margin_bytes = margin_bytes
+        # torch starts its thread pools at their first parallel op, after the baseline is
+        # taken, and each thread's stack is a private mapping the cap counts (8 MiB apiece:
+        # a GiB on a 128-core host).
+        threads = torch.get_num_threads() + torch.get_num_interop_threads()
+        self.margin_bytes = margin_bytes + threads * _thread_stack_bytes()
         self.baseline_bytes = data_segment_bytes()
         """What the worker itself holds before any client: its interpreter, torch, threads."""
         self.cap_bytes: int | None = None
@@ -137,6 +144,11 @@ class ProcessCap:
                 soft = min(soft, hard)
             self.cap_bytes = soft
         resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+
+
+def _thread_stack_bytes() -> int:
+    soft = resource.getrlimit(resource.RLIMIT_STACK)[0]
+    return 8 * MiB if soft == resource.RLIM_INFINITY or soft <= 0 else int(soft)
 
 
 def data_segment_bytes() -> int:
@@ -183,6 +195,9 @@ class CudaMemory:
         self.limit_bytes = limit_bytes
         if self._host_follows:
             self.host.set_limit(limit_bytes)
+
+    def bounded(self) -> bool:
+        return self.limit_bytes is not None
 
     def held_bytes(self) -> int:
         return self._allocated("current")
@@ -293,6 +308,9 @@ class HostMemory:
     @property
     def host_limit_bytes(self) -> int | None:
         return self.limit_bytes
+
+    def bounded(self) -> bool:
+        return self.limit_bytes is not None or self.gpu is not None
 
     def held_bytes(self) -> int:
         return self._held + self._reserved
