@@ -777,8 +777,8 @@ class Executor:
         """Charge a state of `nbytes` that a predecessor announces, before it is allocated here
         (a successor worker); LimitExceeded if it cannot fit the lease's limit."""
         limit = self.memory.limit_bytes
-        if self.memory.counts_storages:
-            return self.memory.reserve(nbytes)
+        if self.memory.counts_storages:  # its host memory is its device memory
+            return self.memory.reserve_host(nbytes, "the state handed over")
         if limit is not None and nbytes > limit:
             # The allocator would refuse it too, storage by storage, after some had moved.
             raise LimitExceeded(
