@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from gpupool.worker.memory import (
+    CudaMemory,
     HostMemory,
     LimitExceeded,
     MiB,
@@ -140,3 +141,44 @@ def test_a_process_cap_without_a_limit_leaves_the_process_alone() -> None:
     cap.apply(None)
     assert cap.cap_bytes is None
     assert data_segment_bytes() >= cap.baseline_bytes - 64 * MiB
+
+
+class _FakeProperties:
+    total_memory = 80 << 30
+
+
+def _no_gpu_needed(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """CudaMemory's calls into CUDA, stood in for: its host-allowance logic runs on the CPU."""
+    fractions: list[float] = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: _FakeProperties())
+    monkeypatch.setattr(
+        torch.cuda, "set_per_process_memory_fraction", lambda f, device: fractions.append(f)
+    )
+    return fractions
+
+
+def test_a_cuda_workers_host_allowance_follows_its_device_limit_unless_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fractions = _no_gpu_needed(monkeypatch)
+    following = CudaMemory(torch.device("cuda", 0), 8 << 30)
+    assert following.host_limit_bytes == 8 << 30 and fractions == [0.1]
+    following.set_limit(16 << 30)  # a live resize moves both
+    assert following.host_limit_bytes == 16 << 30
+    own = CudaMemory(torch.device("cuda", 0), 8 << 30, host_limit_bytes=MiB)
+    own.set_limit(16 << 30)
+    assert own.host_limit_bytes == MiB
+
+
+def test_a_cuda_workers_host_tensors_and_buffers_count_against_its_allowance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _no_gpu_needed(monkeypatch)
+    memory = CudaMemory(torch.device("cuda", 0), 8 << 30, host_limit_bytes=1000)
+    memory.charge([torch.zeros(200), torch.empty(1 << 30, device="meta")])  # host: 800 bytes
+    assert memory.host_held_bytes() == 800
+    with pytest.raises(LimitExceeded, match="a read's host copy"):
+        memory.reserve_host(400, "a read's host copy")
+    assert memory.reserve(1 << 40).nbytes == 0  # device outputs: the allocator's to refuse
+    memory.release(torch.zeros(1))  # never charged: nothing happens
+    assert memory.host_held_bytes() == 800
