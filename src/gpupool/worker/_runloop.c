@@ -13,7 +13,8 @@
  *   [FREE, handle]                   the handle table drops the tensor;
  *
  * Everything else (other records, an op that raises, several outputs, a memory limit that
- * counts storages, anything malformed) goes to the executor's Python methods unchanged, so
+ * counts storages, a CUDA worker's host tensors, which count against the lease's host
+ * allowance, anything malformed) goes to the executor's Python methods unchanged, so
  * this is an accelerator, never a second implementation: Executor.run_frame's Python path is
  * the reference
  * and tests/worker/test_runloop.py compares the two. Handles are resolved while a record is
@@ -50,9 +51,10 @@ typedef struct {
     PyObject *op_store;    /* executor._op_store(op, args, kwargs, outs, result) */
     PyObject *protocol_error;
     PyObject *timestamp;   /* msgpack.Timestamp.from_bytes: extension -1, as msgpack decodes it */
-    int fast_store;        /* the memory limit needs no word of stores and frees (CUDA), but
-                              of host tensors: those go to Python, which counts them against
-                              the lease's host allowance */
+    int fast_store;        /* the memory limit needs no word of stores and frees (CUDA) */
+    int host_store;        /* ...but of host tensors (a CUDA worker's: the lease's host
+                              allowance): those are stored and freed in Python, which counts
+                              them */
 } Loop;
 
 typedef struct {
@@ -387,7 +389,7 @@ static int run_free(Loop *loop, PyObject *handle) {
     if (value == NULL) {
         return PyErr_Occurred() ? -1 : 1;
     }
-    int host = is_host_tensor(value);
+    int host = loop->host_store ? is_host_tensor(value) : 0;
     if (host != 0) {
         return host < 0 ? -1 : 0;
     }
@@ -460,7 +462,7 @@ static int run_op(Loop *loop, PyObject *rec) {
     } else if (loop->fast_store && PyList_GET_SIZE(outs) == 1
                && Py_TYPE(result) == (PyTypeObject *)loop->tensor_type
                && PyLong_CheckExact(PyList_GET_ITEM(outs, 0))
-               && (host = is_host_tensor(result)) == 0) {
+               && (!loop->host_store || (host = is_host_tensor(result)) == 0)) {
         done = PyDict_SetItem(loop->tensors, PyList_GET_ITEM(outs, 0), result) < 0
                    ? NULL
                    : Py_NewRef(Py_None);
@@ -562,13 +564,13 @@ static PyObject *loop_head(Loop *self, PyObject *body) {
 static int loop_init(Loop *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"executor", "ext_hook", "missing", "tensor_type", "slow",
                              "op_failed", "op_store", "protocol_error", "timestamp",
-                             "fast_store", NULL};
+                             "fast_store", "host_store", NULL};
     PyObject *executor, *ext_hook, *missing, *tensor_type, *slow, *op_failed, *op_store,
         *protocol_error, *timestamp;
-    int fast_store;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOp", kwlist, &executor, &ext_hook,
+    int fast_store, host_store = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOp|p", kwlist, &executor, &ext_hook,
                                      &missing, &tensor_type, &slow, &op_failed, &op_store,
-                                     &protocol_error, &timestamp, &fast_store)) {
+                                     &protocol_error, &timestamp, &fast_store, &host_store)) {
         return -1;
     }
     if (!PyType_Check(tensor_type)) {
@@ -585,6 +587,7 @@ static int loop_init(Loop *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->protocol_error, Py_NewRef(protocol_error));
     Py_XSETREF(self->timestamp, Py_NewRef(timestamp));
     self->fast_store = fast_store;
+    self->host_store = host_store;
     return 0;
 }
 

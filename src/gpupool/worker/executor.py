@@ -171,6 +171,9 @@ def _new_loop(executor: Executor, fast_store: bool | None = None) -> Any:
         protocol_error=ProtocolError,
         timestamp=msgpack.Timestamp.from_bytes,
         fast_store=fast_store,
+        # A device other than the host's: host tensors there are the lease's host memory,
+        # counted even where the device's allocator holds the device limit.
+        host_store=executor.device.type != "cpu",
     )
 
 
