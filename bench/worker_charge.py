@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -138,6 +139,7 @@ def main() -> None:
         "meta_prediction_us": round(meta_prediction_us(200), 1),
         "records_per_step": records,
         "ops_per_step": ops,
+        "load_average_1m": round(os.getloadavg()[0], 1),
         "torch": torch.__version__,
         "machine": f"{platform.node()} ({platform.machine()}, Python {platform.python_version()})",
     }
