@@ -263,6 +263,9 @@ class CudaMemory:
 class _Storage:
     nbytes: int
     refs: int
+    storage: torch.UntypedStorage
+    """Kept alive while counted: its key (the StorageImpl's address) cannot be another
+    storage's meanwhile, and what is counted is what the ledger keeps."""
 
 
 class HostMemory:
@@ -285,8 +288,9 @@ class HostMemory:
     ) -> None:
         self.limit_bytes = limit_bytes
         self._storages: dict[int, _Storage] = {}
-        self._charged: dict[int, tuple[int, int]] = {}
-        """id(tensor) → (the storage key it was charged under, how many handles hold it)."""
+        self._charged: dict[int, tuple[int, int, torch.Tensor]] = {}
+        """id(tensor) → (the storage key it was charged under, how many handles hold it, the
+        tensor: kept, so that its id is no other tensor's until it is released)."""
         self._held = 0
         """Bytes of the counted storages."""
         self._reserved = 0
@@ -370,23 +374,24 @@ class HostMemory:
         key = storage._cdata
         charged = self._charged.get(id(tensor))
         if charged is not None and charged[0] == key:
-            self._charged[id(tensor)] = (key, charged[1] + 1)
-            self._storage_ref(key, storage.nbytes())
+            self._charged[id(tensor)] = (key, charged[1] + 1, tensor)
+            self._storage_ref(key, storage)
             return True
         if charged is not None:  # moved to another storage since (set_): count it there
-            self._move(tensor, charged, key, storage.nbytes())
+            self._move(tensor, charged, key, storage)
             charged = self._charged[id(tensor)]
-            self._charged[id(tensor)] = (key, charged[1] + 1)
-            self._storage_ref(key, 0)
+            self._charged[id(tensor)] = (key, charged[1] + 1, tensor)
+            self._storage_ref(key, storage)
             return True
-        self._charged[id(tensor)] = (key, 1)
-        self._storage_ref(key, storage.nbytes())
+        self._charged[id(tensor)] = (key, 1, tensor)
+        self._storage_ref(key, storage)
         return True
 
-    def _storage_ref(self, key: int, nbytes: int) -> None:
+    def _storage_ref(self, key: int, storage: torch.UntypedStorage) -> None:
         entry = self._storages.get(key)
         if entry is None:
-            self._storages[key] = _Storage(nbytes, 1)
+            nbytes = storage.nbytes()
+            self._storages[key] = _Storage(nbytes, 1, storage)
             self._held += nbytes
         else:
             entry.refs += 1
@@ -400,17 +405,24 @@ class HostMemory:
             del self._storages[key]
             self._held -= entry.nbytes
 
-    def _move(self, tensor: torch.Tensor, charged: tuple[int, int], key: int, nbytes: int) -> None:
+    def _move(
+        self,
+        tensor: torch.Tensor,
+        charged: tuple[int, int, torch.Tensor],
+        key: int,
+        storage: torch.UntypedStorage,
+    ) -> None:
         """`tensor` was charged under another storage: its handles now hold `key`'s."""
-        old, count = charged
+        old, count, _ = charged
         self._storage_unref(old, count)
         entry = self._storages.get(key)
         if entry is None:
-            self._storages[key] = _Storage(nbytes, count)
+            nbytes = storage.nbytes()
+            self._storages[key] = _Storage(nbytes, count, storage)
             self._held += nbytes
         else:
             entry.refs += count
-        self._charged[id(tensor)] = (key, count)
+        self._charged[id(tensor)] = (key, count, tensor)
 
     def recount(self, tensors: list[torch.Tensor]) -> None:
         grew = False
@@ -423,7 +435,7 @@ class HostMemory:
                 key, nbytes = storage._cdata, storage.nbytes()
                 before = self._held
                 if charged[0] != key:
-                    self._move(tensor, charged, key, nbytes)
+                    self._move(tensor, charged, key, storage)
                 entry = self._storages[key]
                 if nbytes > entry.nbytes:  # resize_ grew it; storages never shrink
                     self._held += nbytes - entry.nbytes
@@ -442,9 +454,9 @@ class HostMemory:
             charged = self._charged.get(id(tensor))
             if charged is None:
                 return
-            key, count = charged
+            key, count, _ = charged
             if count > 1:
-                self._charged[id(tensor)] = (key, count - 1)
+                self._charged[id(tensor)] = (key, count - 1, tensor)
             else:
                 del self._charged[id(tensor)]
             self._storage_unref(key, 1)
