@@ -4,6 +4,7 @@ count after them."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -131,3 +132,16 @@ def test_without_a_limit_nothing_is_predicted_but_growth_is_still_counted() -> N
     with pytest.raises(LimitExceeded):
         resize(tensor, [MiB])
     assert admission.predicted == 1 and spy.calls == 1
+
+
+def test_an_output_grown_by_an_op_that_then_failed_is_counted() -> None:
+    """index_select.out resizes its output, then finds an index out of range: the storage
+    has grown all the same, and the count says so."""
+    memory = HostMemory(1 << 30)
+    out = torch.zeros(4)
+    memory.charge([out])
+    index_select, _, _ = admitted(memory, aten.index_select.out)
+    with pytest.raises(IndexError), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch says resizing a non-empty output is deprecated
+        index_select(torch.zeros(10, 1000), 0, torch.tensor([0, 1, 2, 50]), out=out)
+    assert out.untyped_storage().nbytes() == memory.held_bytes() == 16000

@@ -93,10 +93,11 @@ class Admission:
 
         def admitted(*args: Any, **kwargs: Any) -> Any:
             if not memory.bounded():  # nothing to refuse: the store counts what it holds
-                result = call(*args, **kwargs) if kwargs else call(*args)
-                if writes:
-                    memory.recount(_written(args, kwargs, positions, names))
-                return result
+                try:
+                    return call(*args, **kwargs) if kwargs else call(*args)
+                finally:
+                    if writes:
+                        memory.recount(_written(args, kwargs, positions, names))
             key = signature(args, kwargs, writes)
             need = _UNPREDICTABLE if key is None else cache.get(key)
             if need is None:
@@ -106,12 +107,11 @@ class Admission:
                 cache[key] = need
             reservation = memory.reserve(need) if need >= MIN_RESERVED_BYTES else NO_RESERVATION
             try:
-                result = call(*args, **kwargs) if kwargs else call(*args)
+                return call(*args, **kwargs) if kwargs else call(*args)
             finally:
                 reservation.release()
-            if writes:
-                memory.recount(_written(args, kwargs, positions, names))
-            return result
+                if writes:  # an op that failed halfway may have grown its output already
+                    memory.recount(_written(args, kwargs, positions, names))
 
         return admitted
 
