@@ -34,6 +34,7 @@ from gpupool.protocol.v1.dataplane import Kind, Rec, pack_records
 from gpupool.protocol.v1.tensors import DTYPE_EXT, REMOTE_DEVICE_EXT, handle_ext
 from gpupool.worker import executor as executor_module
 from gpupool.worker.executor import Executor
+from gpupool.worker.memory import NO_RESERVATION, Reservation
 
 OPS = ["aten::add.Tensor", "aten::mul.Scalar", "aten::view", "aten::sum.dim_IntList",
        "aten::_to_copy", "aten::full", "aten::mul.Tensor"]  # fmt: skip
@@ -44,10 +45,26 @@ class UncountedMemory:
     """A memory limit that, like CudaMemory, leaves the accounting to an allocator."""
 
     limit_bytes = None
+    host_limit_bytes = None
     counts_storages = False
+
+    def bounded(self) -> bool:
+        return False
 
     def held_bytes(self) -> int:
         return 0
+
+    def host_held_bytes(self) -> int:
+        return 0
+
+    def recount(self, tensors: list[torch.Tensor]) -> None:
+        return None
+
+    def reserve(self, nbytes: int) -> Reservation:
+        return NO_RESERVATION
+
+    def reserve_host(self, nbytes: int, what: str) -> Reservation:
+        return NO_RESERVATION
 
     def peak_bytes(self) -> int:
         return 0

@@ -161,3 +161,26 @@ def test_a_predecessor_lost_in_the_middle_leaves_a_successor_that_says_why() -> 
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("path", ["stream", "shm"])
+def test_a_state_past_the_successors_limit_is_refused_before_it_is_allocated(path: str) -> None:
+    """A predecessor (or whoever holds the successor role's credential) announcing storages
+    past the lease's limit: refused by any path before one byte is allocated for them."""
+    from gpupool.worker.executor import Executor
+    from gpupool.worker.memory import HostMemory, LimitExceeded
+
+    executor = Executor("lease-h", CPU, HostMemory(64 << 20))
+    left, right = socket.socketpair()
+    installed: list[ClientState] = []
+    try:
+        meta = {"storages": [1 << 40], "tensors": [], "path": path, "shm": {}}
+        Connection(left).send([Kind.STATE, meta])
+        with pytest.raises(
+            LimitExceeded, match=r"the state handed over \(1048576.0 MiB\) would hold"
+        ):
+            receive(Connection(right), CPU, installed.append, None, executor.reserve_state)
+    finally:
+        left.close()
+        right.close()
+    assert installed == [] and executor.memory.held_bytes() == 0

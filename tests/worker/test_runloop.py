@@ -12,8 +12,16 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpupool.protocol.v1.dataplane import Ext, Frame, Kind, ProtocolError, Rec, pack_records
-from gpupool.protocol.v1.tensors import DTYPE_EXT, REMOTE_DEVICE_EXT, handle_ext
+from gpupool.protocol.v1.dataplane import (
+    ErrorKind,
+    Ext,
+    Frame,
+    Kind,
+    ProtocolError,
+    Rec,
+    pack_records,
+)
+from gpupool.protocol.v1.tensors import DTYPE_EXT, HOST_DEVICE_EXT, REMOTE_DEVICE_EXT, handle_ext
 from gpupool.worker import executor as executor_module
 from gpupool.worker.executor import Executor, Missing
 from gpupool.worker.memory import HostMemory
@@ -247,3 +255,40 @@ def test_a_record_type_past_a_c_long_is_refused_as_unknown(compiled: bool) -> No
         executor._loop = None
     with pytest.raises(ProtocolError, match="unknown record type"):
         executor.run_frame(pack_records([Kind.BATCH], [[2**64 - 1, 1]]), Replies())
+
+
+def test_the_fast_store_hands_host_tensors_to_python_to_be_counted() -> None:
+    """A CUDA worker's loop stores device tensors itself (its allocator holds the limit), but
+    a host tensor an op makes there (device="cpu") is the lease's host memory: stored and freed
+    through the executor, which counts it. A meta-device executor stands in for the GPU."""
+    memory = HostMemory(1 << 20)
+    executor = Executor("lease-r", torch.device("meta"), memory)
+    stored: list[int] = []
+    op_store = executor._op_store
+
+    def counting_store(op: Any, args: Any, kwargs: Any, outs: Any, result: Any) -> None:
+        stored.append(outs[0])
+        op_store(op, args, kwargs, outs, result)
+
+    executor._op_store = counting_store  # type: ignore[method-assign]
+    executor._loop = executor_module._new_loop(executor, fast_store=True)
+    f32 = DTYPE_EXT[torch.float32]
+    records = [
+        [Rec.DEF, 1, "aten::ones"],
+        [Rec.OP, 1, [[1024]], {"dtype": f32, "device": REMOTE_DEVICE_EXT}, [10]],
+        [Rec.OP, 1, [[1024]], {"dtype": f32, "device": HOST_DEVICE_EXT}, [11]],
+    ]
+    executor.run_frame(pack_records([Kind.BATCH], records), Replies())
+    assert executor.tensors[10].is_meta and executor.tensors[11].is_cpu
+    assert stored == [11] and memory.held_bytes() == 4096
+    executor.run_frame(pack_records([Kind.BATCH], [[Rec.FREE, 10], [Rec.FREE, 11]]), Replies())
+    assert executor.tensors == {} and memory.held_bytes() == 0
+    # Past the host allowance: refused, as the lease's out-of-memory error.
+    big = [Rec.OP, 1, [[1 << 20]], {"dtype": f32, "device": HOST_DEVICE_EXT}, [12]]
+    replies = Replies()
+    executor.run_frame(pack_records([Kind.BATCH], [big, [Rec.SYNC, 3]]), replies)
+    assert (
+        replies.heads[-1][0] == Kind.ERROR
+        and replies.heads[-1][2]["kind"] == ErrorKind.OUT_OF_MEMORY
+    )
+    assert 12 not in executor.tensors and memory.held_bytes() == 0

@@ -28,6 +28,13 @@ def parse_args(argv: list[str]) -> WorkerConfig:
     parser.add_argument("--device", default="cpu", help="cuda:N or cpu")
     parser.add_argument("--memory-limit-mib", type=int, default=None)
     parser.add_argument(
+        "--host-memory-limit-mib",
+        type=int,
+        default=None,
+        help="a CUDA worker's host-memory allowance: host tensors and the worker's staging, "
+        "transfer and swap buffers for the lease (default: the device memory limit)",
+    )
+    parser.add_argument(
         "--listen", default="tcp://127.0.0.1:0", help="tcp://HOST:PORT or unix:PATH"
     )
     parser.add_argument(
@@ -95,6 +102,13 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         parser.error(f"--token or ${TOKEN_ENV} is required")
     if args.memory_limit_mib is not None and args.memory_limit_mib <= 0:
         parser.error("--memory-limit-mib must be positive")
+    if args.host_memory_limit_mib is not None and args.host_memory_limit_mib <= 0:
+        parser.error("--host-memory-limit-mib must be positive")
+    if args.host_memory_limit_mib is not None and args.device == "cpu":
+        parser.error(
+            "--host-memory-limit-mib is for a CUDA worker (a CPU worker's memory is "
+            "its --memory-limit-mib)"
+        )
     if args.room_timeout_s <= 0:
         parser.error("--room-timeout-s must be positive")
     if args.simulated_gpu is not None and args.device != "cpu":
@@ -121,6 +135,7 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         token=token,
         device=args.device,
         memory_limit_mib=args.memory_limit_mib,
+        host_memory_limit_mib=args.host_memory_limit_mib,
         listen=args.listen,
         status_file=args.status_file,
         threads=args.threads,

@@ -13,7 +13,8 @@
  *   [FREE, handle]                   the handle table drops the tensor;
  *
  * Everything else (other records, an op that raises, several outputs, a memory limit that
- * counts storages, anything malformed) goes to the executor's Python methods unchanged, so
+ * counts storages, a CUDA worker's host tensors, which count against the lease's host
+ * allowance, anything malformed) goes to the executor's Python methods unchanged, so
  * this is an accelerator, never a second implementation: Executor.run_frame's Python path is
  * the reference
  * and tests/worker/test_runloop.py compares the two. Handles are resolved while a record is
@@ -51,6 +52,9 @@ typedef struct {
     PyObject *protocol_error;
     PyObject *timestamp;   /* msgpack.Timestamp.from_bytes: extension -1, as msgpack decodes it */
     int fast_store;        /* the memory limit needs no word of stores and frees (CUDA) */
+    int host_store;        /* ...but of host tensors (a CUDA worker's: the lease's host
+                              allowance): those are stored and freed in Python, which counts
+                              them */
 } Loop;
 
 typedef struct {
@@ -60,7 +64,19 @@ typedef struct {
     PyObject *ext_cache; /* (code, data) -> object for dtypes, devices, layouts, formats */
 } Reader;
 
-static PyObject *str_error, *str_call, *str_tensors, *str_ops;
+static PyObject *str_error, *str_call, *str_tensors, *str_ops, *str_is_cpu;
+
+/* 1: a host tensor (counted by the executor's memory limit even when fast_store is on);
+ * 0: not; -1: error set. */
+static int is_host_tensor(PyObject *value) {
+    PyObject *flag = PyObject_GetAttr(value, str_is_cpu);
+    if (flag == NULL) {
+        return -1;
+    }
+    int host = flag == Py_True;
+    Py_DECREF(flag);
+    return host;
+}
 
 static int malformed(Reader *r, const char *what) {
     PyErr_Format(r->loop->protocol_error, "malformed frame body: %s", what);
@@ -365,16 +381,19 @@ static int refresh(Loop *loop) {
     return 0;
 }
 
+/* 1: done; 0: a host tensor, for the executor's Python FREE; -1: error set. */
 static int run_free(Loop *loop, PyObject *handle) {
-    /* One lookup: a handle the table does not hold (its op failed) is the rare case. */
-    if (PyDict_DelItem(loop->tensors, handle) == 0) {
-        return 0;
+    /* A host tensor is released in Python (its storage is counted); a handle the table does
+     * not hold (its op failed) is the rare case. */
+    PyObject *value = PyDict_GetItemWithError(loop->tensors, handle);
+    if (value == NULL) {
+        return PyErr_Occurred() ? -1 : 1;
     }
-    if (PyErr_ExceptionMatches(PyExc_KeyError)) {
-        PyErr_Clear();
-        return 0;
+    int host = loop->host_store ? is_host_tensor(value) : 0;
+    if (host != 0) {
+        return host < 0 ? -1 : 0;
     }
-    return -1;
+    return PyDict_DelItem(loop->tensors, handle) == 0 ? 1 : -1;
 }
 
 /* 1: ran it; 0: not a case this handles (nothing done); -1: error set. */
@@ -422,6 +441,7 @@ static int run_op(Loop *loop, PyObject *rec) {
     Py_DECREF(argt);
     Py_DECREF(call);
     PyObject *done;
+    int host = 0;
     if (result == NULL) {
         if (!PyErr_ExceptionMatches(PyExc_Exception)) { /* KeyboardInterrupt and the like */
             Py_DECREF(op);
@@ -441,10 +461,13 @@ static int run_op(Loop *loop, PyObject *rec) {
         done = Py_NewRef(Py_None);
     } else if (loop->fast_store && PyList_GET_SIZE(outs) == 1
                && Py_TYPE(result) == (PyTypeObject *)loop->tensor_type
-               && PyLong_CheckExact(PyList_GET_ITEM(outs, 0))) {
+               && PyLong_CheckExact(PyList_GET_ITEM(outs, 0))
+               && (!loop->host_store || (host = is_host_tensor(result)) == 0)) {
         done = PyDict_SetItem(loop->tensors, PyList_GET_ITEM(outs, 0), result) < 0
                    ? NULL
                    : Py_NewRef(Py_None);
+    } else if (host < 0) {
+        done = NULL;
     } else {
         done = PyObject_CallFunctionObjArgs(loop->op_store, op, args, kwargs, outs, result, NULL);
     }
@@ -495,7 +518,7 @@ static PyObject *loop_run(Loop *self, PyObject *const *args, Py_ssize_t nargs) {
             Py_ssize_t size = PyList_GET_SIZE(rec);
             if (kind == REC_FREE && size == 2 && self->fast_store
                 && PyLong_CheckExact(PyList_GET_ITEM(rec, 1))) {
-                handled = run_free(self, PyList_GET_ITEM(rec, 1)) < 0 ? -1 : 1;
+                handled = run_free(self, PyList_GET_ITEM(rec, 1));
             } else if (kind == REC_OP && size == 5) {
                 handled = run_op(self, rec);
             }
@@ -541,13 +564,13 @@ static PyObject *loop_head(Loop *self, PyObject *body) {
 static int loop_init(Loop *self, PyObject *args, PyObject *kwds) {
     static char *kwlist[] = {"executor", "ext_hook", "missing", "tensor_type", "slow",
                              "op_failed", "op_store", "protocol_error", "timestamp",
-                             "fast_store", NULL};
+                             "fast_store", "host_store", NULL};
     PyObject *executor, *ext_hook, *missing, *tensor_type, *slow, *op_failed, *op_store,
         *protocol_error, *timestamp;
-    int fast_store;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOp", kwlist, &executor, &ext_hook,
+    int fast_store, host_store = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "OOOOOOOOOp|p", kwlist, &executor, &ext_hook,
                                      &missing, &tensor_type, &slow, &op_failed, &op_store,
-                                     &protocol_error, &timestamp, &fast_store)) {
+                                     &protocol_error, &timestamp, &fast_store, &host_store)) {
         return -1;
     }
     if (!PyType_Check(tensor_type)) {
@@ -564,6 +587,7 @@ static int loop_init(Loop *self, PyObject *args, PyObject *kwds) {
     Py_XSETREF(self->protocol_error, Py_NewRef(protocol_error));
     Py_XSETREF(self->timestamp, Py_NewRef(timestamp));
     self->fast_store = fast_store;
+    self->host_store = host_store;
     return 0;
 }
 
@@ -633,9 +657,10 @@ static struct PyModuleDef module_def = {
 PyMODINIT_FUNC PyInit__runloop(void) {
     str_error = PyUnicode_InternFromString("error");
     str_call = PyUnicode_InternFromString("call");
+    str_is_cpu = PyUnicode_InternFromString("is_cpu");
     str_tensors = PyUnicode_InternFromString("tensors");
     str_ops = PyUnicode_InternFromString("ops");
-    if (str_error == NULL || str_call == NULL || str_tensors == NULL || str_ops == NULL || PyType_Ready(&LoopType) < 0) {
+    if (str_error == NULL || str_call == NULL || str_is_cpu == NULL || str_tensors == NULL || str_ops == NULL || PyType_Ready(&LoopType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module_def);

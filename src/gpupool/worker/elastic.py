@@ -35,6 +35,7 @@ from gpupool.protocol.v1.dataplane import (
 )
 from gpupool.worker.executor import Executor, Link
 from gpupool.worker.handoff import RING_SLOTS, HandoffFailed, Offer, receive, send
+from gpupool.worker.memory import LimitExceeded
 from gpupool.worker.swap import ClientState, Ring
 
 if TYPE_CHECKING:
@@ -140,7 +141,19 @@ class Elasticity:
     def swap(self, req: int, link: Link) -> None:
         started = time.perf_counter()
         if self.swapped is None:
-            self.swapped = self.executor.export_state()
+            try:
+                self.swapped = self.executor.export_state()
+            except LimitExceeded as exc:  # nothing moved: the tensors are still on the device
+                self._noticed = None
+                with self._changed:
+                    self._swap_requested = False
+                error = ErrorBody(
+                    ErrorKind.OUT_OF_MEMORY,
+                    f"gpupool lease {self.executor.lease_id}: cannot swap to host memory: {exc}",
+                    "swap", "OutOfMemoryError",
+                )  # fmt: skip
+                link.reply([Kind.ERROR, req, error.to_wire()])
+                return
         self._noticed = None
         with self._changed:
             self._swap_requested = False
@@ -324,4 +337,4 @@ def adopt(conn: Connection, offer: Offer, executor: Executor) -> ClientState:
     ring = Ring(RING_SLOTS, CHUNK_BYTES) if executor.device.type == "cuda" else None
     conn.send([Kind.CONTROL, 1, offer.to_wire()])
     conn.sock.settimeout(None)  # the client may take its time to reach a RESUME
-    return receive(conn, executor.device, executor.import_state, ring)
+    return receive(conn, executor.device, executor.import_state, ring, executor.reserve_state)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -34,7 +35,15 @@ from gpupool.protocol.v1.tensors import (
     tensor_from_bytes,
 )
 from gpupool.worker.activity import Activity
-from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
+from gpupool.worker.admission import Admission
+from gpupool.worker.memory import (
+    NO_RESERVATION,
+    LimitExceeded,
+    MemoryLimit,
+    MiB,
+    Reservation,
+    is_out_of_memory,
+)
 from gpupool.worker.opchecks import CHECKS, guard
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
@@ -164,6 +173,9 @@ def _new_loop(executor: Executor, fast_store: bool | None = None) -> Any:
         protocol_error=ProtocolError,
         timestamp=msgpack.Timestamp.from_bytes,
         fast_store=fast_store,
+        # A device other than the host's: host tensors there are the lease's host memory,
+        # counted even where the device's allocator holds the device limit.
+        host_store=executor.device.type != "cpu",
     )
 
 
@@ -198,6 +210,9 @@ class Executor:
     def __post_init__(self) -> None:
         self._host = torch.device("cpu")
         self.activity.watch_memory(self.memory.held_bytes)
+        self._admission = Admission(self.memory) if self.memory.counts_storages else None
+        """Charges each op's outputs before it runs, where no allocator holds the limit."""
+        self.arrivals.bind(self.memory.reserve_host)
         self._handlers: dict[int, Callable[[list[Any], Link], None]] = {
             Rec.DEF: self._def,
             Rec.OP: self._op,
@@ -302,7 +317,14 @@ class Executor:
         _, op_id, name = rec
         if not isinstance(op_id, int) or not isinstance(name, str):
             raise ProtocolError("DEF needs an op id and a name")
-        self.ops[op_id] = self._resolve_op(name)
+        self.ops[op_id] = self._admit(self._resolve_op(name))
+
+    def _admit(self, op: _Op) -> _Op:
+        """Where the memory limit counts storages, the op's outputs and in-place growth are
+        charged before it runs (`gpupool.worker.admission`): it runs only if they fit."""
+        if self._admission is not None and op.fn is not None and op.call is not None:
+            op.call = self._admission.wrap(op.fn, op.call)
+        return op
 
     def _resolve_op(self, name: str) -> _Op:
         """The op a DEF names, as the op policy decides it: refused ops keep their reason (the
@@ -437,23 +459,41 @@ class Executor:
                 if self.error is None:
                     self._fail(_put_without_target(handle), "copy_ (host to device)", [], None)
                 return
-            buffer = bytearray(nbytes)
-            link.read_put(handle, memoryview(buffer))
-            payload = buffer
-        elif payload is None:
+            if _fills_in_place(target, dtype, shape):
+                # The bytes are the tensor's own, in its layout: read them straight into its
+                # memory, with no staging buffer to charge.
+                link.read_put(handle, host_bytes(target))
+                return
+            try:
+                staging = self.memory.reserve_host(nbytes, "a put's staging buffer")
+            except LimitExceeded as exc:
+                link.skip_put(handle, nbytes)
+                self._fail(exc, "copy_ (host to device)", [], None)
+                return
+            with staging:
+                buffer = bytearray(nbytes)
+                link.read_put(handle, memoryview(buffer))
+                self._copy_in(handle, buffer, dtype, shape, non_blocking=False)
+            return
+        if payload is None:
             if link.client_arena is None:
                 raise ProtocolError("PUT from shared memory without an arena")
             payload = link.client_arena.view(shm_offset, nbytes)
         if self.error is not None:
             return
+        # From the pinned arena the copy runs on the stream; the client reuses that memory
+        # only after a read or sync, which wait for the stream.
+        self._copy_in(handle, payload, dtype, shape, link.pinned and shm_offset is not None)
+
+    def _copy_in(
+        self, handle: int, payload: Any, dtype: torch.dtype, shape: list[int], non_blocking: bool
+    ) -> None:
         try:
             source = tensor_from_bytes(payload, dtype, shape)
             target = self.tensors.get(handle)
             if target is None:
                 raise RuntimeError(f"copy into tensor {handle}, which the worker does not hold")
-            # From the pinned arena the copy runs on the stream; the client reuses that memory
-            # only after a read or sync, which wait for the stream.
-            target.copy_(source, non_blocking=link.pinned and shm_offset is not None)
+            target.copy_(source, non_blocking=non_blocking)
         except Exception as exc:
             self._fail(exc, "copy_ (host to device)", [], None)
 
@@ -477,6 +517,7 @@ class Executor:
         ]
         total = tensor.numel() * tensor.element_size()
         arena = link.worker_arena
+        staging = NO_RESERVATION
         try:
             if arena is not None and SHM_READ_MIN_BYTES < total <= arena.size:
                 # One copy, device (or worker memory) straight into the shared arena.
@@ -485,12 +526,19 @@ class Executor:
                 head[5], head[6] = total, True
                 link.reply(head)
                 return
+            # A copy to host memory (from the device, or of a view that is not one block: an
+            # expanded tensor's copy may be far larger than its storage) is charged first.
+            if not (tensor.is_cpu and tensor.is_contiguous()):
+                staging = self.memory.reserve_host(total, "a read's host copy")
             host = tensor.detach().contiguous().to(self._host)
         except Exception as exc:
+            staging.release()
             self._fail(exc, "read", [tensor], None)
             self._report_error(req, link)
             return
-        self._send_tensor(head, host, link)
+        with staging:
+            self._send_tensor(head, host, link)
+            del host
 
     def _send_tensor(self, head: list[Any], host: torch.Tensor, link: Link) -> None:
         data = host_bytes(host)
@@ -592,22 +640,37 @@ class Executor:
             self.arrivals.abandon(xid)
             return
         try:
-            host = self.arrivals.take(xid)
-        except TransferFailed as exc:
+            host, arrived = self.arrivals.take_charged(xid)
+        except (TransferFailed, LimitExceeded) as exc:
             self._fail(exc, "copy from another device", [], None)
             return
-        try:
-            if into:
-                target = self.tensors.get(handle)
-                if target is None:
-                    raise RuntimeError(f"copy into tensor {handle}, which the worker does not hold")
-                target.copy_(host)
-            else:
-                cast = dtype if isinstance(dtype, torch.dtype) else None
-                value = host.to(self.device, dtype=cast)
-                self._store_one(value, handle)
-        except Exception as exc:
-            self._fail(exc, "copy from another device", [], None)
+        # The arrived bytes stay charged (as the transfer's buffer) until they are stored as
+        # the tensor or copied into one.
+        with arrived:
+            try:
+                if into:
+                    target = self.tensors.get(handle)
+                    if target is None:
+                        raise RuntimeError(
+                            f"copy into tensor {handle}, which the worker does not hold"
+                        )
+                    target.copy_(host)
+                else:
+                    cast = dtype if isinstance(dtype, torch.dtype) else None
+                    with self._conversion(host, cast):
+                        value = host.to(self.device, dtype=cast)
+                    del host  # the buffer is gone now, or is `value` itself
+                    arrived.release()
+                    self._store_one(value, handle)
+            except Exception as exc:
+                self._fail(exc, "copy from another device", [], None)
+
+    def _conversion(self, host: torch.Tensor, dtype: torch.dtype | None) -> Reservation:
+        """What `host.to(self.device, dtype)` allocates in counted memory, charged first (a
+        CUDA worker's device copy is held by its allocator)."""
+        if self.device.type != "cpu" or dtype is None or dtype == host.dtype:
+            return NO_RESERVATION
+        return self.memory.reserve(host.numel() * dtype.itemsize)
 
     def _free(self, rec: list[Any], link: Link) -> None:
         self._drop(rec[1])
@@ -631,6 +694,8 @@ class Executor:
             "memory_held_bytes": self.memory.held_bytes(),
             "memory_peak_bytes": self.memory.peak_bytes(),
             "memory_limit_bytes": self.memory.limit_bytes,
+            "host_memory_held_bytes": self.memory.host_held_bytes(),
+            "host_memory_limit_bytes": self.memory.host_limit_bytes,
             "tensors": len(self.tensors),
             "ops_total": self.activity.ops_total,
             "busy_s": self.activity.busy_s,
@@ -698,8 +763,20 @@ class Executor:
 
     def export_state(self) -> ClientState:
         """Move everything the client left here to host memory and free the device memory."""
-        state = to_host(self.client_state())
+        state = self.client_state()
+        # The host copies of device storages are charged to the lease's host allowance before
+        # they are made: a swap that cannot fit is refused (LimitExceeded) with the tensors
+        # still on the device, as they were.
+        on_device = sum(flat.numel() for flat in state.storages if not flat.is_cpu)
+        with self.memory.reserve_host(on_device, "swapping the tensors to host memory"):
+            state = to_host(state)
         self.drop_state()
+        if self.device.type != "cpu":
+            # Swapped, the state is the lease's host memory (a CPU worker's state stays where
+            # it was and frees its simulated GPU). It fitted a moment ago; a transfer that
+            # arrived since may have taken the room, and the state must be kept regardless.
+            with contextlib.suppress(LimitExceeded):
+                self.memory.charge(state.storages)
         return state
 
     def drop_state(self) -> None:
@@ -711,12 +788,26 @@ class Executor:
         self.memory.reset()
         self.activity.memory_held_bytes = self.memory.held_bytes()
 
+    def reserve_state(self, nbytes: int) -> Reservation:
+        """Charge a state of `nbytes` that a predecessor announces, before it is allocated here
+        (a successor worker); LimitExceeded if it cannot fit the lease's limit."""
+        limit = self.memory.limit_bytes
+        if self.memory.counts_storages:  # its host memory is its device memory
+            return self.memory.reserve_host(nbytes, "the state handed over")
+        if limit is not None and nbytes > limit:
+            # The allocator would refuse it too, storage by storage, after some had moved.
+            raise LimitExceeded(
+                f"a state of {nbytes / MiB:.1f} MiB does not fit the lease's limit of "
+                f"{limit / MiB:.0f} MiB"
+            )
+        return NO_RESERVATION
+
     def import_state(self, state: ClientState) -> None:
         """Put a captured state on this worker's device: the client continues where it was."""
         self.tensors = restore(state, self.device)
         self.memory.reset()
         self.memory.charge(list(self.tensors.values()))
-        self.ops = {op_id: self._resolve_op(name) for op_id, name in state.ops.items()}
+        self.ops = {op_id: self._admit(self._resolve_op(name)) for op_id, name in state.ops.items()}
         if state.rng is not None:
             rng = torch.frombuffer(bytearray(state.rng), dtype=torch.uint8)
             if self.device.type == "cuda":
@@ -737,7 +828,7 @@ class Executor:
         missing = [m for m in _leaves([args, kwargs]) if isinstance(m, Missing)]
         if missing:
             return _missing_error(missing[0], op)
-        if isinstance(exc, LimitExceeded | torch.OutOfMemoryError):
+        if is_out_of_memory(exc):
             return ErrorBody(
                 ErrorKind.OUT_OF_MEMORY, self._oom_message(op, exc), op, "OutOfMemoryError"
             )
@@ -779,6 +870,19 @@ def _check_put_size(dtype: torch.dtype, shape: Any, nbytes: Any, target: Any) ->
         raise ProtocolError(f"PUT of {nbytes!r} bytes for {shape} {dtype}")
     if isinstance(target, torch.Tensor) and numel > max(target.numel(), 1):
         raise ProtocolError(f"PUT of {numel} elements into a tensor of {target.numel()}")
+
+
+def _fills_in_place(target: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
+    """Whether a put's bytes can go straight into `target`'s host memory: same dtype, same
+    shape, one contiguous block (what a parameter's first upload is)."""
+    return (
+        target.is_cpu
+        and target.dtype == dtype
+        and target.layout == torch.strided
+        and list(target.shape) == shape
+        and target.is_contiguous()
+        and target.numel() > 0
+    )
 
 
 def _put_without_target(handle: int) -> RuntimeError:

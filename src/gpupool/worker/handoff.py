@@ -36,6 +36,7 @@ from gpupool.protocol.v1.dataplane import (
     Kind,
     ProtocolError,
 )
+from gpupool.worker.memory import NO_RESERVATION, Reservation
 from gpupool.worker.swap import (
     ClientState,
     Ring,
@@ -293,10 +294,13 @@ def receive(
     device: torch.device,
     install: Callable[[ClientState], None],
     ring: Ring | None,
+    reserve: Callable[[int], Reservation] | None = None,
 ) -> ClientState:
     """Take STATE frames until one path delivers; `install` puts the state in the handle table.
     A same-host path that fails here is reported back (the predecessor tries the next one); a
-    stream that breaks raises, as the connection is then of no more use."""
+    stream that breaks raises, as the connection is then of no more use. `reserve` charges the
+    announced storages to the lease before they are allocated: a state that cannot fit raises
+    LimitExceeded, by any path, with nothing allocated."""
     while True:
         head = conn.recv().head()
         if head[0] != Kind.STATE or len(head) != 2 or not isinstance(head[1], dict):
@@ -304,18 +308,21 @@ def receive(
         meta = head[1]
         sizes = storage_sizes(meta)
         path = meta.get("path", "stream")
+        charge = NO_RESERVATION if reserve is None else reserve(sum(sizes))
         if path == "stream":
-            storages = _receive_chunks(conn, sizes, device, ring)
+            with charge:
+                storages = _receive_chunks(conn, sizes, device, ring)
             state = ClientState.from_meta(meta, storages)
-            install(state)
+            install(state)  # counts the storages as the handle table's
         else:
             try:
-                if path == "cuda_ipc":
-                    storages = _ipc_open(meta.get("ipc"), sizes, device)
-                elif path == "shm":
-                    storages = _shm_open(meta.get("shm"), sizes, device)
-                else:
-                    raise ProtocolError(f"unknown handoff path {path!r}")
+                with charge:
+                    if path == "cuda_ipc":
+                        storages = _ipc_open(meta.get("ipc"), sizes, device)
+                    elif path == "shm":
+                        storages = _shm_open(meta.get("shm"), sizes, device)
+                    else:
+                        raise ProtocolError(f"unknown handoff path {path!r}")
                 state = ClientState.from_meta(meta, storages)
                 install(state)
             except Exception as exc:  # any failure of a same-host path: the next one may work

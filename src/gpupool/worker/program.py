@@ -241,8 +241,10 @@ class Program:
                 if defined[slot]:
                     raise ProtocolError(f"program op {op.name} writes slot {slot} twice")
                 defined[slot] = True
-        # op.call, not op.fn: a checked op runs behind its check in a program too.
-        return _OpStep(op.name, op.call, op.problem, args, kwargs, outs)
+        # op.call, not op.fn: a checked op runs behind its check, and where the lease counts
+        # storages each step is charged before it runs.
+        call = op.call if op.fn is not None else None
+        return _OpStep(op.name, call, op.problem, args, kwargs, outs)
 
     def _note_mutations(
         self, fn: Any, args: list[Any], kwargs: dict[str, Any], n_inputs: int

@@ -47,6 +47,7 @@ from gpupool.protocol.v1.dataplane import (
 )
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
 from gpupool.worker.activity import Activity, StatusFile
+from gpupool.worker.admission import warm_up
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor, first_line
 from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
@@ -79,6 +80,11 @@ class WorkerConfig:
     token: str
     device: str = "cpu"
     memory_limit_mib: int | None = None
+    host_memory_limit_mib: int | None = None
+    """A CUDA worker's host-memory allowance (host tensors, staging, transfers, swap); by
+    default its device limit. A CPU worker's host memory is its device memory."""
+    process_cap: bool = True
+    """Cap a CPU worker's process at its limit plus a margin (RLIMIT_DATA, `ProcessCap`)."""
     listen: str = "tcp://127.0.0.1:0"
     status_file: Path | None = None
     threads: int | None = None
@@ -127,7 +133,16 @@ class Worker:
         )
         simulated = SimulatedGpuMemory(config.simulated_gpu) if config.simulated_gpu else None
         self._simulated_gpu = simulated
-        self.memory = memory_limit_for(self.device, config.memory_limit_mib, self.room, simulated)
+        # A CPU worker's process is capped at its limit and a margin (what no count foresees,
+        # an op's intermediates, fails in the host allocator instead of taking the host's memory).
+        self.memory = memory_limit_for(
+            self.device,
+            config.memory_limit_mib,
+            self.room,
+            simulated,
+            host_limit_mib=config.host_memory_limit_mib,
+            process_cap=config.process_cap,
+        )
         self.activity.memory_limit_bytes = self.memory.limit_bytes
         self.executor = Executor(config.lease_id, self.device, self.memory, self.activity)
         self.executor.peers = PeerLinks(config.lease_id, config.token)
@@ -163,6 +178,8 @@ class Worker:
         self.address = bound_address(self._listener, requested)
         if self._status:
             self._status.start()
+        if self.memory.counts_storages:
+            warm_up()  # the meta kernels that charge ops before they run
         if self.config.restore_from is not None:
             threading.Thread(target=self._adopt, name="gpupool-adopt", daemon=True).start()
         return self.address

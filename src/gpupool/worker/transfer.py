@@ -14,6 +14,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,6 +32,8 @@ from gpupool.protocol.v1.dataplane import (
     role_handshake,
 )
 from gpupool.protocol.v1.tensors import dtype_from_name, dtype_name, host_bytes
+from gpupool.worker.memory import NO_RESERVATION, LimitExceeded, Reservation
+from gpupool.worker.swap import bytes_of
 
 log = logging.getLogger(__name__)
 
@@ -44,14 +47,27 @@ class TransferFailed(RuntimeError):
     pass
 
 
+Reserve = Callable[[int, str], Reservation]
+"""Charges a host buffer to the lease before it is allocated (raises LimitExceeded)."""
+
+
+def _unlimited(nbytes: int, what: str) -> Reservation:
+    return NO_RESERVATION
+
+
 class Arrivals:
     """Tensors other workers of the lease sent here, by transfer id, until a RECV takes them."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserve: Reserve = _unlimited) -> None:
         self._arrived: dict[int, tuple[Any, ...]] = {}
         self._abandoned: set[int] = set()
         """Transfers whose RECV will not take them (the stream had failed): dropped on arrival."""
         self._changed = threading.Condition()
+        self._reserve = reserve
+
+    def bind(self, reserve: Reserve) -> None:
+        """Charge every receive buffer to this lease's memory (the executor's)."""
+        self._reserve = reserve
 
     def serve_peer(self, conn: Connection) -> None:
         """A peer worker's connection (its own thread): receive transfers until it closes."""
@@ -73,36 +89,71 @@ class Arrivals:
             expected = math.prod(shape) * torch.empty((), dtype=torch_dtype).element_size()
             if nbytes != expected or nbytes > MAX_TRANSFER_BYTES:
                 raise ProtocolError(f"TRANSFER of {nbytes} bytes for {dtype} {shape}")
-            buffer = bytearray(nbytes)
-            view = memoryview(buffer)
-            filled = 0
-            while filled < nbytes:
-                chunk = conn.recv()
-                part = chunk.head()
-                if part[0] != Kind.PUT or part[1] != xid or part[2] != filled or not chunk.tail_len:
-                    raise ProtocolError(f"transfer {xid}: expected bytes at offset {filled}")
-                if filled + chunk.tail_len > nbytes:
-                    raise ProtocolError(f"transfer {xid}: more bytes than announced")
-                conn.read_tail_into(view[filled : filled + chunk.tail_len])
-                filled += chunk.tail_len
-            self._arrive(xid, ("ok", torch_dtype, shape, buffer))
+            try:
+                what = f"the copy from another device (transfer {xid})"
+                reservation = self._reserve(nbytes, what)
+            except LimitExceeded as exc:
+                # Nothing is allocated: the RECV fails at once with the lease's out-of-memory
+                # error, and the bytes are read and dropped as they come.
+                self._arrive(xid, ("oom", str(exc)))
+                self._receive(conn, xid, nbytes, None)
+                continue
+            try:
+                # Not zero-filled: pages are touched only as the bytes arrive.
+                buffer = torch.empty(nbytes, dtype=torch.uint8)
+                self._receive(conn, xid, nbytes, bytes_of(buffer))
+            except BaseException:
+                reservation.release()
+                raise
+            self._arrive(xid, ("ok", torch_dtype, shape, buffer, reservation))
+
+    @staticmethod
+    def _receive(conn: Connection, xid: int, nbytes: int, into: memoryview | None) -> None:
+        """The PUT frames of transfer `xid` into `into` (None: read and dropped)."""
+        filled = 0
+        while filled < nbytes:
+            chunk = conn.recv()
+            part = chunk.head()
+            if part[0] != Kind.PUT or part[1] != xid or part[2] != filled or not chunk.tail_len:
+                raise ProtocolError(f"transfer {xid}: expected bytes at offset {filled}")
+            if filled + chunk.tail_len > nbytes:
+                raise ProtocolError(f"transfer {xid}: more bytes than announced")
+            if into is None:
+                conn.skip_tail()
+            else:
+                conn.read_tail_into(into[filled : filled + chunk.tail_len])
+            filled += chunk.tail_len
 
     def _arrive(self, xid: int, value: tuple[Any, ...]) -> None:
         with self._changed:
             if xid in self._abandoned:
                 self._abandoned.discard(xid)
+                _release(value)
                 return
+            _release(self._arrived.pop(xid, None))  # a second send under one id replaces it
             self._arrived[xid] = value
             self._changed.notify_all()
 
     def abandon(self, xid: int) -> None:
         """The RECV of xid will not wait for it: drop it now, or when it comes."""
         with self._changed:
-            if self._arrived.pop(xid, None) is None:
+            entry = self._arrived.pop(xid, None)
+            if entry is None:
                 self._abandoned.add(xid)
+        _release(entry)
 
     def take(self, xid: int, timeout_s: float = RECV_TIMEOUT_S) -> torch.Tensor:
-        """The host tensor sent under xid, waiting for it; raises TransferFailed."""
+        """The host tensor sent under xid, waiting for it; raises TransferFailed, or
+        LimitExceeded where it did not fit the lease (nothing was allocated for it)."""
+        tensor, reservation = self.take_charged(xid, timeout_s)
+        reservation.release()
+        return tensor
+
+    def take_charged(
+        self, xid: int, timeout_s: float = RECV_TIMEOUT_S
+    ) -> tuple[torch.Tensor, Reservation]:
+        """As take(), with the charge of its buffer, for the caller to release once the
+        tensor is stored (and counted) or dropped."""
         deadline = time.monotonic() + timeout_s
         with self._changed:
             while xid not in self._arrived:
@@ -116,15 +167,26 @@ class Arrivals:
             entry = self._arrived.pop(xid)
         if entry[0] == "error":
             raise TransferFailed(f"the other device could not send the tensor: {entry[1]}")
-        _, dtype, shape, payload = entry
-        if not payload:
-            return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(payload, dtype=dtype).reshape(shape)
+        if entry[0] == "oom":
+            raise LimitExceeded(entry[1])
+        _, dtype, shape, buffer, reservation = entry
+        if not buffer.numel():
+            return torch.empty(shape, dtype=dtype), reservation
+        return buffer.view(dtype).reshape(shape), reservation
 
     def clear(self) -> None:
         with self._changed:
+            entries = list(self._arrived.values())
             self._arrived.clear()
             self._abandoned.clear()
+        for entry in entries:
+            _release(entry)
+
+
+def _release(entry: tuple[Any, ...] | None) -> None:
+    """Let an arrival's buffer go uncharged (it is being dropped)."""
+    if entry is not None and entry[0] == "ok":
+        entry[4].release()
 
 
 class PeerLinks:

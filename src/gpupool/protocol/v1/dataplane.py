@@ -825,6 +825,7 @@ def worker_argv(
     device: str = "cpu",
     listen: str = "tcp://127.0.0.1:0",
     memory_limit_mib: int | None = None,
+    host_memory_limit_mib: int | None = None,
     status_file: Path | None = None,
     threads: int | None = None,
     spin_us: int | None = None,
@@ -846,6 +847,8 @@ def worker_argv(
             "--device", device, "--listen", listen]  # fmt: skip
     if memory_limit_mib is not None:
         argv += ["--memory-limit-mib", str(memory_limit_mib)]
+    if host_memory_limit_mib is not None:
+        argv += ["--host-memory-limit-mib", str(host_memory_limit_mib)]
     if status_file is not None:
         argv += ["--status-file", str(status_file)]
     if threads is not None:
