@@ -330,11 +330,12 @@ def controller(
         float, typer.Option("--compute-ratio", help="Compute oversubscription, 1 = none.")
     ] = 1.0,
     memory_ratio: Annotated[
-        float, typer.Option(
+        float,
+        typer.Option(
             "--memory-ratio",
             help="Memory oversubscription, 1 = none; the part above a GPU's own memory goes to "
             "remote leases only (their sessions can be swapped out, direct ones cannot).",
-        )
+        ),
     ] = 1.0,
     alert_webhook: Annotated[
         str | None,
@@ -527,6 +528,14 @@ def agent(
             "before it fails (default 60).",
         ),
     ] = None,
+    worker_user: Annotated[
+        str,
+        typer.Option(
+            "--worker-user",
+            help="Run remote slices' workers as this unprivileged user when the agent runs as "
+            "root (created as a system user if missing); '' runs them as root.",
+        ),
+    ] = "gpupool-worker",
 ) -> None:
     if room_timeout is not None and not 0 < room_timeout <= 3600:
         raise BadInput(f"--room-timeout must be in (0, 3600] seconds, got {room_timeout:g}")
@@ -549,6 +558,14 @@ def agent(
             "`gpupool token create NODE --role agent` and give it with --token or GPUPOOL_TOKEN"
         )
     worker_cert, worker_key = tls_files(tls_cert, tls_key)
+    if worker_user and os.geteuid() == 0:
+        from gpupool.agent.isolation import WorkerUserError
+        from gpupool.agent.isolation import worker_user as resolve_worker_user
+
+        try:
+            resolve_worker_user(worker_user)  # made now, or refused here with its reason
+        except WorkerUserError as exc:
+            raise BadInput(f"--worker-user: {exc}") from None
     try:
         settings = AgentSettings(
             controller_url=controller_url,
@@ -566,6 +583,7 @@ def agent(
             device_plugin_slots=vgpu_slots,
             mps_shm_dir=mps_shm_dir,
             room_timeout_s=room_timeout,
+            worker_user=worker_user if os.geteuid() == 0 else None,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None

@@ -141,6 +141,9 @@ class LeaseRow(Base):
     max_wait_s: Mapped[float | None] = mapped_column(Float)
     preempt_deadline_at: Mapped[datetime | None] = mapped_column()
     worker_token: Mapped[str | None] = mapped_column(String(64))
+    peer_secret: Mapped[str | None] = mapped_column(String(64))
+    """A remote lease's worker secret: its workers (devices, successors) know each other by it.
+    Only the agents that host the lease get it, never its holder."""
     cpu_milli: Mapped[int] = mapped_column(Integer, default=0)
     host_memory_mib: Mapped[int] = mapped_column(Integer, default=0)
     host_charge: Mapped[list[Any] | None] = mapped_column()

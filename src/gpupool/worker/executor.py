@@ -37,7 +37,7 @@ from gpupool.worker.activity import Activity
 from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
 from gpupool.worker.program import Programs
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
-from gpupool.worker.transfer import Arrivals, PeerLinks, TransferFailed
+from gpupool.worker.transfer import Arrivals, PeerLinks, PeerNotNamed, TransferFailed
 
 ALLOWED_NAMESPACES = frozenset({"aten"})
 DENIED_OPS = frozenset({"aten::from_file"})
@@ -568,6 +568,8 @@ class Executor:
                 raise RuntimeError("copy to another device: the source is not a tensor")
             host = tensor.detach().to(self._host).contiguous()
             self.peers.send(address, xid, host)
+        except PeerNotNamed as exc:  # nobody to tell: the address is no worker of the lease
+            self._fail(exc, "copy to another device", [tensor], None)
         except Exception as exc:
             self.peers.send_failure(address, xid, first_line(exc))
             self._fail(exc, "copy to another device", [tensor], None)

@@ -126,6 +126,7 @@ def create(store: Store, session: Session, body: LeaseCreate, actor: str) -> Lea
         created_at=now,
         last_heartbeat_at=now,
         worker_token=secrets.token_urlsafe(32) if request.access is Access.REMOTE else None,
+        peer_secret=secrets.token_urlsafe(32) if request.access is Access.REMOTE else None,
         cpu_milli=request.cpu_milli,
         host_memory_mib=request.host_memory_mib,
         request_id=body.request_id,
