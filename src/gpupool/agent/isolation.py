@@ -119,6 +119,34 @@ def worker_user(name: str | None, create: bool = True) -> WorkerUser | None:
     return WorkerUser(name, entry.pw_uid, entry.pw_gid)
 
 
+def check_runs_worker(user: WorkerUser, python: str | None = None) -> None:
+    """Refuse, saying why, a worker user that cannot start a worker: it must be able to run
+    this interpreter and find gpupool and torch (a pyenv under /root, mode 700, is not)."""
+    import sys
+
+    probe = (
+        "import importlib.util as u, sys; import gpupool; "
+        "sys.exit(0 if u.find_spec('torch') else 'torch is not importable')"
+    )
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "VIRTUAL_ENV")}
+    try:
+        done = subprocess.run(
+            [python or sys.executable, "-c", probe], user=user.uid, group=user.gid,
+            extra_groups=[], cwd="/", env=env, capture_output=True, text=True, timeout=60,
+            check=False,
+        )  # fmt: skip
+    except OSError as exc:
+        said = f"{type(exc).__name__}: {exc.strerror or exc}"
+    else:
+        if done.returncode == 0:
+            return
+        said = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+    raise WorkerUserError(
+        f"worker user {user.name} cannot run a worker ({python or sys.executable}: {said[:300]}):"
+        " install gpupool where that user can read it, or choose another --worker-user"
+    )
+
+
 def _create_user(name: str) -> pwd.struct_passwd:
     useradd = shutil.which("useradd")
     if useradd is None:

@@ -559,11 +559,13 @@ def agent(
         )
     worker_cert, worker_key = tls_files(tls_cert, tls_key)
     if worker_user and os.geteuid() == 0:
-        from gpupool.agent.isolation import WorkerUserError
+        from gpupool.agent.isolation import WorkerUserError, check_runs_worker
         from gpupool.agent.isolation import worker_user as resolve_worker_user
 
         try:
-            resolve_worker_user(worker_user)  # made now, or refused here with its reason
+            resolved = resolve_worker_user(worker_user)  # made now, or refused with its reason
+            if resolved is not None:
+                check_runs_worker(resolved)
         except WorkerUserError as exc:
             raise BadInput(f"--worker-user: {exc}") from None
     try:
