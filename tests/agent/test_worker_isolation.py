@@ -276,5 +276,5 @@ def test_a_worker_user_that_cannot_run_the_interpreter_is_refused_with_the_reaso
     private.mkdir(mode=0o700)
     (private / "python").symlink_to(sys.executable)
     check_runs_worker(user)  # the interpreter the agent runs is the worker's
-    with pytest.raises(WorkerUserError, match="cannot run a worker .*Permission"):
+    with pytest.raises(WorkerUserError, match=r"cannot run a worker .*Permission"):
         check_runs_worker(user, str(private / "python"))
