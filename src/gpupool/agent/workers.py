@@ -248,6 +248,8 @@ class WorkerSupervisor:
         self.tls = tls
         """(certificate, key): remote clients then reach the workers over TLS only."""
         self.mps = mps
+        if user is not None:
+            mps.client_gid = user.gid  # all workers of a GPU: one user, as MPS wants
         self.simulated = simulated
         self.listen_host = listen_host
         self.workers: dict[Key, Worker] = {}
