@@ -176,6 +176,7 @@ WORKER_HOST_MARGIN_MIB = 3072
 """Host memory a worker needs beside its lease's: the interpreter with torch (about 0.5 GiB),
 a CUDA context's host side, the shared read arena (256 MiB), staging buffers."""
 CGROUP_GROUP = "gpupool-workers"
+UNLIMITED = 1 << 62
 
 
 class CgroupUnavailable(RuntimeError):
@@ -295,7 +296,6 @@ class Cgroups:
         """A fresh cgroup `name` with its memory limit (swap included where it can be set)."""
         path = self.base / name
         _make(path)
-        group = WorkerCgroup(path, self.version, 0 if self.version == 1 else limit_bytes)
         try:
             if self.version == 2:
                 (path / "memory.max").write_text(str(limit_bytes))
@@ -303,14 +303,13 @@ class Cgroups:
                     (path / "memory.swap.max").write_text("0")
                 with contextlib.suppress(OSError):  # a worker killed for memory dies whole
                     (path / "memory.oom.group").write_text("1")
-            else:
-                # A fresh v1 group has no limit: lower it in the order v1 wants (limit first).
-                group = WorkerCgroup(path, 1, 1 << 62).set_limit(limit_bytes)
+                return WorkerCgroup(path, 2, limit_bytes)
+            # A fresh v1 group has no limit: lowered in the order v1 wants (limit first).
+            return WorkerCgroup(path, 1, UNLIMITED).set_limit(limit_bytes)
         except OSError as exc:
             with contextlib.suppress(OSError):
                 path.rmdir()
             raise CgroupUnavailable(f"cannot set the memory limit of {path}: {exc}") from None
-        return WorkerCgroup(path, self.version, limit_bytes) if self.version == 2 else group
 
     def limit_of(self, name: str) -> int | None:
         """The limit a worker cgroup has now (None: no such cgroup)."""
