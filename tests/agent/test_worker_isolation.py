@@ -192,6 +192,12 @@ def test_each_worker_gets_a_memory_cgroup_sized_to_its_lease_and_removed_after(
     assert f'"cgroup": ["{worker.cgroup.path}"' in supervisor.registry.read_text()
     supervisor.reconcile({})
     assert not worker.cgroup.path.exists()
+    said = supervisor.confinement()
+    assert said["worker_user"] == "gpupool-worker"
+    assert (
+        said["worker_cgroups"] == f"v1 under {supervisor.cgroups.base}"
+        or said["worker_cgroups"] == f"v2 under {supervisor.cgroups.base}"
+    )
 
 
 def test_the_environment_is_an_allowlist(tmp_path: Path) -> None:
@@ -278,3 +284,16 @@ def test_a_worker_user_that_cannot_run_the_interpreter_is_refused_with_the_reaso
     check_runs_worker(user)  # the interpreter the agent runs is the worker's
     with pytest.raises(WorkerUserError, match=r"cannot run a worker .*Permission"):
         check_runs_worker(user, str(private / "python"))
+
+
+def test_a_node_whose_workers_get_no_cgroup_says_why(tmp_path: Path) -> None:
+    mps = MpsSupervisor(tmp_path / "mps")
+    mps.enabled = False
+    supervisor = WorkerSupervisor(
+        tmp_path / "workers", mps, simulated=True,
+        cgroups=CgroupUnavailable("no cgroup memory controller is mounted"),
+    )  # fmt: skip
+    assert supervisor.confinement() == {
+        "worker_user": None,
+        "worker_cgroups": "none: no cgroup memory controller is mounted",
+    }

@@ -433,7 +433,10 @@ class Agent:
         ]
         body = NodeHeartbeat(
             telemetry=telemetry,
-            host=host_stats(self.settings.data_dir),
+            host={
+                **host_stats(self.settings.data_dir),
+                **(self.workers.confinement() if self.workers is not None else {}),
+            },
             workers=self.workers.reports() if self.workers is not None else [],
         )
         return body, gpus

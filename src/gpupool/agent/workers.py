@@ -588,6 +588,18 @@ class WorkerSupervisor:
             log.warning("the worker %s runs without a memory cgroup: %s", name, exc)
             return None
 
+    def confinement(self) -> dict[str, str | None]:
+        """How this node's workers are confined, for `gpupool nodes` (host facts): their user,
+        and their memory cgroups or why they have none."""
+        if self.cgroups is not None:
+            cgroups = f"v{self.cgroups.version} under {self.cgroups.base}"
+        else:
+            cgroups = f"none: {self.cgroup_problem or 'not asked for'}"
+        return {
+            "worker_user": self.user.name if self.user is not None else None,
+            "worker_cgroups": cgroups,
+        }
+
     def reports(self) -> list[WorkerReport]:
         with self._lock:
             workers = list(self.workers.values())
