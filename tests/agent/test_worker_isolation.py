@@ -297,3 +297,44 @@ def test_a_node_whose_workers_get_no_cgroup_says_why(tmp_path: Path) -> None:
         "worker_user": None,
         "worker_cgroups": "none: no cgroup memory controller is mounted",
     }
+
+
+@AS_ROOT
+def test_a_tls_worker_as_the_worker_user_serves_with_a_copy_of_the_key_it_may_read(
+    tmp_path: Path, user: WorkerUser, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent's key stays root's (mode 600); the worker gets its own copy, in its own
+    directory, and serves TLS clients with it."""
+    import torch
+
+    import gpupool.torch
+    from gpupool.protocol.tls import CA_ENV
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    key.chmod(0o600)
+    mps = MpsSupervisor(tmp_path / "mps")
+    mps.enabled = False
+    supervisor = WorkerSupervisor(
+        tmp_path / "workers", mps, simulated=True, tls=(cert, key), user=user
+    )
+    try:
+        supervisor.reconcile({"l-tls": _lease()})
+        (worker,) = supervisor.workers.values()
+        assert worker.endpoint.startswith("tls://127.0.0.1:")
+        copy = supervisor.root / "l-tls" / "tls.key"
+        assert copy.stat().st_uid == user.uid and copy.stat().st_mode & 0o777 == 0o600
+        assert key.stat().st_uid == 0
+        monkeypatch.setenv(CA_ENV, str(cert))
+        gpupool.torch.attach(workers=[worker.endpoint], token=CLIENT_TOKEN, lease="l-tls")
+        try:
+            assert torch.ones(3, device="cuda").sum().item() == 3.0
+        finally:
+            gpupool.torch.detach()
+    finally:
+        supervisor.reconcile({})
