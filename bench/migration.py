@@ -31,7 +31,10 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "src"))
 
-from gpupool.protocol.v1.dataplane import start_worker_process  # noqa: E402
+from gpupool.protocol.v1.dataplane import (  # noqa: E402
+    WorkerCredentials,
+    start_worker_process,
+)
 
 TOKEN = "bench-migration"
 LEASE = "bench-migration"
@@ -85,8 +88,10 @@ def train(args: argparse.Namespace, migrate: bool) -> dict[str, Any]:
 
     env = {**os.environ}
     target = 1 if args.device == "cuda" and torch.cuda.device_count() > 1 else 0
+    # One lease: its workers share the lease's peer secret, which a successor needs.
+    credentials = WorkerCredentials.generate(TOKEN)
     first, ready1 = start_worker_process(
-        LEASE, TOKEN, env=env, device=worker_device(args.device, 0), idle_timeout_s=None
+        LEASE, credentials, env=env, device=worker_device(args.device, 0), idle_timeout_s=None
     )
     procs = [first]
     try:
@@ -123,7 +128,7 @@ def train(args: argparse.Namespace, migrate: bool) -> dict[str, Any]:
 
                 def start_successor() -> None:
                     successor, _ = start_worker_process(
-                        LEASE, TOKEN, env=env, device=worker_device(args.device, target),
+                        LEASE, credentials, env=env, device=worker_device(args.device, target),
                         restore_from=str(stream.address), idle_timeout_s=args.idle_s,
                         handoff_paths=args.paths,
                     )  # fmt: skip

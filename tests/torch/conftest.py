@@ -6,9 +6,9 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from torch_workers import TOKEN, WORKER_DEVICE, WorkerHandle, start_worker
+from torch_workers import TOKEN, WORKER_DEVICE, WorkerHandle, introduce, start_worker
 
-__all__ = ["TOKEN", "WORKER_DEVICE", "WorkerHandle", "start_worker"]
+__all__ = ["TOKEN", "WORKER_DEVICE", "WorkerHandle", "introduce", "start_worker"]
 
 
 @pytest.fixture(scope="session")
@@ -16,6 +16,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerHan
     """Two CPU workers of one lease (cuda:0 over TCP, cuda:1 over a Unix socket)."""
     sock = tmp_path_factory.mktemp("sock") / "w1.sock"
     started = [start_worker("lease-t"), start_worker("lease-t", listen=f"unix:{sock}")]
+    introduce(started)
     yield started
     for worker in started:
         worker.stop()

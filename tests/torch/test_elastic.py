@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch_workers import TOKEN, WorkerHandle, start_worker
+from torch_workers import PEER_SECRET, TOKEN, WorkerHandle, start_worker
 
 import gpupool.torch
 from gpupool.protocol.v1.dataplane import (
@@ -157,7 +157,7 @@ def test_migration_to_a_successor_worker_mid_training_gives_the_same_weights(
 def cut_off_successor(address: str) -> None:
     """A successor that registers, takes the first chunk of the state and hangs up."""
     sock = connect(parse_address(address))
-    hello = {"v": VERSION, "lease": LEASE, "token": TOKEN, "role": Role.SUCCESSOR}
+    hello = {"v": VERSION, "lease": LEASE, "token": PEER_SECRET, "role": Role.SUCCESSOR}
     send_handshake(sock, [Kind.HELLO, hello])
     assert recv_handshake(sock).head[0] == Kind.WELCOME
     conn = Connection(sock)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch_workers import TOKEN, WorkerHandle
+from torch_workers import TOKEN, WorkerHandle, introduce
 
 import gpupool.torch
 from gpupool.torch import dispatch, runtime
@@ -30,6 +30,7 @@ def two_devices(
         else [f"unix:{tmp_path}/w{i}.sock" for i in range(2)]
     )
     workers = [worker_factory(LEASE, listen=address) for address in listen]
+    introduce(workers)
     torch.set_num_threads(1)
     gpupool.torch.attach(workers=[w.address for w in workers], token=TOKEN, lease=LEASE)
     yield

@@ -9,9 +9,16 @@ import subprocess
 from dataclasses import dataclass
 
 from gpupool.cli.pool import stop_process
-from gpupool.protocol.v1.dataplane import start_worker_process
+from gpupool.protocol.v1.dataplane import (
+    WorkerCredentials,
+    parse_address,
+    send_control,
+    start_worker_process,
+)
 
 TOKEN = "test-token"
+PEER_SECRET = "test-peer-secret"
+"""The workers of one lease know each other by this (an agent gets the controller's)."""
 WORKER_DEVICE = os.environ.get("GPUPOOL_TEST_WORKER_DEVICE", "cpu")
 """cpu in CI; on a GPU machine `GPUPOOL_TEST_WORKER_DEVICE=cuda:0` runs the workers on the GPU
 (`GPUPOOL_TEST_WORKER_GPUS` is their CUDA_VISIBLE_DEVICES, default 0) while the test process
@@ -23,9 +30,22 @@ class WorkerHandle:
     lease: str
     address: str
     proc: subprocess.Popen[str]
+    control: str = ""
+    """The worker's control secret, as its agent would hold it."""
 
     def stop(self) -> None:
         stop_process(self.proc)
+
+
+def introduce(workers: list[WorkerHandle]) -> None:
+    """Name each worker its lease's others, as their agent does: the only peers it sends to."""
+    for worker in workers:
+        send_control(
+            parse_address(worker.address),
+            worker.lease,
+            worker.control,
+            {"op": "peers", "endpoints": [w.address for w in workers]},
+        )
 
 
 def start_worker(lease: str, listen: str = "tcp://127.0.0.1:0", **options: object) -> WorkerHandle:
@@ -33,8 +53,11 @@ def start_worker(lease: str, listen: str = "tcp://127.0.0.1:0", **options: objec
     if WORKER_DEVICE != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = os.environ.get("GPUPOOL_TEST_WORKER_GPUS", "0")
     options.setdefault("device", WORKER_DEVICE)
-    proc, ready = start_worker_process(lease, TOKEN, env=env, listen=listen, threads=1, **options)
-    return WorkerHandle(lease, str(ready.address), proc)
+    credentials = WorkerCredentials.generate(TOKEN, PEER_SECRET)
+    proc, ready = start_worker_process(
+        lease, credentials, env=env, listen=listen, threads=1, **options
+    )
+    return WorkerHandle(lease, str(ready.address), proc, credentials.control)
 
 
 def cuda_device_count(visible: str) -> tuple[int, str]:

@@ -177,12 +177,13 @@ def test_cpus_confines_every_thread_of_the_worker() -> None:
     [("x", "not a CPU number"), ("3-1", "not a CPU number"), ("100000", "not available")],
 )
 def test_bad_cpus_fail_in_one_line(
-    cpus: str, reason: str, capsys: pytest.CaptureFixture[str]
+    cpus: str, reason: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from gpupool.worker.__main__ import parse_args
 
+    monkeypatch.setenv("GPUPOOL_WORKER_TOKEN", "t")
     with pytest.raises(SystemExit) as exited:
-        parse_args(["--lease", "l", "--token", "t", "--cpus", cpus])
+        parse_args(["--lease", "l", "--cpus", cpus])
     assert exited.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
     assert len(errors) == 1 and "--cpus" in errors[0] and reason in errors[0]

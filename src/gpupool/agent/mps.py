@@ -56,6 +56,9 @@ class MpsDaemon:
     gpu_uuid: str
     root: Path
     binary: str = CONTROL_BINARY
+    client_gid: int | None = None
+    """The group of the worker user, whose workers are this daemon's clients (None: the
+    agent's own user runs them)."""
 
     @property
     def pipe_dir(self) -> Path:
@@ -96,6 +99,14 @@ class MpsDaemon:
         for d in (self.pipe_dir, self.log_dir):
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o700)
+            if self.client_gid is not None:
+                # The workers run as the worker user: its group reaches the daemon's pipes
+                # (and the MPS server it runs as writes its log); nobody else does.
+                os.chown(d, -1, self.client_gid)
+                d.chmod(0o770)
+        if self.client_gid is not None:
+            for d in (self.root, self.root.parent):
+                d.chmod(d.stat().st_mode & 0o777 | 0o711)
         # The daemon keeps the descriptors it is given: a pipe here would never reach EOF.
         out_path = self.log_dir / "start.out"
         with open(out_path, "wb") as out:
@@ -151,11 +162,15 @@ class MpsSupervisor:
         self.binary = binary
         self.enabled = mps_available(binary)
         self.daemons: dict[str, MpsDaemon] = {}
+        self.client_gid: int | None = None
+        """Set by the worker supervisor when workers run as the worker user."""
 
     def daemon(self, gpu_uuid: str) -> MpsDaemon:
         if gpu_uuid not in self.daemons:
             safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in gpu_uuid)
-            self.daemons[gpu_uuid] = MpsDaemon(gpu_uuid, self.root / safe, self.binary)
+            self.daemons[gpu_uuid] = MpsDaemon(
+                gpu_uuid, self.root / safe, self.binary, self.client_gid
+            )
         return self.daemons[gpu_uuid]
 
     def reconcile(self, modes: Mapping[str, tuple[str, str | None]]) -> None:

@@ -22,6 +22,7 @@ import psutil
 from gpupool.agent.attach import AttachServer
 from gpupool.agent.backends import Backend, FakeBackend, GpuEvent, detect
 from gpupool.agent.health import is_fault, isolation_reason
+from gpupool.agent.isolation import Cgroups, CgroupUnavailable, WorkerUser, worker_user
 from gpupool.agent.metrics import HealthCounts
 from gpupool.agent.mps import MpsSupervisor
 from gpupool.agent.watch import WATCH_INTERVAL_S, DirectWatch, WatchMode
@@ -127,6 +128,11 @@ class AgentSettings:
     @property
     def attach_path(self) -> Path:
         return self.direct_socket or self.data_dir / "direct.sock"
+    worker_user: str | None = None
+    """The Unix user workers run as when the agent is root (made if missing); None or "": as
+    the agent itself (`gpupool agent` defaults to gpupool-worker)."""
+    worker_cgroups: bool = True
+    """Put each worker in a memory cgroup of its own where the agent can (root)."""
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -248,6 +254,7 @@ class Agent:
         # The first cpu_percent() reading is meaningless (no interval yet): prime it now.
         await asyncio.to_thread(psutil.cpu_percent, None)
         api = await self._start_api()
+        user, cgroups = await asyncio.to_thread(self._isolation)
         self.workers = WorkerSupervisor(
             self.settings.data_dir / "workers",
             self.mps,
@@ -258,6 +265,8 @@ class Agent:
             else None,
             simulated_gpus=await asyncio.to_thread(_simulated_gpus, backend),
             room_timeout_s=self.settings.room_timeout_s,
+            user=user,
+            cgroups=cgroups,
         )
         done = asyncio.Event()
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")
@@ -658,7 +667,10 @@ class Agent:
         ]
         body = NodeHeartbeat(
             telemetry=telemetry,
-            host=host_stats(self.settings.data_dir),
+            host={
+                **host_stats(self.settings.data_dir),
+                **(self.workers.confinement() if self.workers is not None else {}),
+            },
             workers=self.workers.reports() if self.workers is not None else [],
         )
         return body, gpus
@@ -732,6 +744,21 @@ class Agent:
             client.close()
 
     # ---- what people see --------------------------------------------------------------------
+
+    def _isolation(self) -> tuple[WorkerUser | None, Cgroups | CgroupUnavailable | None]:
+        """The workers' user and memory cgroups; says in the log what it cannot confine."""
+        user = worker_user(self.settings.worker_user) if self.settings.worker_user else None
+        if user is not None:
+            log.info("workers run as %s (uid %d)", user.name, user.uid)
+        cgroups: Cgroups | CgroupUnavailable | None = None
+        if self.settings.worker_cgroups:
+            try:
+                cgroups = Cgroups.detect()
+                log.info("workers get memory cgroups (v%d) under %s", cgroups.version, cgroups.base)
+            except CgroupUnavailable as exc:
+                cgroups = exc
+                log.warning("workers run without a memory cgroup of their own: %s", exc)
+        return user, cgroups
 
     async def _log_banner(self, backend: Backend) -> None:
         gpus, driver, cuda = await asyncio.to_thread(

@@ -2,7 +2,11 @@
 
 The agent starts workers itself, with the lease's limits in their environment (the GPU, its
 MPS daemon, the compute share and memory limit), so the tenant's program, which runs
-elsewhere and only talks to the worker, cannot change them.
+elsewhere and only talks to the worker, cannot change them. That environment is an
+allowlist (no token of the agent's), the worker's credentials come on its stdin, and an agent
+running as root starts it as the worker user, in a memory cgroup of its own
+(`gpupool.agent.isolation`). Each worker has a control secret of its own, which only its
+agent knows: the lease's client token opens its client role and nothing else.
 
 Workers outlive an agent that dies: they hold their clients' tensors, and the data plane
 does not pass through the agent. The agent notes each worker in `workers.json` and, started
@@ -16,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import subprocess
 import threading
 from collections.abc import Mapping
@@ -25,6 +30,14 @@ from typing import Protocol
 
 import psutil
 
+from gpupool.agent.isolation import (
+    Cgroups,
+    CgroupUnavailable,
+    WorkerCgroup,
+    WorkerUser,
+    host_limit_bytes,
+    worker_environment,
+)
 from gpupool.agent.mps import MpsSupervisor, client_env
 from gpupool.protocol.v1.api import RemoteLease, RemoteSlice, WorkerReport
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
@@ -34,6 +47,8 @@ log = logging.getLogger("gpupool.agent.workers")
 MIB = 1 << 20
 STOP_GRACE_S = 10.0
 REGISTRY = "workers.json"
+LEDGERS = "simulated-gpus"
+TLS_CERT, TLS_KEY = "tls.crt", "tls.key"
 GONE_WHILE_AWAY = "worker exited while the agent was not running"
 
 
@@ -110,7 +125,8 @@ class Worker:
     created_at: float | None = None
     """The process's creation time: with the pid, what tells this worker from a process that
     got its pid later."""
-    token: str = ""
+    control_token: str = ""
+    """This worker's control secret: the agent's requests need it; the tenant never has it."""
     generation: int = 0
     memory_mib: int | None = None
     """The memory limit the worker runs with now (a resize changes it in place)."""
@@ -118,6 +134,12 @@ class Worker:
     """The reason of the swap-out the controller ordered and this agent passed on."""
     room_denied: int = 0
     """The last refused request for room this agent passed on."""
+    peers_named: tuple[str | None, ...] | None = None
+    """The lease's worker endpoints this agent last named to the worker."""
+    cgroup: WorkerCgroup | None = None
+    """The worker's memory cgroup (None: the agent could not make one)."""
+    host_memory_mib: int = 0
+    """The lease's host memory allowance (part of the cgroup's limit)."""
 
     def report(self) -> WorkerReport:
         alive = self.proc.poll() is None
@@ -172,10 +194,13 @@ class Worker:
             "status_file": str(self.status_file),
             "generation": self.generation,
             "memory_mib": self.memory_mib,
-            # The lease's data-plane token: the agent's control requests to an adopted worker
-            # need it (the registry is readable by the agent's user only).
-            "token": self.token,
-        }
+            # The worker's control secret: the agent's requests to an adopted worker need it
+            # (the registry is readable by the agent's user only, never by the worker user).
+            # The lease's client token is not kept: the agent never connects as the client.
+            "control_token": self.control_token,
+            "cgroup": None if self.cgroup is None else
+            [str(self.cgroup.path), self.cgroup.version, self.cgroup.limit_bytes],
+        }  # fmt: skip
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -185,6 +210,8 @@ class Worker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.cgroup is not None:
+            self.cgroup.remove()
 
 
 class WorkerSupervisor:
@@ -199,26 +226,56 @@ class WorkerSupervisor:
         tls: tuple[Path, Path] | None = None,
         simulated_gpus: Mapping[str, int] | None = None,
         room_timeout_s: float | None = None,
+        user: WorkerUser | None = None,
+        cgroups: Cgroups | CgroupUnavailable | None = None,
     ) -> None:
         self.root = root
+        self.user = user
+        """Workers run as this user (None: as the agent's own)."""
+        self.cgroups = cgroups if isinstance(cgroups, Cgroups) else None
+        self.cgroup_problem: str | None = (
+            str(cgroups) if isinstance(cgroups, CgroupUnavailable) else None
+        )
+        """Why workers have no memory cgroup of their own (None: they have, or none asked)."""
         self.room_timeout_s = room_timeout_s
         """How long a worker's allocation waits for room on its GPU (None: the worker's own)."""
         # The fake backend's GPUs have no driver to count their memory: a ledger per GPU,
         # shared by its workers, stands in for it (gpupool.protocol.v1.simgpu).
         self.ledgers = {
-            uuid: SimulatedGpuMemory.create(root / "simulated-gpus" / f"{uuid}.json", mib * MIB)
+            uuid: SimulatedGpuMemory.create(root / LEDGERS / f"{uuid}.json", mib * MIB)
             for uuid, mib in (simulated_gpus or {}).items()
         }
         self.tls = tls
         """(certificate, key): remote clients then reach the workers over TLS only."""
         self.mps = mps
+        if user is not None:
+            mps.client_gid = user.gid  # all workers of a GPU: one user, as MPS wants
         self.simulated = simulated
         self.listen_host = listen_host
         self.workers: dict[Key, Worker] = {}
         self.failures: dict[Key, str] = {}
         # reconcile() runs in a thread of its own while heartbeats read reports().
         self._lock = threading.Lock()
+        self._prepare_root()
         self._adopt()
+
+    def _prepare_root(self) -> None:
+        """The agent's directory: the registry and logs are the agent's alone; a worker user
+        may only pass through it to its lease's directory (mode 711)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(exist_ok=True)
+        os.chmod(self.logs, 0o700)
+        if self.user is not None:
+            os.chmod(self.root, 0o711)
+            for ledger in self.ledgers.values():  # its workers claim their memory in it
+                self.user.own(ledger.path, 0o600)
+                os.chmod(ledger.path.parent, 0o711)
+
+    @property
+    def logs(self) -> Path:
+        """Workers' stdout and stderr: in the agent's own directory, never one a worker owns
+        (a worker could plant a link there for the agent to append to)."""
+        return self.root / "logs"
 
     # ---- the registry: what survives the agent ------------------------------------------
 
@@ -244,9 +301,10 @@ class WorkerSupervisor:
                 )
                 pid, created = int(entry["pid"]), entry.get("create_time")
                 endpoint, status_file = str(entry["endpoint"]), Path(entry["status_file"])
-                token = str(entry.get("token", ""))
+                control_token = str(entry.get("control_token", ""))
                 memory = entry.get("memory_mib")
                 memory_mib = int(memory) if isinstance(memory, int) else None
+                cgroup = _cgroup_of(entry.get("cgroup"))
             except (KeyError, TypeError, ValueError):
                 log.error("ignoring a malformed entry of %s: %r", self.registry, entry)
                 continue
@@ -255,6 +313,8 @@ class WorkerSupervisor:
                 log.warning(
                     "the worker of lease %s on %s is gone: %s", key[0], key[1], GONE_WHILE_AWAY
                 )
+                if cgroup is not None:
+                    cgroup.remove()
                 self.failures[key] = GONE_WHILE_AWAY
                 continue
             log.info(
@@ -262,7 +322,8 @@ class WorkerSupervisor:
             )
             self.workers[key] = Worker(
                 key[0], key[1], proc, endpoint, status_file, proc.created_at,
-                token=token, generation=key[2], memory_mib=memory_mib,
+                control_token=control_token, generation=key[2], memory_mib=memory_mib,
+                cgroup=cgroup,
             )  # fmt: skip
 
     def _save(self) -> None:
@@ -284,7 +345,7 @@ class WorkerSupervisor:
             ]
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.registry.with_suffix(".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds lease tokens
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # it holds secrets
         with os.fdopen(fd, "w") as out:
             out.write(json.dumps(entries))
         os.replace(tmp, self.registry)
@@ -350,12 +411,19 @@ class WorkerSupervisor:
                 worker, {"op": "room", "denied_seq": denied}
             ):
                 worker.room_denied = denied
+            peers = tuple(lease.peers)
+            if peers != worker.peers_named and self._control(
+                worker, {"op": "peers", "endpoints": list(peers)}
+            ):
+                worker.peers_named = peers
 
     def _control(self, worker: Worker, body: dict[str, object]) -> bool:
         from gpupool.protocol.v1.dataplane import parse_address, send_control
 
         try:
-            send_control(parse_address(worker.endpoint), worker.lease_id, worker.token, body)
+            send_control(
+                parse_address(worker.endpoint), worker.lease_id, worker.control_token, body
+            )
         except Exception as exc:  # retried at the next reconcile
             log.warning("cannot send %s to the worker of lease %s: %s", body, worker.lease_id, exc)
             return False
@@ -377,11 +445,14 @@ class WorkerSupervisor:
         """A live resize of memory: the worker's allocator limit changes, the client stays."""
         from gpupool.protocol.v1.dataplane import parse_address, send_control
 
+        growing = worker.memory_mib is None or memory_mib > worker.memory_mib
+        if growing:  # the host limit first, so the worker may use what it is given at once
+            self._resize_cgroup(worker, memory_mib)
         try:
             send_control(
                 parse_address(worker.endpoint),
                 worker.lease_id,
-                worker.token,
+                worker.control_token,
                 {"op": "limits", "memory_limit_mib": memory_mib},
             )
         except Exception as exc:  # retried at the next reconcile
@@ -389,45 +460,77 @@ class WorkerSupervisor:
             return
         log.info("lease %s: memory limit now %d MiB", worker.lease_id, memory_mib)
         worker.memory_mib = memory_mib
+        if not growing:
+            self._resize_cgroup(worker, memory_mib)
+
+    def _resize_cgroup(self, worker: Worker, memory_mib: int) -> None:
+        if worker.cgroup is None:
+            return
+        try:
+            limit = host_limit_bytes(memory_mib, worker.host_memory_mib)
+            worker.cgroup = worker.cgroup.set_limit(limit)
+        except OSError as exc:  # v1 refuses a limit below what the group holds now
+            log.warning("lease %s: the worker's host memory limit stays %d MiB: %s",
+                        worker.lease_id, worker.cgroup.limit_bytes // MIB, exc)  # fmt: skip
 
     def _start(self, lease_id: str, lease: RemoteLease, piece: RemoteSlice) -> Worker:
-        from gpupool.protocol.v1.dataplane import start_worker_process
+        from gpupool.protocol.v1.dataplane import WorkerCredentials, start_worker_process
 
-        token = lease.token
-        directory = self.root / lease_id
-        directory.mkdir(parents=True, exist_ok=True)
+        directory = self._lease_dir(lease_id)
+        name = f"{_safe(lease_id)}.{piece.gpu_index}.g{piece.generation}"
         status_file = directory / f"{piece.gpu_index}.g{piece.generation}.status.json"
-        env = dict(os.environ)
+        extra: dict[str, str] = {}
         if self.simulated:
             device = "cpu"
         else:
             device = "cuda:0"
-            env["CUDA_VISIBLE_DEVICES"] = piece.gpu_uuid
+            extra["CUDA_VISIBLE_DEVICES"] = piece.gpu_uuid
             pipe = self.mps.pipe_dir(piece.gpu_uuid)
             if pipe is not None:
-                env.update(
+                extra.update(
                     client_env(
                         Path(pipe), Path(pipe).parent / "log", piece.compute_pct, piece.memory_mib
                     )
                 )
-        proc, ready = start_worker_process(
-            lease_id,
-            token,
-            env=env,
-            device=device,
-            listen=f"tcp://{self.listen_host}:0",
-            memory_limit_mib=piece.memory_mib,
-            status_file=status_file,
-            tls_cert=self.tls[0] if self.tls else None,
-            tls_key=self.tls[1] if self.tls else None,
-            idle_timeout_s=lease.idle_timeout_s,
-            restore_from=piece.restore_from,
-            managed=True,
-            room_timeout_s=self.room_timeout_s,
-            simulated_gpu=self.ledgers[piece.gpu_uuid].path
-            if piece.gpu_uuid in self.ledgers
-            else None,
-        )
+        env = worker_environment(os.environ, directory, extra)
+        # The client token opens the client role only; the control secret is this worker's
+        # and the agent's; the peer secret is the lease's, from the controller, for its
+        # workers alone (a controller that sends none: peers and successors are refused).
+        credentials = WorkerCredentials.generate(lease.token, lease.peer_secret)
+        if not lease.peer_secret:
+            credentials = WorkerCredentials(lease.token, credentials.control, "")
+        tls = self._tls_for(directory)
+        cgroup = self._cgroup(name, host_limit_bytes(piece.memory_mib, lease.host_memory_mib))
+        try:
+            proc, ready = start_worker_process(
+                lease_id,
+                credentials,
+                env=env,
+                log_file=self._log_file(name),
+                user=self.user.uid if self.user else None,
+                group=self.user.gid if self.user else None,
+                cwd=directory,
+                placed=cgroup.attach if cgroup is not None else None,
+                device=device,
+                listen=f"tcp://{self.listen_host}:0",
+                memory_limit_mib=piece.memory_mib,
+                # Paths relative to the worker's directory, where it starts: the worker user
+                # need not be able to reach the agent's data dir from /, only to be in it.
+                status_file=Path(status_file.name),
+                tls_cert=tls[0] if tls else None,
+                tls_key=tls[1] if tls else None,
+                idle_timeout_s=lease.idle_timeout_s,
+                restore_from=piece.restore_from,
+                managed=True,
+                room_timeout_s=self.room_timeout_s,
+                simulated_gpu=Path("..", LEDGERS, f"{piece.gpu_uuid}.json")
+                if piece.gpu_uuid in self.ledgers
+                else None,
+            )
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            raise
         endpoint = str(ready.address)
         log.info("worker for lease %s on %s listens on %s", lease_id, piece.gpu_uuid, endpoint)
         try:
@@ -436,8 +539,66 @@ class WorkerSupervisor:
             created_at = None
         return Worker(
             lease_id, piece.gpu_uuid, proc, endpoint, status_file, created_at,
-            token=token, generation=piece.generation, memory_mib=piece.memory_mib,
+            control_token=credentials.control, generation=piece.generation,
+            memory_mib=piece.memory_mib, cgroup=cgroup, host_memory_mib=lease.host_memory_mib,
         )  # fmt: skip
+
+    def _lease_dir(self, lease_id: str) -> Path:
+        """The lease's workers' own directory (their HOME, status files): the worker user's,
+        mode 700, so neither another user's process nor the tenant's reads it."""
+        directory = self.root / _safe(lease_id)
+        directory.mkdir(parents=True, exist_ok=True)
+        if self.user is not None:
+            self.user.own(directory, 0o700)
+        return directory
+
+    def _tls_for(self, directory: Path) -> tuple[Path, Path] | None:
+        """The workers' certificate and key where the worker user can read them: a copy in
+        its directory (every worker serves TLS with that key, so it holds it anyway)."""
+        if self.tls is None:
+            return None
+        if self.user is None:
+            return self.tls
+        copies = (Path(TLS_CERT), Path(TLS_KEY))
+        for source, name in zip(self.tls, copies, strict=True):
+            target = directory / name
+            tmp = target.with_name(target.name + ".tmp")
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                out.write(source.read_bytes())
+            self.user.own(tmp, 0o600)
+            os.replace(tmp, target)
+        return copies
+
+    def _log_file(self, name: str) -> Path:
+        path = self.logs / f"{name}.log"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        return path
+
+    def _cgroup(self, name: str, limit_bytes: int) -> WorkerCgroup | None:
+        if self.cgroups is None:
+            return None
+        try:
+            return self.cgroups.make(name, limit_bytes)
+        except CgroupUnavailable as exc:
+            self.cgroup_problem = str(exc)
+            log.warning("the worker %s runs without a memory cgroup: %s", name, exc)
+            return None
+
+    def confinement(self) -> dict[str, str | None]:
+        """How this node's workers are confined, for `gpupool nodes` (host facts): their user,
+        and their memory cgroups or why they have none."""
+        if self.cgroups is not None:
+            cgroups = f"v{self.cgroups.version} under {self.cgroups.base}"
+        else:
+            cgroups = f"none: {self.cgroup_problem or 'not asked for'}"
+        return {
+            "worker_user": self.user.name if self.user is not None else None,
+            "worker_cgroups": cgroups,
+        }
 
     def reports(self) -> list[WorkerReport]:
         with self._lock:
@@ -462,6 +623,23 @@ class WorkerSupervisor:
             workers = list(self.workers.values())
         for worker in workers:
             worker.stop()
+
+
+def _safe(name: str) -> str:
+    """A lease id or name as one path component (ids come from the controller: still checked)."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:64].lstrip(".") or "_"
+
+
+def _cgroup_of(entry: object) -> WorkerCgroup | None:
+    """A registry entry's cgroup: [path, version, limit] (None: the worker had none)."""
+    if entry is None:
+        return None
+    if not isinstance(entry, list) or len(entry) != 3:
+        raise ValueError(f"cgroup entry {entry!r}")
+    path, version, limit = entry
+    if not isinstance(path, str) or version not in (1, 2) or not isinstance(limit, int):
+        raise ValueError(f"cgroup entry {entry!r}")
+    return WorkerCgroup(Path(path), int(version), int(limit))
 
 
 def _running_worker(pid: int, created: object, lease_id: str) -> AdoptedProcess | None:

@@ -578,6 +578,14 @@ def agent(
             "direct.sock in --data-dir); tenants' users must be able to reach it.",
         ),
     ] = None,
+    worker_user: Annotated[
+        str,
+        typer.Option(
+            "--worker-user",
+            help="Run remote slices' workers as this unprivileged user when the agent runs as "
+            "root (created as a system user if missing); '' runs them as root.",
+        ),
+    ] = "gpupool-worker",
 ) -> None:
     watch_modes = ("enforce", "report", "off")
     if direct_watch is not None and direct_watch not in watch_modes:
@@ -608,6 +616,16 @@ def agent(
             "GPUPOOL_TOKEN (or give a join token in GPUPOOL_JOIN_TOKEN)"
         )
     worker_cert, worker_key = tls_files(tls_cert, tls_key)
+    if worker_user and os.geteuid() == 0:
+        from gpupool.agent.isolation import WorkerUserError, check_runs_worker
+        from gpupool.agent.isolation import worker_user as resolve_worker_user
+
+        try:
+            resolved = resolve_worker_user(worker_user)  # made now, or refused with its reason
+            if resolved is not None:
+                check_runs_worker(resolved)
+        except WorkerUserError as exc:
+            raise BadInput(f"--worker-user: {exc}") from None
     try:
         settings = AgentSettings(
             controller_url=controller_url,
@@ -627,6 +645,7 @@ def agent(
             room_timeout_s=room_timeout,
             direct_watch=WatchMode(direct_watch) if direct_watch is not None else None,
             direct_socket=direct_socket,
+            worker_user=worker_user if os.geteuid() == 0 else None,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None

@@ -149,6 +149,9 @@ class LeaseRow(Base):
     """The queued request a preempted lease makes room for: if it goes away (released,
     expired, granted elsewhere) before this lease is gone, the preemption is withdrawn."""
     worker_token: Mapped[str | None] = mapped_column(String(64))
+    peer_secret: Mapped[str | None] = mapped_column(String(64))
+    """A remote lease's worker secret: its workers (devices, successors) know each other by it.
+    Only the agents that host the lease get it, never its holder."""
     cpu_milli: Mapped[int] = mapped_column(Integer, default=0)
     host_memory_mib: Mapped[int] = mapped_column(Integer, default=0)
     host_charge: Mapped[list[Any] | None] = mapped_column()

@@ -117,4 +117,7 @@ class ControllerSettings:
                 url = "postgresql+psycopg://" + url[len("postgres://") :]
             return url
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # The database holds every remote lease's tokens and peer secrets: the controller's
+        # user alone may enter the directory (a worker user on the same host may not).
+        os.chmod(self.data_dir, 0o700)
         return f"sqlite:///{(self.data_dir / 'gpupool.db').resolve()}"

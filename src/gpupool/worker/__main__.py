@@ -7,23 +7,44 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import BinaryIO
 
 from gpupool.startup import imports_without_gc, tune_gc
 
 with imports_without_gc():  # torch's import: a third of a second less CPU at every lease start
-    from gpupool.protocol.v1.dataplane import TOKEN_ENV, parse_address
+    from gpupool.protocol.v1.dataplane import (
+        TOKEN_ENV,
+        ProtocolError,
+        WorkerCredentials,
+        parse_address,
+    )
     from gpupool.worker.handoff import PATHS
     from gpupool.worker.room import ROOM_TIMEOUT_S
     from gpupool.worker.server import SPIN_US, WorkerConfig, run
+    from gpupool.worker.transfer import PEER_WAIT_S
 
 
 def parse_args(argv: list[str]) -> WorkerConfig:
     parser = argparse.ArgumentParser(prog="python -m gpupool.worker", description=__doc__)
     parser.add_argument("--lease", required=True, help="the lease this worker serves")
     parser.add_argument(
-        "--token",
+        "--credentials-stdin",
+        action="store_true",
+        help="read the worker's credentials (client, control and peer secrets) as one JSON "
+        "line from stdin before anything else: how an agent starts it",
+    )
+    parser.add_argument(
+        "--peer-wait-s",
+        type=float,
+        default=PEER_WAIT_S,
+        help="a copy to another device of the lease waits this long for the agent to name "
+        "that device's worker before it fails (a worker sends only to workers it was named)",
+    )
+    parser.add_argument(
+        "--ready-fd",
+        type=int,
         default=None,
-        help=f"the lease's client token (default: ${TOKEN_ENV}, which keeps it out of ps)",
+        help="write the ready line to this inherited descriptor and close it (default: stdout)",
     )
     parser.add_argument("--device", default="cpu", help="cuda:N or cpu")
     parser.add_argument("--memory-limit-mib", type=int, default=None)
@@ -97,9 +118,22 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         parser.error(f"--handoff-paths takes some of {','.join(PATHS)}")
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
-    token = args.token or os.environ.get(TOKEN_ENV)
-    if not token:
-        parser.error(f"--token or ${TOKEN_ENV} is required")
+    if args.credentials_stdin:
+        try:
+            credentials = read_credentials(sys.stdin.buffer)
+        except ProtocolError as exc:
+            parser.error(f"--credentials-stdin: {exc}")
+    else:
+        # By hand: the client role only (no agent, no peers); the variable stays readable in
+        # /proc/PID/environ to the worker's user, which is why an agent never uses it.
+        client = os.environ.pop(TOKEN_ENV, "")
+        if not client:
+            parser.error(f"--credentials-stdin or ${TOKEN_ENV} is required")
+        credentials = WorkerCredentials(client)
+    if not 0 <= args.peer_wait_s <= 600:
+        parser.error("--peer-wait-s must be 0..600")
+    if args.ready_fd is not None and args.ready_fd < 3:
+        parser.error("--ready-fd must be an inherited descriptor of its own (3 or more)")
     if args.memory_limit_mib is not None and args.memory_limit_mib <= 0:
         parser.error("--memory-limit-mib must be positive")
     if args.host_memory_limit_mib is not None and args.host_memory_limit_mib <= 0:
@@ -132,7 +166,11 @@ def parse_args(argv: list[str]) -> WorkerConfig:
             parser.error(f"--restore-from: {exc}")
     return WorkerConfig(
         lease_id=args.lease,
-        token=token,
+        token=credentials.client,
+        control_token=credentials.control,
+        peer_token=credentials.peer,
+        ready_fd=args.ready_fd,
+        peer_wait_s=args.peer_wait_s,
         device=args.device,
         memory_limit_mib=args.memory_limit_mib,
         host_memory_limit_mib=args.host_memory_limit_mib,
@@ -150,6 +188,21 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         simulated_gpu=args.simulated_gpu,
         cpus=cpus,
     )
+
+
+MAX_CREDENTIALS_BYTES = 64 * 1024
+
+
+def read_credentials(stream: BinaryIO) -> WorkerCredentials:
+    """The one line of credentials the agent writes on stdin; stdin is /dev/null after it, so
+    nothing the worker starts inherits the pipe."""
+    line = stream.readline(MAX_CREDENTIALS_BYTES)
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    if not line.endswith(b"\n"):
+        raise ProtocolError("no credentials line on stdin")
+    return WorkerCredentials.from_line(line)
 
 
 def parse_cpu_list(text: str) -> frozenset[int]:

@@ -48,7 +48,7 @@ from gpupool.worker.opchecks import CHECKS, guard
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
-from gpupool.worker.transfer import Arrivals, PeerLinks, TransferFailed
+from gpupool.worker.transfer import Arrivals, PeerLinks, PeerNotNamed, TransferFailed
 
 ALLOWED_NAMESPACES = frozenset({"aten"})
 """Ops of other namespaces (custom libraries, prims, distributed) never run on a worker; aten's
@@ -628,6 +628,8 @@ class Executor:
                 raise RuntimeError("copy to another device: the source is not a tensor")
             host = tensor.detach().to(self._host).contiguous()
             self.peers.send(address, xid, host)
+        except PeerNotNamed as exc:  # nobody to tell: the address is no worker of the lease
+            self._fail(exc, "copy to another device", [tensor], None)
         except Exception as exc:
             self.peers.send_failure(address, xid, first_line(exc))
             self._fail(exc, "copy to another device", [tensor], None)

@@ -34,6 +34,7 @@ from gpupool.protocol.v1.dataplane import (
     RemoteError,
     Role,
     SharedArena,
+    WorkerCredentials,
     bound_address,
     connect,
     listen,
@@ -42,7 +43,6 @@ from gpupool.protocol.v1.dataplane import (
     role_handshake,
     send_handshake,
     server_tls_context,
-    token_matches,
     tune,
 )
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
@@ -54,9 +54,11 @@ from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
 from gpupool.worker.memory import MiB, memory_limit_for
 from gpupool.worker.room import ROOM_TIMEOUT_S, Room
 from gpupool.worker.swap import ClientState
-from gpupool.worker.transfer import PeerLinks
+from gpupool.worker.transfer import PEER_WAIT_S, PeerLinks
 
 log = logging.getLogger("gpupool.worker")
+
+ROLES = (Role.CLIENT, Role.CONTROL, Role.SUCCESSOR, Role.PEER)
 
 SPIN_US = 0
 """After a batch, the worker may poll its socket this long before it sleeps in recv
@@ -78,6 +80,15 @@ HANDOFF_REPLY_GRACE_S = 5.0
 class WorkerConfig:
     lease_id: str
     token: str
+    """The lease's client token: it opens the client role only."""
+    control_token: str = ""
+    """The agent's secret for this worker (role control); empty: no agent may connect."""
+    peer_token: str = ""
+    """The lease's worker secret (roles peer and successor); empty: no other worker may."""
+    ready_fd: int | None = None
+    """Where the ready line goes (an agent's pipe), else stdout."""
+    peer_wait_s: float = PEER_WAIT_S
+    """How long a SEND to an address the agent has not named waits for it to be named."""
     device: str = "cpu"
     memory_limit_mib: int | None = None
     host_memory_limit_mib: int | None = None
@@ -109,6 +120,10 @@ class WorkerConfig:
     """The ledger of the simulated GPU's physical memory (fake backend, CPU worker)."""
     cpus: frozenset[int] | None = None
     """Host CPUs the worker runs on (all its threads: set before any starts), or all."""
+
+    @property
+    def credentials(self) -> WorkerCredentials:
+        return WorkerCredentials(self.token, self.control_token, self.peer_token)
 
 
 class Worker:
@@ -145,7 +160,7 @@ class Worker:
         )
         self.activity.memory_limit_bytes = self.memory.limit_bytes
         self.executor = Executor(config.lease_id, self.device, self.memory, self.activity)
-        self.executor.peers = PeerLinks(config.lease_id, config.token)
+        self.executor.peers = PeerLinks(config.lease_id, config.peer_token, config.peer_wait_s)
         self.elastic = Elasticity(
             self.executor, self.memory, config.idle_timeout_s, config.managed, self.room
         )
@@ -222,7 +237,7 @@ class Worker:
         assert self.address is not None
         with contextlib.closing(sock):
             try:
-                role_handshake(sock, self.config.lease_id, self.config.token, Role.SUCCESSOR)
+                role_handshake(sock, self.config.lease_id, self.config.peer_token, Role.SUCCESSOR)
             except RemoteError as exc:
                 raise DataPlaneError(f"the predecessor refused: {exc.body.message}") from None
             conn = Connection(sock, self.config.max_frame_bytes)
@@ -381,10 +396,14 @@ class Worker:
             problem = ErrorBody(
                 ErrorKind.PROTOCOL, f"data-plane version {body.get('v')!r}, worker speaks {VERSION}"
             )
-        elif body.get("lease") != self.config.lease_id or not token_matches(
-            self.config.token, body.get("token")
+        elif body.get("role", Role.CLIENT) not in ROLES:
+            problem = ErrorBody(ErrorKind.PROTOCOL, f"unknown role {body.get('role')!r:.64}")
+        elif body.get("lease") != self.config.lease_id or not self.config.credentials.admits(
+            str(body.get("role", Role.CLIENT)), body.get("token")
         ):
-            problem = ErrorBody(ErrorKind.AUTH, "refused: no valid token for this lease")
+            # One answer for a wrong lease, a wrong token and a token of another role: the
+            # client's token opens the client role only, and says nothing about the others.
+            problem = ErrorBody(ErrorKind.AUTH, "refused: no valid token for this lease and role")
         if problem is not None:
             for fd in hello.fds:
                 os.close(fd)
@@ -392,12 +411,7 @@ class Worker:
             raise ProtocolError(problem.message)
         sock.settimeout(None)
         assert isinstance(body, dict)
-        role = body.get("role", Role.CLIENT)
-        if role not in (Role.CLIENT, Role.CONTROL, Role.SUCCESSOR, Role.PEER):
-            for fd in hello.fds:
-                os.close(fd)
-            self._refuse(sock, ErrorBody(ErrorKind.PROTOCOL, f"unknown role {role!r}"))
-            raise ProtocolError(f"unknown role {role!r}")
+        role = str(body.get("role", Role.CLIENT))
         if body.get("shm") and hello.fds and role == Role.CLIENT:
             for fd in hello.fds[1:]:
                 os.close(fd)  # one arena per client; more descriptors would only leak
@@ -423,7 +437,7 @@ class Worker:
             head = conn.recv().head()
             if head[0] != Kind.CONTROL or len(head) != 3 or not isinstance(head[2], dict):
                 raise ProtocolError("expected [CONTROL, req, {op: ...}]")
-            conn.send([Kind.RESULT, head[1], self.elastic.control(head[2])])
+            conn.send([Kind.RESULT, head[1], self._control(head[2])])
         except ProtocolError as exc:
             with contextlib.suppress(DataPlaneError, OSError):
                 conn.send([Kind.ERROR, None, ErrorBody(ErrorKind.PROTOCOL, str(exc)).to_wire()])
@@ -431,6 +445,16 @@ class Worker:
             log.info("side connection (%s) ended: %s", role, exc)
         finally:
             conn.close()
+
+    def _control(self, body: dict[str, Any]) -> dict[str, Any]:
+        """An agent's request: `peers` names the lease's workers (the only addresses a SEND
+        may reach); the others are the elastic session's (resume, limits, swap, room)."""
+        if body.get("op") == "peers":
+            peers = self.executor.peers
+            if peers is None:
+                raise ProtocolError("this worker does not send to other workers")
+            return {"peers": peers.name(body.get("endpoints"))}
+        return self.elastic.control(body)
 
     def _refuse(self, sock: socket.socket, error: ErrorBody) -> None:
         with contextlib.suppress(OSError, DataPlaneError):
@@ -638,8 +662,15 @@ def run(config: WorkerConfig) -> int:
     signal.signal(signal.SIGINT, _stop)
     ready = {"event": "ready", "address": str(address), "lease": config.lease_id,
              "device": str(worker.device), "pid": os.getpid()}  # fmt: skip
-    sys.stdout.write(json.dumps(ready) + "\n")
-    sys.stdout.flush()
+    line = json.dumps(ready) + "\n"
+    if config.ready_fd is None:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+    else:  # the agent's pipe, read once: closed after, so it can never fill
+        try:
+            os.write(config.ready_fd, line.encode())
+        finally:
+            os.close(config.ready_fd)
     worker.serve_forever()
     worker.join()
     # Leave without finalizing the interpreter: torch's thread pools do not like to be torn

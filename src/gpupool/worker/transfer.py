@@ -3,7 +3,9 @@
 A lease of several GPUs may span servers. For `t.to("cuda:1")` the client places a SEND
 record in cuda:0's stream and a RECV record in cuda:1's, at the same point of its program;
 the first worker sends the values to the second over a connection of their own (HELLO role
-`peer`, the lease's token), and the second stores them when its stream reaches the RECV. Each
+`peer`, the lease's worker secret, which the client never sees), and the second stores them
+when its stream reaches the RECV. A worker connects only to the lease's workers its agent
+named, whatever address a SEND record carries. Each
 stream stays ordered, and the client neither waits nor carries the bytes.
 """
 
@@ -189,13 +191,71 @@ def _release(entry: tuple[Any, ...] | None) -> None:
         entry[4].release()
 
 
-class PeerLinks:
-    """This worker's connections to the other workers of its lease, one per address."""
+PEER_WAIT_S = 10.0
+"""How long a SEND to an address its agent has not named yet waits for the agent to name it:
+a lease's workers learn each other's endpoints through their agents' heartbeats, which may
+come a moment after the client learnt them from the controller."""
+MAX_PEERS = 64
 
-    def __init__(self, lease: str, token: str) -> None:
+
+class PeerNotNamed(TransferFailed):
+    """A SEND to an address that is not a worker of this lease: no connection is made."""
+
+
+class PeerLinks:
+    """This worker's connections to the other workers of its lease, one per address.
+
+    It connects only to the endpoints its agent named (control op `peers`), never to an
+    address a client's SEND record merely names: the client token must not make the worker
+    open connections elsewhere and present the lease's peer secret there."""
+
+    def __init__(self, lease: str, token: str, wait_s: float = PEER_WAIT_S) -> None:
         self.lease = lease
         self.token = token
+        self.wait_s = wait_s
         self._conns: dict[str, Connection] = {}
+        self._named: frozenset[str] = frozenset()
+        self._changed = threading.Condition()
+
+    def name(self, endpoints: object) -> list[str]:
+        """The agent names the lease's workers: only these are ever connected to."""
+        if not isinstance(endpoints, list) or len(endpoints) > MAX_PEERS:
+            raise ProtocolError(f"peers is a list of at most {MAX_PEERS} endpoints")
+        named = set()
+        for endpoint in endpoints:
+            if endpoint is None:
+                continue  # a worker of the lease that does not listen yet
+            if not isinstance(endpoint, str) or len(endpoint) > 256:
+                raise ProtocolError("a peer endpoint is an address string")
+            named.add(_normal(endpoint))
+        with self._changed:
+            self._named = frozenset(named)
+            self._changed.notify_all()
+        return sorted(named)
+
+    @property
+    def named(self) -> frozenset[str]:
+        return self._named
+
+    def _check_named(self, address: str) -> str:
+        """`address` as named by the agent, waiting a little for the agent to name it."""
+        if not self.token:
+            raise PeerNotNamed("this worker was started without its lease's peer secret")
+        try:
+            wanted = _normal(address)
+        except ValueError as exc:
+            raise PeerNotNamed(f"{address!r:.80} is not an address: {exc}") from None
+        deadline = time.monotonic() + self.wait_s
+        with self._changed:
+            while wanted not in self._named:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise PeerNotNamed(
+                        f"{wanted:.200} is not a worker of lease {self.lease}: its agent named "
+                        f"{len(self._named)} peer(s), not this one"
+                    )
+                self._changed.wait(left)
+        return wanted
 
     def send(self, address: str, xid: int, host: torch.Tensor) -> None:
         conn = self._conn(address)
@@ -219,6 +279,10 @@ class PeerLinks:
         conn = self._conns.get(address)
         if conn is not None:
             return conn
+        address = self._check_named(address)
+        conn = self._conns.get(address)
+        if conn is not None:
+            return conn
         try:
             target = parse_address(address)
             sock = connect(target)
@@ -238,10 +302,19 @@ class PeerLinks:
         return conn
 
     def _drop(self, address: str) -> None:
-        conn = self._conns.pop(address, None)
-        if conn is not None:
-            conn.close()
+        keys = {address}
+        with contextlib.suppress(ValueError):
+            keys.add(_normal(address))
+        for key in keys:
+            conn = self._conns.pop(key, None)
+            if conn is not None:
+                conn.close()
 
     def close(self) -> None:
         for address in list(self._conns):
             self._drop(address)
+
+
+def _normal(address: str) -> str:
+    """One spelling per endpoint, so `tcp://127.0.0.1:5` and its parsed form compare equal."""
+    return str(parse_address(address))

@@ -422,7 +422,13 @@ def remote_lease_for(store: Store, row: LeaseRow, node: str) -> RemoteLease | No
     )
     ordered = swap_reason(row) if state in MOVABLE and current is None else None
     return RemoteLease(
-        token=row.worker_token, slices=pieces, idle_timeout_s=idle, swap_reason=ordered
+        token=row.worker_token,
+        peer_secret=row.peer_secret,
+        peers=[s.endpoint for s in row.slices],
+        host_memory_mib=row.host_memory_mib or 0,
+        slices=pieces,
+        idle_timeout_s=idle,
+        swap_reason=ordered,
     )
 
 

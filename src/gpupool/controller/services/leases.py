@@ -130,9 +130,11 @@ def create(
         queue_seq=entry.seq,
         created_at=now,
         last_heartbeat_at=now,
-        # Remote: the data-plane token its client and workers share. Direct: what `gpupool run`
-        # shows the agent to attach its processes to the lease's watch (agent/watch.py).
+        # Remote: the data-plane token its client presents to its workers. Direct: what `gpupool
+        # run` shows the agent to attach its processes to the lease's watch (agent/watch.py).
         worker_token=secrets.token_urlsafe(32),
+        # Remote: what the lease's workers (peers, successors) show each other; never the client.
+        peer_secret=secrets.token_urlsafe(32) if request.access is Access.REMOTE else None,
         cpu_milli=request.cpu_milli,
         host_memory_mib=request.host_memory_mib,
         request_id=body.request_id,

@@ -157,7 +157,15 @@ class RemoteLease(BaseModel):
     """A remote lease with slices on the agent's node: the agent runs one worker per slice."""
 
     token: str
+    """The lease's client token: the worker admits its holder with it, as a client only."""
     slices: list[RemoteSlice]
+    peer_secret: str | None = None
+    """The lease's worker secret, for the agents that host the lease only: its workers accept
+    peer copies and successors with it (None: they accept neither)."""
+    peers: list[str | None] = Field(default_factory=list)
+    """Where the lease's workers listen, by device: the only addresses its workers send to."""
+    host_memory_mib: int = 0
+    """The lease's host memory allowance: part of each worker's cgroup memory limit."""
     idle_timeout_s: float | None = None
     """Ask the client to swap out after this long without ops (None: never)."""
     swap_reason: str | None = None

@@ -428,15 +428,73 @@ def unpack_head(body: bytes) -> list[Any]:
 
 
 class Role:
-    """Who opens a connection to a worker (HELLO's `role`); a tenant is always `client`."""
+    """Who opens a connection to a worker (HELLO's `role`); a tenant is always `client`.
+
+    Each role has its own credential (`WorkerCredentials`): the client's lease token opens the
+    client role only, so a tenant can neither act as the agent nor as a worker of its lease."""
 
     CLIENT = "client"
     CONTROL = "control"
-    """the agent: resume in place, change limits, ask for a swap."""
+    """the agent: resume in place, change limits, ask for a swap, name the lease's peers."""
     SUCCESSOR = "successor"
     """a fresh worker of the same lease that takes over the client's state."""
     PEER = "peer"
     """another worker of the same lease, sending tensors for copies between its devices."""
+
+
+@dataclass(frozen=True)
+class WorkerCredentials:
+    """The secrets of one worker, one per role, none of them in its argv or environment.
+
+    `client` is the lease's data-plane token (what its holder connects with); `control` is the
+    agent's secret for this one worker, which the tenant never sees; `peer` is the lease's
+    worker secret, the same on every worker of the lease (its devices, a successor), which
+    the controller gives only to the agents that host the lease. A role whose secret is empty
+    is refused: a worker started by hand without a peer secret takes no peers."""
+
+    client: str
+    control: str = ""
+    peer: str = ""
+
+    def admits(self, role: str, given: object) -> bool:
+        """Whether `given` is the secret of `role` (constant time; unknown roles: never)."""
+        expected = {
+            Role.CLIENT: self.client,
+            Role.CONTROL: self.control,
+            Role.SUCCESSOR: self.peer,
+            Role.PEER: self.peer,
+        }.get(role, "")
+        return bool(expected) and token_matches(expected, given)
+
+    def to_line(self) -> bytes:
+        """One JSON line, as the worker reads its credentials from stdin."""
+        import json
+
+        body = {"client": self.client, "control": self.control, "peer": self.peer}
+        return (json.dumps(body) + "\n").encode()
+
+    @classmethod
+    def from_line(cls, line: bytes | str) -> WorkerCredentials:
+        import json
+
+        try:
+            body = json.loads(line)
+        except ValueError as exc:
+            raise ProtocolError(f"the credentials line is not JSON: {exc}") from None
+        if not isinstance(body, dict) or not all(
+            isinstance(body.get(k, ""), str) for k in ("client", "control", "peer")
+        ):
+            raise ProtocolError("the credentials line is {client, control, peer}, all strings")
+        if not body.get("client"):
+            raise ProtocolError("the credentials line has no client token")
+        return cls(str(body["client"]), str(body.get("control", "")), str(body.get("peer", "")))
+
+    @classmethod
+    def generate(cls, client: str, peer: str | None = None) -> WorkerCredentials:
+        """Fresh control (and, unless given, peer) secrets for a worker of `client`'s lease."""
+        import secrets
+
+        return cls(client, secrets.token_urlsafe(32), peer or secrets.token_urlsafe(32))
 
 
 class _Reader:
@@ -813,7 +871,9 @@ def send_control(
 # ---- starting a worker (the agent's side of the worker's command line) --------------------
 
 TOKEN_ENV = "GPUPOOL_WORKER_TOKEN"
-"""The worker reads its lease token from this variable, so it never shows in `ps`."""
+"""A worker started by hand may read its client token from this variable (`ps` does not show
+it, but /proc/PID/environ does, to its user): an agent never uses it, it sends the worker's
+credentials on its stdin (`--credentials-stdin`)."""
 WORKER_EXIT_DEVICE_BROKEN = 3
 """A worker's exit status when the client's error broke its CUDA context (a sticky error such
 as a device-side assert): the worker ends on purpose, it did not crash."""
@@ -839,8 +899,12 @@ def worker_argv(
     room_timeout_s: float | None = None,
     simulated_gpu: Path | None = None,
     cpus: str | None = None,
+    credentials_stdin: bool = False,
+    ready_fd: int | None = None,
+    peer_wait_s: float | None = None,
 ) -> list[str]:
-    """The command that starts a worker; pass the token in the environment as TOKEN_ENV."""
+    """The command that starts a worker. Its credentials go on its stdin (credentials_stdin:
+    one `WorkerCredentials.to_line()`) or, started by hand, in TOKEN_ENV; never in argv."""
     import sys
 
     argv = [python or sys.executable, "-m", "gpupool.worker", "--lease", lease,
@@ -871,6 +935,12 @@ def worker_argv(
         argv += ["--room-timeout-s", f"{room_timeout_s:g}"]
     if simulated_gpu is not None:
         argv += ["--simulated-gpu", str(simulated_gpu)]
+    if peer_wait_s is not None:
+        argv += ["--peer-wait-s", f"{peer_wait_s:g}"]
+    if credentials_stdin:
+        argv += ["--credentials-stdin"]
+    if ready_fd is not None:
+        argv += ["--ready-fd", str(ready_fd)]
     return argv
 
 
@@ -882,6 +952,9 @@ class WorkerReady:
     lease: str
     device: str
     pid: int
+    credentials: WorkerCredentials | None = None
+    """What the worker was started with (start_worker_process): its starter keeps the control
+    secret to send it requests, and the peer secret for the lease's other workers."""
 
 
 def parse_ready(line: str) -> WorkerReady:
@@ -901,35 +974,125 @@ def parse_ready(line: str) -> WorkerReady:
         raise DataPlaneError(f"worker did not report ready: {line.strip()!r}") from exc
 
 
+class WorkerStartFailed(DataPlaneError):
+    """A worker process did not come up: it exited, stayed silent, or could not be placed."""
+
+
+READY_LINE_MAX = 4096
+
+
 def start_worker_process(
     lease: str,
-    token: str,
+    token: str | WorkerCredentials,
     *,
     env: dict[str, str] | None = None,
     ready_timeout_s: float = 120.0,
+    log_file: Path | None = None,
+    user: int | None = None,
+    group: int | None = None,
+    cwd: Path | None = None,
+    placed: Callable[[int], None] | None = None,
     **options: Any,
 ) -> tuple[Any, WorkerReady]:
     """Start `python -m gpupool.worker` (options as for worker_argv) and wait for its ready
-    line: what an agent does for a remote lease. Returns (Popen, WorkerReady)."""
-    import selectors
+    line: what an agent does for a remote lease. Returns (Popen, WorkerReady).
+
+    `token` is the lease's client token (fresh control and peer secrets are made for it) or
+    the worker's whole credentials; they go through a pipe on the worker's stdin, which it
+    reads before anything else, so they are in neither its argv nor its environment. Its
+    stdout and stderr go to `log_file` (else nowhere): a pipe nobody reads would stop the
+    worker the moment it filled; the ready line comes on a pipe of its own. `user`/`group`
+    run it as another user (an agent running as root), `placed(pid)` runs before the worker
+    gets its credentials, so a worker is in its cgroup before it can serve anybody."""
     import subprocess
 
-    child_env = {**(os.environ if env is None else env), TOKEN_ENV: token}
-    proc = subprocess.Popen(
-        worker_argv(lease, **options), stdout=subprocess.PIPE, text=True, env=child_env
-    )
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as selector:
-        selector.register(proc.stdout, selectors.EVENT_READ)
-        if not selector.select(ready_timeout_s):
-            proc.kill()
-            raise DataPlaneError(
-                f"worker for lease {lease} did not start within {ready_timeout_s:.0f} s"
-            )
-    line = proc.stdout.readline()
+    credentials = WorkerCredentials.generate(token) if isinstance(token, str) else token
+    child_env = dict(os.environ if env is None else env)
+    child_env.pop(TOKEN_ENV, None)
+    read_end, write_end = os.pipe()
+    out: Any = subprocess.DEVNULL
+    if log_file is not None:
+        out = open(log_file, "ab")  # noqa: SIM115 - the child holds it; ours closes below
+    try:
+        proc = subprocess.Popen(
+            worker_argv(lease, credentials_stdin=True, ready_fd=write_end, **options),
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            env=child_env,
+            pass_fds=(write_end,),
+            user=user,
+            group=group,
+            extra_groups=[] if group is not None else None,
+            cwd=cwd,
+        )
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+        if log_file is not None:
+            out.close()
+    assert proc.stdin is not None
+    try:
+        if placed is not None:
+            placed(proc.pid)
+        try:
+            proc.stdin.write(credentials.to_line())
+            proc.stdin.close()
+        except OSError:  # it died before reading them: said below as it exited
+            pass
+        line = _read_ready(read_end, ready_timeout_s)
+    except BaseException:
+        _kill(proc)
+        os.close(read_end)
+        raise
+    os.close(read_end)
+    if line is None:
+        _kill(proc)
+        raise WorkerStartFailed(
+            f"worker for lease {lease} did not start within {ready_timeout_s:.0f} s"
+            + _log_tail(log_file)
+        )
     if not line:
         proc.wait()
-        raise DataPlaneError(
+        raise WorkerStartFailed(
             f"worker for lease {lease} exited with {proc.returncode} before it was ready"
+            + _log_tail(log_file)
         )
-    return proc, parse_ready(line)
+    ready = parse_ready(line)
+    return proc, WorkerReady(ready.address, ready.lease, ready.device, ready.pid, credentials)
+
+
+def _read_ready(fd: int, timeout_s: float) -> str | None:
+    """The worker's ready line from `fd`: None if none came in time, "" if it closed first."""
+    deadline = time.monotonic() + timeout_s
+    got = b""
+    while b"\n" not in got and len(got) < READY_LINE_MAX:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        readable, _, _ = select.select([fd], [], [], left)
+        if not readable:
+            return None
+        chunk = os.read(fd, READY_LINE_MAX)
+        if not chunk:
+            break
+        got += chunk
+    return got.decode(errors="replace").partition("\n")[0] if b"\n" in got else ""
+
+
+def _kill(proc: Any) -> None:
+    with contextlib.suppress(OSError):
+        proc.kill()
+    proc.wait()
+
+
+def _log_tail(log_file: Path | None, lines: int = 5) -> str:
+    if log_file is None:
+        return ""
+    try:
+        tail = log_file.read_text(errors="replace").strip().splitlines()[-lines:]
+    except OSError:
+        return ""
+    return (": " + " | ".join(tail))[:1000] if tail else ""
