@@ -62,6 +62,8 @@ OPS = {
 class WorkerProcess:
     proc: subprocess.Popen[str]
     address: str
+    peer_secret: str
+    """The lease's worker secret: what a peer worker shows (never the client's token)."""
 
     def peak_rss_bytes(self) -> int:
         """The process's resident high-water mark (VmHWM): what it ever took, not what it
@@ -77,7 +79,8 @@ class WorkerProcess:
 def worker() -> Iterator[WorkerProcess]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc, ready = start_worker_process(LEASE, TOKEN, env=env, threads=1, memory_limit_mib=LIMIT_MIB)
-    yield WorkerProcess(proc, str(ready.address))
+    assert ready.credentials is not None
+    yield WorkerProcess(proc, str(ready.address), ready.credentials.peer)
     proc.terminate()
     proc.wait(timeout=10)
 
@@ -285,7 +288,7 @@ def test_a_put_into_a_whole_tensor_needs_no_staging(client: Client) -> None:
 
 def peer(worker: WorkerProcess) -> Connection:
     sock = connect(parse_address(worker.address))
-    role_handshake(sock, LEASE, TOKEN, Role.PEER)
+    role_handshake(sock, LEASE, worker.peer_secret, Role.PEER)
     return Connection(sock)
 
 

@@ -626,8 +626,13 @@ class Executor:
         try:
             if not isinstance(tensor, torch.Tensor):
                 raise RuntimeError("copy to another device: the source is not a tensor")
-            host = tensor.detach().to(self._host).contiguous()
-            self.peers.send(address, xid, host)
+            copies = tensor.device.type != "cpu" or not tensor.is_contiguous()
+            nbytes = tensor.numel() * tensor.element_size() if copies else 0
+            # The host copy is memory too: charged before it exists, freed once it is sent.
+            with self.memory.reserve_host(nbytes, "a send's host copy"):
+                host = tensor.detach().to(self._host).contiguous()
+                self.peers.send(address, xid, host)
+                del host
         except PeerNotNamed as exc:  # nobody to tell: the address is no worker of the lease
             self._fail(exc, "copy to another device", [tensor], None)
         except Exception as exc:
