@@ -14,6 +14,18 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stam
   .venv/bin/python -c 'import gpupool.controller.app, gpupool.cli.main' # fail here, not later
   touch "$stamp"
 fi
+# Run as root, the agent starts workers as the unprivileged user gpupool-worker, which must
+# reach the interpreter and this checkout. A Python under a mode-700 home (pyenv in /root) is
+# out of its reach: give the folders on those paths the search bit only (no listing, no
+# reading of anything that is not already world-readable).
+if [ "$(id -u)" = 0 ]; then
+  for p in "$(.venv/bin/python -c 'import sys; print(sys.base_prefix)')" "$PWD"; do
+    while [ "$p" != / ] && [ -n "$p" ]; do
+      [ -d "$p" ] && [ ! -L "$p" ] && chmod o+x "$p" 2>/dev/null || true
+      p=$(dirname "$p")
+    done
+  done
+fi
 # The client's and the worker's compiled hot paths (optional: without a C compiler the Python
 # paths run).
 stale=0
