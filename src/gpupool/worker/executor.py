@@ -35,7 +35,7 @@ from gpupool.protocol.v1.tensors import (
 )
 from gpupool.worker.activity import Activity
 from gpupool.worker.memory import LimitExceeded, MemoryLimit, MiB
-from gpupool.worker.opchecks import CHECKS, guard
+from gpupool.worker.opchecks import CHECKS, guard, zero_fill_cpu_allocations
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
@@ -196,6 +196,7 @@ class Executor:
     """Connections to the lease's other workers, for SEND records (set by the server)."""
 
     def __post_init__(self) -> None:
+        zero_fill_cpu_allocations()  # a tenant never gets memory no kernel of its wrote
         self._host = torch.device("cpu")
         self.activity.watch_memory(self.memory.held_bytes)
         self._handlers: dict[int, Callable[[list[Any], Link], None]] = {
