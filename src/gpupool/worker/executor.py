@@ -92,6 +92,18 @@ class Unsupported(Exception):
     pass
 
 
+def _movable_dtype(tensor: torch.Tensor) -> str:
+    """The wire name of a tensor's dtype, or Unsupported where the wire cannot carry it."""
+    if tensor.is_nested or tensor.layout is not torch.strided:
+        raise Unsupported(
+            f"gpupool cannot read a tensor of layout {tensor.layout} (nested or sparse)"
+        )
+    try:
+        return dtype_name(tensor.dtype)
+    except TypeError as exc:
+        raise Unsupported(str(exc)) from None
+
+
 @dataclass
 class _Op:
     name: str
@@ -467,10 +479,18 @@ class Executor:
             return
         if not isinstance(tensor, torch.Tensor):
             raise ProtocolError(f"READ of {type(tensor).__name__}, not of a tensor handle")
+        try:
+            dtype = _movable_dtype(tensor)
+        except Unsupported as exc:
+            # An op made it (quint8, complex32, nested, sparse): the client's read of it is
+            # that op's error, not a broken connection.
+            self._fail(exc, "read", [tensor], None)
+            self._report_error(req, link)
+            return
         head: list[Any] = [
             Kind.DATA,
             req,
-            dtype_name(tensor.dtype),
+            dtype,
             list(tensor.shape),
             0,
             0,
