@@ -168,3 +168,23 @@ def test_a_put_larger_than_its_shape_or_target_is_refused_before_allocating() ->
         run(executor, [[Rec.PUT, 10, "float32", [4], None, 1 << 40, None]])
     with pytest.raises(ProtocolError, match="elements into a tensor of 4"):
         run(executor, [[Rec.PUT, 10, "float32", [1 << 30], None, 4 << 30, None]])
+
+
+@pytest.mark.parametrize(
+    "made",
+    [
+        lambda: torch.quantize_per_tensor(torch.ones(3), 0.5, 0, torch.quint8),
+        lambda: torch.ones(3).to(torch.complex32),
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+    ],
+    ids=["quint8", "complex32", "nested"],
+)
+def test_a_read_the_wire_cannot_carry_is_an_op_error_and_the_session_goes_on(made: Any) -> None:
+    """An op output the wire has no form for (what `quantize_per_tensor`, `_to_copy` or the
+    nested constructors make) fails its READ as an ordinary error; it closed the connection."""
+    executor = make()
+    run(executor, [empty(10, 3), [Rec.OP, 2, [handle_ext(10), 2.0], None, None]])
+    executor.tensors[11] = made()
+    error = read(executor, 11)
+    assert error["kind"] == ErrorKind.UNSUPPORTED and "gpupool cannot" in error["message"]
+    assert read(executor, 10) == [2.0, 2.0, 2.0]

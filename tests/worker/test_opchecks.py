@@ -362,3 +362,87 @@ def test_sparse_gather_backward_makes_only_valid_sparse_tensors() -> None:
         "aten::_gather_sparse_backward", torch.ones(4), 0, torch.tensor([100_000]), torch.ones(1),
         match="invalid sparse tensor",
     )  # fmt: skip
+
+
+def test_segment_reduce_offsets_must_start_at_0_end_at_the_size_and_not_decrease() -> None:
+    data = torch.arange(6.0)
+    forward = checked("aten::segment_reduce")
+    assert forward(data, "sum", offsets=torch.tensor([0, 2, 6])).tolist() == [1.0, 14.0]
+    two = torch.arange(12.0).view(2, 6)
+    rows = torch.tensor([[0, 3, 6], [0, 1, 6]])
+    assert forward(two, "max", offsets=rows, axis=1).tolist() == [[2.0, 5.0], [6.0, 11.0]]
+    # The fuzzer's read outside the data (seed 20, session 7), and its relatives.
+    refuses("aten::segment_reduce", data, "max", offsets=torch.arange(-8, -4), unsafe=False)
+    refuses("aten::segment_reduce", data, "max", offsets=torch.tensor([0, 9]), match="end at")
+    refuses("aten::segment_reduce", data, "max", offsets=torch.tensor([0, 4, 2, 6]),
+            match="decrease")  # fmt: skip
+    refuses("aten::segment_reduce", data, "max", offsets=torch.tensor([0.0, 6.0]),
+            match="integers")  # fmt: skip
+    refuses("aten::segment_reduce", two, "max", offsets=torch.tensor([0, 6]), axis=1,
+            match="shape")  # fmt: skip
+    refuses("aten::segment_reduce", data, "sum", lengths=torch.tensor([-2, 8]), match="negative")
+    refuses("aten::segment_reduce", data, "sum", match="exactly one")
+    refuses("aten::segment_reduce.out", data, "max", offsets=torch.arange(-8, -4),
+            out=torch.empty(3))  # fmt: skip
+    grad, output = torch.ones(3), torch.zeros(3)
+    refuses("aten::_segment_reduce_backward", grad, output, data, "max",
+            offsets=torch.arange(-8, -4))  # fmt: skip
+
+
+def test_unsafe_index_and_index_put_check_their_indices() -> None:
+    base = torch.arange(12.0).view(3, 4)
+    index = checked("aten::_unsafe_index.Tensor")
+    assert index(base, [torch.tensor([2, -1])]).equal(base[[2, -1]])
+    assert index(base, [None, torch.tensor([3])]).equal(base[:, [3]])
+    refuses("aten::_unsafe_index.Tensor", base, [torch.tensor([3])], match=r"outside \[-3, 3\)")
+    refuses("aten::_unsafe_index.Tensor", base, [None, torch.tensor([-1 << 40])], match="outside")
+    refuses("aten::_unsafe_index.Tensor", base, [None, None, torch.tensor([0])], match="too many")
+    put = checked("aten::_unsafe_index_put")
+    assert put(base, [torch.tensor([0])], torch.tensor(7.0))[0].tolist() == [7.0] * 4
+    refuses("aten::_unsafe_index_put", base, [torch.tensor([1 << 20])], torch.tensor(7.0))
+    assert base[0].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+
+def test_stack_of_no_tensors_is_refused_not_a_crash() -> None:
+    refuses("aten::_stack", [], -2, match="non-empty")
+    refuses("aten::_stack.out", [], 0, out=torch.empty(0), match="non-empty")
+    assert checked("aten::_stack")([torch.ones(2), torch.zeros(2)], -2).shape == (2, 2)
+
+
+def test_foreach_ops_need_lists_of_the_same_length() -> None:
+    dst = [torch.zeros(2), torch.zeros(2)]
+    refuses("aten::_foreach_copy_", dst, [torch.ones(2)], match="src has 1 entries for 2")
+    refuses("aten::_foreach_add.List", dst, [torch.ones(2)] * 3, match="other")
+    checked("aten::_foreach_copy_")(dst, [torch.ones(2), torch.full((2,), 2.0)])
+    assert [t.tolist() for t in dst] == [[1.0, 1.0], [2.0, 2.0]]
+
+
+def test_special_polynomials_refuse_a_degree_no_float_needs() -> None:
+    x = torch.linspace(-1, 1, 5)
+    p2 = checked("aten::special_legendre_polynomial_p.n_scalar")(x, 2)
+    assert torch.allclose(p2, (3 * x * x - 1) / 2)
+    refuses("aten::special_legendre_polynomial_p.n_scalar", x, 1 << 62, match="degree")
+    refuses("aten::special_legendre_polynomial_p.out", x, torch.tensor([float(1 << 62)]),
+            out=torch.empty(5), match="degree")  # fmt: skip
+    refuses("aten::special_hermite_polynomial_h", x, torch.tensor([float("nan")]), match="nan")
+    assert ruling("aten::special_chebyshev_polynomial_t.x_scalar").detail == "polynomial_degree"
+
+
+def test_cpu_memory_no_kernel_wrote_comes_back_zeroed() -> None:
+    """What `empty`, `resize_`, `set_` growth and resizing `.out` ops hand back (the executor
+    switches the allocator's zero fill on for its whole process)."""
+    from gpupool.worker.opchecks import zero_fill_cpu_allocations
+
+    zero_fill_cpu_allocations()
+    marker = 0x5A
+    for _ in range(50):
+        dirty = torch.full((1 << 12,), marker, dtype=torch.uint8)
+        del dirty
+        assert int(torch.empty(1 << 12, dtype=torch.uint8).max()) == 0
+        grown = torch.ones(4, dtype=torch.uint8).resize_(1 << 12)
+        assert int(grown[4:].max()) == 0
+        assert int(torch.ones(2).new_empty_strided((64,), (1,)).abs().max()) == 0
+        out = torch.empty(0)
+        torch.ops.aten._logcumsumexp.out(torch.zeros(0, 3), 0, out=torch.empty(0))
+        torch.max(torch.ones(3, 5), 1, out=(out, torch.empty(0, dtype=torch.long)))
+        assert out.tolist() == [1.0] * 3

@@ -34,17 +34,6 @@ SEED = 20
 CI_OPS = 300
 """A few hundred ops: seconds on a CPU worker, the same ops every run."""
 
-# What this very run (seed 20, 300 ops) finds against the worker before issue 20's fixes: reads
-# through segment_reduce's unchecked lengths and offsets return the planted heap secret and heap
-# addresses, and _stack.out crashes the worker (SIGSEGV). Longer runs find more of the same
-# (bench/results/worker_fuzz.json). The lead removes this mark once the op policy (sec-ops),
-# charging before allocating (sec-memory) and the scrubbed environment (sec-creds) are merged;
-# the test must then pass as it stands.
-KNOWN_FINDINGS = (
-    "issue 20, before its fixes (seed 20): segment_reduce with unchecked lengths/offsets "
-    "returns the planted heap secret and heap addresses; _stack.out crashes the worker (SIGSEGV)"
-)
-
 
 @pytest.fixture(scope="module")
 def table() -> list[object]:
@@ -194,7 +183,6 @@ def test_the_fuzzed_worker_holds_the_planted_secrets_and_runs_under_its_guards(
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.xfail(strict=False, reason=KNOWN_FINDINGS)
 def test_fuzzed_ops_return_no_secret_nor_address_and_harm_neither_worker(fuzzer: Fuzzer) -> None:
     """A few hundred random ops with adversarial arguments (seed 20, sessions 0-11): no reply
     holds a secret or an address of the worker, the worker never crashes, hangs or logs a

@@ -44,7 +44,7 @@ from gpupool.worker.memory import (
     Reservation,
     is_out_of_memory,
 )
-from gpupool.worker.opchecks import CHECKS, guard
+from gpupool.worker.opchecks import CHECKS, guard, zero_fill_cpu_allocations
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
@@ -99,6 +99,18 @@ class Missing:
 
 class Unsupported(Exception):
     pass
+
+
+def _movable_dtype(tensor: torch.Tensor) -> str:
+    """The wire name of a tensor's dtype, or Unsupported where the wire cannot carry it."""
+    if tensor.is_nested or tensor.layout is not torch.strided:
+        raise Unsupported(
+            f"gpupool cannot read a tensor of layout {tensor.layout} (nested or sparse)"
+        )
+    try:
+        return dtype_name(tensor.dtype)
+    except TypeError as exc:
+        raise Unsupported(str(exc)) from None
 
 
 @dataclass
@@ -208,6 +220,7 @@ class Executor:
     """Connections to the lease's other workers, for SEND records (set by the server)."""
 
     def __post_init__(self) -> None:
+        zero_fill_cpu_allocations()  # a tenant never gets memory no kernel of its wrote
         self._host = torch.device("cpu")
         self.activity.watch_memory(self.memory.held_bytes)
         self._admission = Admission(self.memory) if self.memory.counts_storages else None
@@ -506,10 +519,18 @@ class Executor:
             return
         if not isinstance(tensor, torch.Tensor):
             raise ProtocolError(f"READ of {type(tensor).__name__}, not of a tensor handle")
+        try:
+            dtype = _movable_dtype(tensor)
+        except Unsupported as exc:
+            # An op made it (quint8, complex32, nested, sparse): the client's read of it is
+            # that op's error, not a broken connection.
+            self._fail(exc, "read", [tensor], None)
+            self._report_error(req, link)
+            return
         head: list[Any] = [
             Kind.DATA,
             req,
-            dtype_name(tensor.dtype),
+            dtype,
             list(tensor.shape),
             0,
             0,

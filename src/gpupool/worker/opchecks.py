@@ -11,10 +11,12 @@ bare C++ callable: the checks cost nothing where they are not needed.
 
 from __future__ import annotations
 
+import ctypes
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -198,6 +200,38 @@ def _copy_outputs(a: Args, result: Any) -> Any:
     return result
 
 
+# ---- memory the worker did not write ----------------------------------------------------------
+
+
+class ZeroFillUnavailable(RuntimeError):
+    """The worker's torch has no switch to zero-fill its CPU allocations: it must not serve."""
+
+
+_ZERO_FILL_FLAG = "FLAGS_caffe2_cpu_allocator_do_zero_fill"
+
+
+def zero_fill_cpu_allocations() -> None:
+    """Make every CPU allocation of this process's torch start zeroed.
+
+    `empty*`, `new_empty*`, `resize_`, `set_` growing a storage and `.out` ops that resize their
+    outputs hand back memory no kernel wrote: freed heap chunks that held the worker's own data
+    (its environment, heap pointers, earlier tensors). Wrapping each such op cannot catch the
+    `.out` kernels that resize and then write only part of the result, so the allocator itself
+    zero-fills (c10's `caffe2_cpu_allocator_do_zero_fill`, read on every `alloc_cpu`). Its cost is
+    one memset per CPU allocation: nothing measurable for small tensors, up to one more pass over
+    a large fresh output (a CUDA worker allocates host memory only for staging and host tensors).
+    Device memory from the CUDA caching allocator only ever held this lease's own tensors.
+    """
+    import torch
+
+    library = Path(torch.__file__).parent / "lib" / "libc10.so"
+    try:
+        flag = ctypes.c_bool.in_dll(ctypes.CDLL(str(library)), _ZERO_FILL_FLAG)
+    except (OSError, ValueError) as exc:
+        raise ZeroFillUnavailable(f"cannot zero-fill CPU allocations ({library}): {exc}") from exc
+    flag.value = True
+
+
 # ---- unsafe switches ---------------------------------------------------------------------------
 
 
@@ -254,9 +288,58 @@ def _validate_sparse(tensor: torch.Tensor) -> None:
 # ---- ops whose saved tensors come from the client -------------------------------------------
 
 
+def _segments(a: Args) -> None:
+    """`segment_reduce` validates `lengths` on its checked path but never `offsets` (negative or
+    decreasing offsets read outside the data), and neither is checked in its backward: both
+    are checked here as torch documents them. Along `axis`, lengths are non-negative and sum to
+    the data's size; offsets start at 0, never decrease and end at the size; their leading
+    dimensions are the data's before `axis`."""
+    data = _tensor(a["data"], "data")
+    if _present(a.get("indices")):
+        raise OpRefused("indices are not supported (use lengths or offsets)")
+    axis = _int(a.get("axis", 0), "axis")
+    if not -data.dim() <= axis < max(data.dim(), 1) or data.dim() == 0:
+        raise OpRefused(f"axis {axis} out of range for {data.dim()} dimensions")
+    axis %= data.dim()
+    size = data.size(axis)
+    lengths, offsets = a.get("lengths"), a.get("offsets")
+    if (lengths is None) == (offsets is None):
+        raise OpRefused("exactly one of lengths and offsets")
+    given = _tensor(lengths if lengths is not None else offsets, "segments")
+    what = "lengths" if lengths is not None else "offsets"
+    _integral(given, what)
+    if given.dim() != axis + 1 or list(given.shape[:axis]) != list(data.shape[:axis]):
+        raise OpRefused(
+            f"{what} has shape {list(given.shape)} for data {list(data.shape)} at axis {axis}"
+        )
+    if given.device != data.device:
+        raise OpRefused(f"{what} is on {given.device}, data on {data.device}")
+    values = given.to(torch.int64)
+    if lengths is not None:
+        if values.numel() and int(values.min()) < 0:
+            raise OpRefused("lengths must not be negative")
+        if values.numel() and bool((values.sum(-1) != size).any()):
+            raise OpRefused(f"lengths must sum to data.size({axis}) = {size}")
+        if values.numel() == 0 and size != 0:
+            raise OpRefused(f"no lengths for data.size({axis}) = {size}")
+        return
+    if values.size(-1) == 0:
+        raise OpRefused("offsets must hold at least one value")
+    if bool((values[..., 0] != 0).any()) or bool((values[..., -1] != size).any()):
+        raise OpRefused(f"offsets must start at 0 and end at data.size({axis}) = {size}")
+    if values.size(-1) > 1 and bool((values[..., 1:] < values[..., :-1]).any()):
+        raise OpRefused("offsets must not decrease")
+
+
+def _segment_forward(a: Args) -> None:
+    _segments(a)
+    a["unsafe"] = False
+
+
 def _segment_backward(a: Args) -> None:
-    """`_segment_reduce_backward` trusts lengths/offsets: the checked forward validates them
-    against the data, and grad and output must have the forward's shape."""
+    """`_segment_reduce_backward` trusts lengths/offsets: they are validated against the data,
+    and grad and output must have the forward's shape."""
+    _segments(a)
     data = _tensor(a["data"], "data")
     forward = torch.ops.aten.segment_reduce.default(
         data, a["reduce"], lengths=a.get("lengths"), offsets=a.get("offsets"),
@@ -264,6 +347,75 @@ def _segment_backward(a: Args) -> None:
     )  # fmt: skip
     _shape(_tensor(a["output"], "output"), forward.shape, "output")
     _shape(_tensor(a["grad"], "grad"), forward.shape, "grad")
+
+
+def _unchecked_indices(a: Args) -> None:
+    """`_unsafe_index` and `_unsafe_index_put` skip the bounds check of `index`/`index_put`:
+    each integer index tensor must lie in [-size, size) of the dimension it indexes (a boolean
+    mask indexes as many dimensions as it has and must match them)."""
+    inp = _tensor(a["self"], "self")
+    indices = a["indices"]
+    if not isinstance(indices, list | tuple):
+        raise OpRefused("indices must be a list")
+    dim = 0
+    for i, index in enumerate(indices):
+        if index is None:
+            dim += 1
+            continue
+        index = _tensor(index, f"indices[{i}]")
+        if index.dtype in (torch.bool, torch.uint8):
+            span = max(index.dim(), 1)
+            if list(inp.shape[dim : dim + span]) != list(index.shape):
+                raise OpRefused(f"mask indices[{i}] {list(index.shape)} does not match self")
+            dim += span
+            continue
+        if dim >= inp.dim():
+            raise OpRefused(f"too many indices for {inp.dim()} dimensions")
+        size = inp.size(dim)
+        _in_range(index, -size, size, f"indices[{i}]")
+        dim += 1
+
+
+def _nonempty_tensors(a: Args) -> None:
+    """`_stack` reads the first tensor of its list to wrap `dim`: an empty list crashed it."""
+    tensors = a["tensors"]
+    if not isinstance(tensors, list | tuple) or not tensors:
+        raise OpRefused("tensors must be a non-empty list")
+
+
+def _same_lengths(a: Args) -> None:
+    """`_foreach_*` ops walk every list argument with the length of `self`: a shorter list
+    crashed the worker."""
+    first = a.get("self")
+    if not isinstance(first, list | tuple):
+        return
+    for name, value in a.items():
+        if isinstance(value, list | tuple) and len(value) != len(first):
+            raise OpRefused(f"{name} has {len(value)} entries for {len(first)} in self")
+
+
+MAX_POLYNOMIAL_DEGREE = 1 << 16
+"""The largest degree the special polynomial family is evaluated at on a worker. Their CPU
+kernels run a recurrence of `n` steps per element that no one can interrupt (2^62 held a worker
+for good); a degree past 65,536 has no use in float arithmetic. A per-op CPU-time budget would
+need to kill the worker mid-kernel, losing the lease's tensors: refusing the argument is exact
+and costs one reduction."""
+
+
+def _polynomial_degree(a: Args) -> None:
+    n = a["n"]
+    if isinstance(n, torch.Tensor):
+        if n.numel() == 0:
+            return
+        if n.dtype.is_complex:
+            raise OpRefused("n must be real")
+        largest = float(n.detach().abs().max()) if n.dtype != torch.bool else 1.0
+    elif isinstance(n, int | float) and not isinstance(n, bool):
+        largest = abs(float(n))
+    else:
+        return
+    if not largest <= MAX_POLYNOMIAL_DEGREE:  # NaN too
+        raise OpRefused(f"degree n up to {largest:g}, past {MAX_POLYNOMIAL_DEGREE}")
 
 
 def _softmax_backward(a: Args) -> None:
@@ -524,6 +676,11 @@ CHECKS: dict[str, Check] = {
     "within_storage": Check(pre=_within_storage, needs=_needs("self", "size", "stride")),
     "copy_outputs": Check(post=_copy_outputs),
     "force_safe": Check(pre=_force_safe, needs=_needs("unsafe")),
+    "segments": Check(pre=_segment_forward, needs=_needs("data", "unsafe", "axis")),
+    "unchecked_indices": Check(pre=_unchecked_indices, needs=_needs("self", "indices")),
+    "nonempty_tensors": Check(pre=_nonempty_tensors, needs=_needs("tensors")),
+    "same_lengths": Check(pre=_same_lengths),
+    "polynomial_degree": Check(pre=_polynomial_degree, needs=_needs("n")),
     "valid_sparse": Check(pre=_uncoalesced, post=_valid_sparse),
     "segment_backward": Check(
         pre=_segment_backward, needs=_needs("data", "reduce", "output", "grad")

@@ -74,7 +74,10 @@ CHECKED: dict[str, str] = {
     "_reshape_alias": "within_storage",
     "_reshape_alias_copy": "within_storage",
     # bounds checks switched off by an argument
-    "segment_reduce": "force_safe",
+    "segment_reduce": "segments",
+    "_unsafe_index": "unchecked_indices",
+    "_unsafe_index_put": "unchecked_indices",
+    "_stack": "nonempty_tensors",
     "_index_put_impl": "force_safe",
     "_index_put_impl_": "force_safe",
     # index tensors a sparse or nested tensor keeps inside (a write would move them)
@@ -174,6 +177,16 @@ CHECKED: dict[str, str] = {
 }
 """Ops (all overloads of a base name) that run behind a check of `opchecks.CHECKS`."""
 
+CHECKED_PREFIXES: tuple[tuple[str, str], ...] = (
+    ("_foreach_", "same_lengths"),
+    ("special_chebyshev_polynomial_", "polynomial_degree"),
+    ("special_shifted_chebyshev_polynomial_", "polynomial_degree"),
+    ("special_hermite_polynomial_", "polynomial_degree"),
+    ("special_laguerre_polynomial_", "polynomial_degree"),
+    ("special_legendre_polynomial_", "polynomial_degree"),
+)
+"""Op families (by base-name prefix) that run behind a check, after `CHECKED`."""
+
 CHECKED_EXCEPT_OUT = frozenset({"copy_outputs"})
 """Checks that do not apply to `.out` overloads (their result is the caller's own tensor)."""
 
@@ -254,6 +267,9 @@ def decide(op: OpInfo) -> Ruling:
     check = CHECKED.get(base)
     if check is not None and not (check in CHECKED_EXCEPT_OUT and overload.startswith("out")):
         return Ruling(Decision.CHECK, check)
+    for prefix, name in CHECKED_PREFIXES:
+        if base.startswith(prefix):
+            return Ruling(Decision.CHECK, name)
     reason = REFUSED.get(base)
     if reason is not None:
         return Ruling(Decision.REFUSE, reason)
