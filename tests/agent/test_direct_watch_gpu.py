@@ -94,19 +94,26 @@ def gpu_pool(start_controller, tmp_path: Path) -> Iterator[tuple[ControllerProce
     daemons: list[int] = []
     try:
         with ctl.client() as client:
-            gpu = _wait(
-                "the agent's GPU with its MPS daemon and attach socket",
-                lambda: next(
-                    (
-                        g
-                        for g in client.get("/gpus").json()
-                        if g["index"] == 0
-                        and g["telemetry"].get("mps_pipe_dir")
-                        and g["telemetry"].get("direct_socket")
+            try:
+                gpu = _wait(
+                    "the agent's GPU with its MPS daemon and attach socket",
+                    lambda: next(
+                        (
+                            g
+                            for g in client.get("/gpus").json()
+                            if g["index"] == 0
+                            and g["telemetry"].get("mps_pipe_dir")
+                            and g["telemetry"].get("direct_socket")
+                        ),
+                        None,
                     ),
-                    None,
-                ),
-            )
+                )
+            except AssertionError as exc:
+                gpus = client.get("/gpus").json()
+                raise AssertionError(
+                    f"{exc}\n--- GPUs\n{gpus}\n--- agent (exit {agent.poll()})\n"
+                    f"{log_path.read_text(errors='replace')[-4000:]}"
+                ) from None
         pid_file = Path(gpu["telemetry"]["mps_pipe_dir"]) / "nvidia-cuda-mps-control.pid"
         daemons.append(int(pid_file.read_text()))
         yield ctl, log_path, gpu["uuid"]

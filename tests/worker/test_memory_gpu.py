@@ -34,7 +34,8 @@ def worker() -> Iterator[WorkerProcess]:
         attacks.LEASE, attacks.TOKEN, env=env, threads=1, device="cuda:0",
         memory_limit_mib=LIMIT_MIB, host_memory_limit_mib=HOST_LIMIT_MIB,
     )  # fmt: skip
-    yield WorkerProcess(proc, str(ready.address))
+    assert ready.credentials is not None
+    yield WorkerProcess(proc, str(ready.address), ready.credentials.peer)
     proc.terminate()
     proc.wait(timeout=30)
 

@@ -272,8 +272,10 @@ class FuzzWorker:
 class Guard:
     """What keeps a fuzzed worker from harming the machine it runs on."""
 
-    address_space_mib: int = 2048
-    """RLIMIT_AS: an allocation past it fails inside the op (a torch worker maps ~600 MiB idle)."""
+    address_space_mib: int = 2048 if torch.version.cuda is None else 16384
+    """RLIMIT_AS: an allocation past it fails inside the op. A CPU build's worker maps ~600 MiB
+    idle; a CUDA build maps its CUDA libraries too, whatever device the worker uses (2 GiB
+    failed with "libtorch_cpu.so: failed to map segment" on the GPU machine's torch)."""
     file_size_mib: int = 16
     """RLIMIT_FSIZE: its log may grow, nothing may write a large file."""
     nice: int = 10

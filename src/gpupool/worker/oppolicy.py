@@ -342,6 +342,8 @@ def generate(registries: Iterable[tuple[str, dict[str, OpInfo]]]) -> dict[str, A
     versions: list[str] = []
     merged: dict[str, OpInfo] = {}
     for version, ops in registries:
+        if version in versions:  # the running torch and its own stored registry: one version
+            continue
         versions.append(version)
         for name, op in ops.items():
             seen = merged.get(name)
