@@ -6,6 +6,8 @@
 #       (CPU workers under this torch), the workers' GPU tests (memory charged before
 #       allocating, swap, handoff with the new secrets, sticky errors), and the watch of
 #       direct slices with NVML and a real MPS daemon.
+#   bash bench/gpu/run_issue20.sh final: the workers' memory and handoff GPU tests, the direct
+#       watch and the remote limits together.
 #   bash bench/gpu/run_issue20.sh limits: remote limits with the new credentials
 #       (bench/remote_isolation.py: 30 %/70 % MPS shares, a 4 GiB lease that tries 6 GiB,
 #       workers as the worker user), the conformance programs on CUDA workers, a short fuzz.
@@ -20,7 +22,20 @@ for p in "$(python3 -c 'import sys; print(sys.base_prefix)')" "$(python3 -c 'imp
 done
 chmod -R o+rX /tmp/site "$PWD/src" 2>/dev/null
 stop_workers() { pkill -9 -f gpupool.worker; pkill -9 -f nvidia-cuda-mps 2>/dev/null; sleep 1; }
-if [ "$part" = checks ]; then
+if [ "$part" = final ]; then  # the GPU-side checks and the remote limits, in one command
+  GPUPOOL_TEST_WORKER_DEVICE=cuda:0 timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider -rs \
+    tests/worker/test_memory_gpu.py tests/worker/test_handoff.py > "$OUT/worker_gpu.log" 2>&1
+  echo "worker gpu tests rc=$?" >> "$OUT/worker_gpu.log"
+  stop_workers
+  timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider -rs tests/agent/test_direct_watch_gpu.py \
+    > "$OUT/direct_watch_gpu.log" 2>&1
+  echo "direct watch gpu tests rc=$?" >> "$OUT/direct_watch_gpu.log"
+  stop_workers
+  timeout -k 5 220 python3 bench/remote_isolation.py > "$OUT/remote_isolation.log" 2>&1
+  echo "remote isolation rc=$?" >> "$OUT/remote_isolation.log"
+  cp bench/results/remote_isolation.json "$OUT/" 2>/dev/null
+  stop_workers
+elif [ "$part" = checks ]; then
   { nvidia-smi; python3 -c 'import torch; print(torch.__version__, torch.cuda.is_available())'; } > "$OUT/env.log" 2>&1
   python3 -m gpupool.worker.oppolicy --check > "$OUT/oppolicy_check.log" 2>&1
   echo "oppolicy --check rc=$?" >> "$OUT/oppolicy_check.log"
