@@ -77,6 +77,9 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 300) -> tuple[int, di
 @contextlib.contextmanager
 def gpu_pool(ttl_s: int = 120) -> Iterator[GpuPool]:
     work = Path(tempfile.mkdtemp(prefix="gpupool-bench-"))
+    # mkdtemp makes it 0700: the agent's workers run as the worker user and must reach the MPS
+    # pipe directory under it (without that, CUDA runs them outside MPS, at no share at all).
+    work.chmod(0o711)
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     logs = open(work / "pool.log", "w")  # noqa: SIM115 - closed with the processes

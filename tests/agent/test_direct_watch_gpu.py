@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,7 +83,11 @@ def gpu_pool(start_controller, tmp_path: Path) -> Iterator[tuple[ControllerProce
     if shutil.which("nvidia-cuda-mps-control") is None:
         pytest.skip("nvidia-cuda-mps-control is not installed")
     ctl = start_controller(None, lease_ttl_s=600.0)
-    data_dir = tmp_path / "agent"
+    # A short path of its own: the MPS daemon's sockets live under it (Unix socket paths stop
+    # at 108 bytes; under pytest's tmp_path the daemon did not start), and the worker user must
+    # be able to reach them.
+    data_dir = Path(tempfile.mkdtemp(prefix="gp-", dir="/tmp")) / "agent"
+    data_dir.parent.chmod(0o711)
     log_path = tmp_path / "agent.log"
     env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     with open(log_path, "wb") as log:
