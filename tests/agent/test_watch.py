@@ -19,6 +19,8 @@ from gpupool.protocol.v1.attach import AttachRefused, token_sha256
 
 TOKEN = "lease-token-a"
 SLEEPER = "import time; time.sleep(120)"
+# Says "ready" once it runs its own code: before that (mid-exec) /proc shows no command line yet.
+READY_SLEEPER = "import time; print('ready', flush=True); time.sleep(120)"
 IGNORES_TERM = (
     "import signal, sys, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
     "print('ready', flush=True); time.sleep(120)"
@@ -102,7 +104,8 @@ def test_a_process_over_its_lease_memory_gets_sigterm_with_an_event(
     backend: FakeBackend, spawn
 ) -> None:  # type: ignore[no-untyped-def]
     watch = watch_for(backend)
-    child = spawn()
+    child = spawn(READY_SLEEPER)
+    assert child.stdout.readline().strip() == "ready"
     watch.attach("l-a", TOKEN, child.pid)
     backend.set_processes(0, [{"pid": child.pid, "used_memory_mib": 2048}])
     (event,) = watch.poll(backend)

@@ -25,10 +25,15 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
         yield c
 
 
-def token_of(client: TestClient, role: str, tenant: str | None = None) -> str:
+def token_of(
+    client: TestClient, role: str, tenant: str | None = None, node: str | None = None
+) -> str:
+    """A new token of a role; agent tokens name the one node they act for."""
     body: dict[str, object] = {"name": f"{role}-x", "role": role}
     if tenant:
         body["tenant"] = tenant
+    if node:
+        body["node"] = node
     answer = client.post(f"{API}/tokens", json=body)
     assert answer.status_code == 201, answer.text
     return str(answer.json()["token"])
@@ -91,12 +96,17 @@ def test_watch_events_are_recorded_with_lease_process_and_reason(client: TestCli
         f"{API}/leases", json={"compute_pct": 30, "memory": "1GiB", "node": "node-a"}
     ).json()
     gpu = made["slices"][0]["gpu_uuid"]
-    agent = bearer(token_of(client, "agent"))
+    agent = bearer(token_of(client, "agent", node="node-a"))
     body = {
         "events": [
             event(lease_id=made["id"], gpu_uuid=gpu, used_memory_mib=2048, limit_memory_mib=1024)
         ]
     }
+    before = client.get(f"{API}/events", params={"subject": made["id"]}).json()
+    stranger = bearer(token_of(client, "agent", node="node-b"))
+    refused = client.post(f"{API}/nodes/node-a/direct-events", json=body, headers=stranger)
+    assert refused.status_code == 403, refused.text
+    assert client.get(f"{API}/events", params={"subject": made["id"]}).json() == before
     answer = client.post(f"{API}/nodes/node-a/direct-events", json=body, headers=agent)
     assert answer.status_code == 200, answer.text
     assert answer.json() == {"recorded": 1}
