@@ -30,7 +30,7 @@ from gpupool.cli.leases import (
     granted_text,
 )
 from gpupool.cli.output import note
-from gpupool.cli.signals import signals_to
+from gpupool.cli.signals import exit_status_of, signals_to, terminate_interrupts
 from gpupool.client.sdk import (
     URL_ENV,
     ApiError,
@@ -466,7 +466,9 @@ def run(
     )
     if lazy:
         raise typer.Exit(_run_lazy(context, request, cmd, grace))
-    with context.client() as client:
+    # SIGTERM between the grant and the command's start (the agent's attach, the workers'
+    # start) cancels like Ctrl-C: the lease is released, not left for its ttl.
+    with context.client() as client, terminate_interrupts():
         lease = client.create_lease(request)
         token = lease.token
         try:
@@ -476,6 +478,8 @@ def run(
                 code = _run_remote(context, lease, token or "", cmd, grace)
             else:
                 code = _run_on_lease(context, client, lease, token, cmd, grace)
+        except KeyboardInterrupt as interrupt:
+            code = exit_status_of(interrupt)
         finally:
             _release(client, lease)
     raise typer.Exit(code)
