@@ -446,3 +446,51 @@ def test_cpu_memory_no_kernel_wrote_comes_back_zeroed() -> None:
         torch.ops.aten._logcumsumexp.out(torch.zeros(0, 3), 0, out=torch.empty(0))
         torch.max(torch.ones(3, 5), 1, out=(out, torch.empty(0, dtype=torch.long)))
         assert out.tolist() == [1.0] * 3
+
+
+def test_padding_backward_needs_grad_output_of_the_padded_shape() -> None:
+    x = torch.randn(2, 3, 5, requires_grad=True)
+    y = torch.nn.functional.pad(x, (2, 1), mode="reflect")
+    grad = torch.randn_like(y)
+    (expected,) = torch.autograd.grad(y, x, grad)
+    op = checked("aten::reflection_pad1d_backward")
+    assert op(grad, x.detach(), [2, 1]).allclose(expected)
+    refuses(
+        "aten::reflection_pad1d_backward", torch.randn(2, 3, 4), x.detach(), [], match="padding"
+    )
+    refuses("aten::reflection_pad1d_backward", torch.randn(2, 3, 4), x.detach(), [2, 1],
+            match="grad_output has shape")  # fmt: skip
+    refuses("aten::reflection_pad1d_backward.grad_input", torch.randn(2, 3, 2), x.detach(), [0, 0],
+            grad_input=torch.empty(0), match="grad_output")  # fmt: skip
+    image = torch.randn(1, 2, 4, 4)
+    refuses("aten::reflection_pad2d_backward", torch.randn(1, 2, 3, 3), image, [1, 1, 1, 1],
+            match="grad_output")  # fmt: skip
+    assert (
+        checked("aten::reflection_pad2d_backward")(
+            torch.ones(1, 2, 6, 6), image, [1, 1, 1, 1]
+        ).shape
+        == image.shape
+    )
+    refuses("aten::replication_pad2d_backward", torch.randn(1, 2, 3, 3), image, [1, 1, 1, 1],
+            match="grad_output")  # fmt: skip
+
+
+def test_slow_conv2d_backward_needs_the_forwards_weight_and_grad_output() -> None:
+    x = torch.randn(1, 3, 8, 8, requires_grad=True)
+    w = torch.randn(4, 3, 3, 3, requires_grad=True)
+    y = torch.nn.functional.conv2d(x, w, stride=2, padding=1)
+    grad = torch.randn_like(y)
+    gx, gw = torch.autograd.grad(y, (x, w), grad)
+    op = checked("aten::_slow_conv2d_backward.output_mask")
+    got = op(grad, x.detach(), w.detach(), [3, 3], [2, 2], [1, 1], [True, True, False])
+    assert got[0].allclose(gx, atol=1e-5) and got[1].allclose(gw, atol=1e-4)
+    name = "aten::_slow_conv2d_backward.output_mask"
+    mask = [True, True, True]
+    refuses(name, grad, x, w, [-1], [], [], mask, match="two values")
+    refuses(name, grad, x, w, [3, 3], [0, 2], [1, 1], mask, match="out of range")
+    refuses(name, grad, x, w, [5, 5], [2, 2], [1, 1], mask, match="does not hold")
+    refuses(name, torch.randn(1, 4, 3, 3), x, w, [3, 3], [2, 2], [1, 1], mask, match="grad_output")
+    refuses(name, grad, torch.randn(8), w, [3, 3], [2, 2], [1, 1], mask, match="dimensions")
+    refuses("aten::_slow_conv2d_backward.grad_input", grad, x, w, [3, 3], [2, 2], [0, 0],
+            grad_input=torch.empty(0), grad_weight=torch.empty(0), grad_bias=torch.empty(0),
+            match="grad_output")  # fmt: skip

@@ -668,6 +668,55 @@ def _attention_backward(a: Args) -> None:
             raise OpRefused(f"{name} {list(other.shape)} does not match query {list(query.shape)}")
 
 
+def _meta(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+
+
+def _pad_backward(a: Args, forward: str) -> None:
+    """Padding backward ops (`reflection_pad*d_backward`, `replication_pad*d_backward`) walk
+    grad_output with the padded sizes of `self` and never compare them: grad_output must have
+    the shape the forward makes (run on meta tensors, so the forward's own checks of the
+    padding apply too)."""
+    grad, inp = _tensor(a["grad_output"], "grad_output"), _tensor(a["self"], "self")
+    padding = _ints(a["padding"], "padding")
+    try:
+        expected = getattr(torch.ops.aten, forward).default(_meta(inp), padding).shape
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise OpRefused(f"invalid padding {padding}: {str(exc).splitlines()[0]}") from None
+    _shape(grad, expected, "grad_output")
+
+
+def _slow_conv2d_backward(a: Args) -> None:
+    """`_slow_conv2d_backward` (CPU conv2d's backward) trusts that weight, kernel_size, stride,
+    padding and grad_output are the forward's: it unfolds `self` into columns of the kernel's
+    size and multiplies them with grad_output. Each must describe one convolution of `self`."""
+    grad, inp = _tensor(a["grad_output"], "grad_output"), _tensor(a["self"], "self")
+    weight = _tensor(a["weight"], "weight")
+    kernel = _ints(a["kernel_size"], "kernel_size")
+    stride, padding = _ints(a["stride"], "stride"), _ints(a["padding"], "padding")
+    if len(kernel) != 2 or len(stride) != 2 or len(padding) != 2:
+        raise OpRefused("kernel_size, stride and padding need two values each")
+    if min(kernel) < 1 or min(stride) < 1 or min(padding) < 0:
+        raise OpRefused(f"kernel_size {kernel}, stride {stride}, padding {padding} out of range")
+    if inp.dim() not in (3, 4):
+        raise OpRefused(f"self must have 3 or 4 dimensions, not {inp.dim()}")
+    channels, height, width = inp.shape[-3:]
+    if weight.dim() not in (2, 4) or weight.numel() == 0:
+        raise OpRefused(f"weight {list(weight.shape)} is not a conv2d weight")
+    out_channels = weight.size(0)
+    if weight.numel() != out_channels * channels * kernel[0] * kernel[1]:
+        raise OpRefused(
+            f"weight {list(weight.shape)} does not hold {channels} channels of kernel {kernel}"
+        )
+    if weight.dim() == 4 and list(weight.shape[1:]) != [channels, *kernel]:
+        raise OpRefused(f"weight {list(weight.shape)} does not match self and kernel {kernel}")
+    rows = (height + 2 * padding[0] - kernel[0]) // stride[0] + 1
+    cols = (width + 2 * padding[1] - kernel[1]) // stride[1] + 1
+    if rows < 1 or cols < 1:
+        raise OpRefused(f"kernel {kernel} does not fit self {list(inp.shape)}")
+    _shape(grad, [*inp.shape[:-3], out_channels, rows, cols], "grad_output")
+
+
 def _needs(*names: str) -> frozenset[str]:
     return frozenset(names)
 
@@ -723,6 +772,34 @@ CHECKS: dict[str, Check] = {
     "weight_norm_backward": Check(
         pre=_weight_norm_backward,
         needs=_needs("grad_w", "saved_v", "saved_g", "saved_norms", "dim"),
+    ),
+    "slow_conv2d_backward": Check(
+        pre=_slow_conv2d_backward,
+        needs=_needs("grad_output", "self", "weight", "kernel_size", "stride", "padding"),
+    ),
+    "reflection_pad1d_backward": Check(
+        pre=partial(_pad_backward, forward="reflection_pad1d"),
+        needs=_needs("grad_output", "self", "padding"),
+    ),
+    "reflection_pad2d_backward": Check(
+        pre=partial(_pad_backward, forward="reflection_pad2d"),
+        needs=_needs("grad_output", "self", "padding"),
+    ),
+    "reflection_pad3d_backward": Check(
+        pre=partial(_pad_backward, forward="reflection_pad3d"),
+        needs=_needs("grad_output", "self", "padding"),
+    ),
+    "replication_pad1d_backward": Check(
+        pre=partial(_pad_backward, forward="replication_pad1d"),
+        needs=_needs("grad_output", "self", "padding"),
+    ),
+    "replication_pad2d_backward": Check(
+        pre=partial(_pad_backward, forward="replication_pad2d"),
+        needs=_needs("grad_output", "self", "padding"),
+    ),
+    "replication_pad3d_backward": Check(
+        pre=partial(_pad_backward, forward="replication_pad3d"),
+        needs=_needs("grad_output", "self", "padding"),
     ),
     "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices")),
     "fused_optimizer": Check(pre=_fused_optimizer, needs=_needs("self")),
