@@ -8,6 +8,10 @@
 #       direct slices with NVML and a real MPS daemon.
 #   bash bench/gpu/run_issue20.sh final: the workers' memory and handoff GPU tests, the direct
 #       watch and the remote limits together.
+#   bash bench/gpu/run_issue20.sh mps: can worker-user clients join an MPS daemon (two
+#       layouts, bench/gpu/mps_user_probe.sh), then the remote limits (bench/remote_isolation.py)
+#       with workers as the worker user inside MPS, the workers' GPU memory tests and the
+#       direct-slice watch. Logs: at most 8 files come back, so the small ones go into setup.log.
 #   bash bench/gpu/run_issue20.sh limits: remote limits with the new credentials
 #       (bench/remote_isolation.py: 30 %/70 % MPS shares, a 4 GiB lease that tries 6 GiB,
 #       workers as the worker user), the conformance programs on CUDA workers, a short fuzz.
@@ -22,7 +26,26 @@ for p in "$(python3 -c 'import sys; print(sys.base_prefix)')" "$(python3 -c 'imp
 done
 chmod -R o+rX /tmp/site "$PWD/src" 2>/dev/null
 stop_workers() { pkill -9 -f gpupool.worker; pkill -9 -f nvidia-cuda-mps 2>/dev/null; sleep 1; }
-if [ "$part" = final ]; then  # the GPU-side checks and the remote limits, in one command
+if [ "$part" = mps ]; then
+  { nvidia-smi; python3 -c 'import torch; print(torch.__version__, torch.cuda.is_available())'; } > "$OUT/setup.log" 2>&1
+  timeout -k 5 240 bash bench/gpu/mps_user_probe.sh > "$OUT/mps_probe.log" 2>&1
+  echo "probe rc=$?" >> "$OUT/mps_probe.log"
+  stop_workers
+  timeout -k 5 220 python3 bench/remote_isolation.py > "$OUT/remote_isolation.log" 2>&1
+  echo "remote isolation rc=$?" >> "$OUT/remote_isolation.log"
+  cp bench/results/remote_isolation.json "$OUT/" 2>/dev/null
+  stop_workers
+  GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0 timeout -k 5 150 python3 -m pytest -q \
+    -p no:cacheprovider -rs tests/worker/test_memory_gpu.py tests/worker/test_handoff.py \
+    tests/worker/test_geometry.py tests/worker/test_mps_reach.py > "$OUT/worker_gpu.log" 2>&1
+  echo "worker gpu tests rc=$?" >> "$OUT/worker_gpu.log"
+  stop_workers
+  timeout -k 5 150 python3 -m pytest -q -p no:cacheprovider -rs tests/agent/test_direct_watch_gpu.py \
+    tests/agent/test_mps.py > "$OUT/direct_watch_gpu.log" 2>&1
+  echo "direct watch gpu tests rc=$?" >> "$OUT/direct_watch_gpu.log"
+  stop_workers
+  for f in pip.log build_ext.log; do [ -f "$OUT/$f" ] && { echo "--- $f"; tail -20 "$OUT/$f"; rm -f "$OUT/$f"; } >> "$OUT/setup.log"; done
+elif [ "$part" = final ]; then  # the GPU-side checks and the remote limits, in one command
   GPUPOOL_TEST_WORKER_DEVICE=cuda:0 timeout -k 5 120 python3 -m pytest -q -p no:cacheprovider -rs \
     tests/worker/test_memory_gpu.py tests/worker/test_handoff.py > "$OUT/worker_gpu.log" 2>&1
   echo "worker gpu tests rc=$?" >> "$OUT/worker_gpu.log"

@@ -125,9 +125,17 @@ def gpu_pool(start_controller, tmp_path: Path) -> Iterator[tuple[ControllerProce
     finally:
         agent.terminate()
         agent.wait(timeout=60)
-    assert daemons and not any(psutil.pid_exists(pid) for pid in daemons), (
+    assert daemons and not any(_alive(pid) for pid in daemons), (
         "the agent stopped its MPS daemon on the way out"
     )
+
+
+def _alive(pid: int) -> bool:
+    """A daemon that quit stays a zombie until init reaps it (a container's init may not)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_direct_program_raising_its_mps_limits_is_stopped_within_2s(gpu_pool) -> None:  # type: ignore[no-untyped-def]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import socket
 from datetime import UTC, datetime
+from pathlib import Path
 
 from gpupool.cli.run import child_env, exit_status, lease_env, unenforced_warning
 from gpupool.protocol.v1.api import GpuOut, LeaseOut, SliceOut
@@ -115,15 +117,19 @@ def test_exit_status_follows_the_shell_convention() -> None:
     assert exit_status(-9) == 137
 
 
-def test_slice_reaches_its_gpus_mps_daemon_through_its_pipe_directory() -> None:
-    with_mps = gpu("GPU-a", False).model_copy(
-        update={"telemetry": {"mps_pipe_dir": "/var/lib/gpupool/mps/GPU-a/pipe"}}
-    )
+def test_slice_reaches_its_gpus_mps_daemon_through_its_pipe_directory(tmp_path: Path) -> None:
+    pipe = tmp_path / "mps" / "GPU-a" / "pipe"
+    pipe.mkdir(parents=True)
+    with_mps = gpu("GPU-a", False).model_copy(update={"telemetry": {"mps_pipe_dir": str(pipe)}})
     held = lease([piece("GPU-a", 0)])
     env = lease_env(held, [with_mps], URL)
-    assert env["CUDA_MPS_PIPE_DIRECTORY"] == "/var/lib/gpupool/mps/GPU-a/pipe"
-    assert env["CUDA_MPS_LOG_DIRECTORY"] == "/var/lib/gpupool/mps/GPU-a/log"
-    assert unenforced_warning(held, [with_mps], env) is None
+    assert env["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
+    assert env["CUDA_MPS_LOG_DIRECTORY"] == str(pipe.parent / "log")
+    warning = unenforced_warning(held, [with_mps], env)
+    assert warning is not None and "cannot be reached" in warning, "no daemon's socket there"
+    with socket.socket(socket.AF_UNIX) as daemon:
+        daemon.bind(str(pipe / "control"))
+        assert unenforced_warning(held, [with_mps], env) is None
 
 
 def test_slice_on_a_real_gpu_without_mps_is_warned_about() -> None:
@@ -137,7 +143,9 @@ def test_slice_on_a_real_gpu_without_mps_is_warned_about() -> None:
 def test_outer_mps_pipe_directory_does_not_leak_into_a_physical_lease() -> None:
     outer = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/other-mps", "CUDA_MPS_LOG_DIRECTORY": "/tmp/x"}
     inner = lease_env(
-        lease([piece("GPU-a", 0, 100, 81920, whole=True)], physical=True), [gpu("GPU-a", False)], URL
+        lease([piece("GPU-a", 0, 100, 81920, whole=True)], physical=True),
+        [gpu("GPU-a", False)],
+        URL,
     )
     env = child_env(outer, inner)
     assert "CUDA_MPS_PIPE_DIRECTORY" not in env and "CUDA_MPS_LOG_DIRECTORY" not in env

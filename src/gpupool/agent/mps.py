@@ -2,25 +2,44 @@
 
 Private directories keep our daemons apart from any other MPS on the host and from each
 other: a client reaches exactly the daemon of its GPU through CUDA_MPS_PIPE_DIRECTORY.
+
+When the workers run as the worker user, the daemon runs as that user too. A root daemon
+spawns each client user's MPS server under that user, and on the H200 machine every server it
+spawned for the worker user exited at once (its log file was the root daemon's): the clients
+failed with CUDA error 805 (bench/gpu/mps_user_probe.sh shows both layouts). A daemon of the
+workers' own user serves them, needs no privilege, and its pipes are that user's alone. That
+user must reach the pipe directory from `/` (an MPS client connects by absolute path) while it
+must not reach the agent's data dir: the daemons' directories then live under a short
+root-owned runtime directory (`/run/gpupool/mps/<digest of the agent's directory>`), which
+also keeps the sockets' paths inside the 108 bytes a Unix socket name may have. The daemon's
+environment is the workers' allowlist: it holds no token of the agent's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("gpupool.agent.mps")
 
 CONTROL_BINARY = "nvidia-cuda-mps-control"
 PID_FILE = "nvidia-cuda-mps-control.pid"
+SHARED_BASE = Path("/run/gpupool/mps")
+"""Where daemons whose clients are the worker user keep their pipes (root-owned, 0711)."""
+SOCKET_PATH_MAX = 107
+"""sun_path holds 108 bytes with its terminating NUL."""
+LONGEST_SOCKET = "control_privileged"
 
 
 class MpsError(RuntimeError):
@@ -56,9 +75,9 @@ class MpsDaemon:
     gpu_uuid: str
     root: Path
     binary: str = CONTROL_BINARY
-    client_gid: int | None = None
-    """The group of the worker user, whose workers are this daemon's clients (None: the
-    agent's own user runs them)."""
+    client: tuple[int, int] | None = None
+    """(uid, gid) of the worker user, whose workers are this daemon's clients and which runs
+    the daemon (None: the agent's own user runs both)."""
 
     @property
     def pipe_dir(self) -> Path:
@@ -69,13 +88,19 @@ class MpsDaemon:
         return self.root / "log"
 
     def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env.update(
-            CUDA_VISIBLE_DEVICES=self.gpu_uuid,
-            CUDA_MPS_PIPE_DIRECTORY=str(self.pipe_dir),
-            CUDA_MPS_LOG_DIRECTORY=str(self.log_dir),
+        # The MPS server the daemon spawns for a client runs as the client's user and inherits
+        # this environment: the workers' allowlist, never the agent's tokens.
+        from gpupool.agent.isolation import worker_environment
+
+        return worker_environment(
+            os.environ,
+            self.root,
+            {
+                "CUDA_VISIBLE_DEVICES": self.gpu_uuid,
+                "CUDA_MPS_PIPE_DIRECTORY": str(self.pipe_dir),
+                "CUDA_MPS_LOG_DIRECTORY": str(self.log_dir),
+            },
         )
-        return env
 
     def pid(self) -> int | None:
         try:
@@ -88,7 +113,9 @@ class MpsDaemon:
             return None
         except PermissionError:
             return pid
-        return pid
+        # A daemon that quit stays a zombie until its parent reaps it; daemonised, its
+        # parent is the host's (or the container's) init, which may never do so.
+        return None if _zombie(pid) else pid
 
     def running(self) -> bool:
         return self.pid() is not None
@@ -99,12 +126,11 @@ class MpsDaemon:
         for d in (self.pipe_dir, self.log_dir):
             d.mkdir(parents=True, exist_ok=True)
             d.chmod(0o700)
-            if self.client_gid is not None:
-                # The workers run as the worker user: its group reaches the daemon's pipes
-                # (and the MPS server it runs as writes its log); nobody else does.
-                os.chown(d, -1, self.client_gid)
-                d.chmod(0o770)
-        if self.client_gid is not None:
+            if self.client is not None:
+                # The daemon and its clients are the worker user: the pipes and logs are that
+                # user's, nobody else's (the agent, as root, still reads the pid file).
+                os.chown(d, *self.client)
+        if self.client is not None:
             for d in (self.root, self.root.parent):
                 d.chmod(d.stat().st_mode & 0o777 | 0o711)
         # The daemon keeps the descriptors it is given: a pipe here would never reach EOF.
@@ -117,17 +143,38 @@ class MpsDaemon:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 timeout=timeout_s,
+                **self._as_client(),
             )
         if code != 0:
             said = out_path.read_text(errors="replace").strip()
-            raise MpsError(f"MPS daemon for {self.gpu_uuid} did not start: {said or code}")
+            raise MpsError(
+                f"MPS daemon for {self.gpu_uuid} did not start: {said or code}{self._hint()}"
+            )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.running():
                 log.info("MPS daemon for %s runs (pipe %s)", self.gpu_uuid, self.pipe_dir)
                 return
             time.sleep(0.05)
-        raise MpsError(f"MPS daemon for {self.gpu_uuid} wrote no pid file in {timeout_s:.0f}s")
+        raise MpsError(
+            f"MPS daemon for {self.gpu_uuid} wrote no pid file in {timeout_s:.0f}s{self._hint()}"
+        )
+
+    def _as_client(self) -> dict[str, Any]:
+        """subprocess arguments that run the control binary as the worker user, if any."""
+        if self.client is None:
+            return {}
+        uid, gid = self.client
+        return {"user": uid, "group": gid, "extra_groups": [], "cwd": "/"}
+
+    def _hint(self) -> str:
+        size = len(os.fsencode(self.pipe_dir / LONGEST_SOCKET))
+        if size <= SOCKET_PATH_MAX:
+            return ""
+        return (
+            f" (its socket paths are {size} bytes, over the {SOCKET_PATH_MAX} a Unix socket"
+            " name may have: choose a shorter --data-dir)"
+        )
 
     def stop(self, timeout_s: float = 10.0) -> None:
         pid = self.pid()
@@ -141,6 +188,7 @@ class MpsDaemon:
                 capture_output=True,
                 text=True,
                 timeout=timeout_s,
+                **self._as_client(),
             )
         except (OSError, subprocess.TimeoutExpired) as exc:
             log.warning("MPS quit for %s failed: %s", self.gpu_uuid, exc)
@@ -154,22 +202,61 @@ class MpsDaemon:
         log.info("MPS daemon for %s stopped", self.gpu_uuid)
 
 
+def _zombie(pid: int) -> bool:
+    try:
+        stat_line = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    # "pid (comm) state ...": comm may hold spaces and parentheses, the state follows the last.
+    return stat_line.rpartition(")")[2].split()[:1] == ["Z"]
+
+
+def shared_root(private_root: Path, base: Path = SHARED_BASE) -> Path:
+    """The runtime directory for the daemons of the agent whose own MPS directory is
+    `private_root`: a digest of that path under `base`, every level made here, owned by the
+    agent's user, mode 0711 (the worker user may pass through, list nothing).
+
+    A level that exists but is not a directory of the agent's user (a symlink, another user's
+    directory) is refused: pipes there could be read or replaced by its owner."""
+    digest = hashlib.sha256(os.fsencode(private_root.resolve())).hexdigest()[:12]
+    path = base / digest
+    for level in (base.parent, base, path):
+        with contextlib.suppress(FileExistsError):
+            level.mkdir(mode=0o711)
+        st = os.lstat(level)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise MpsError(
+                f"{level} is not a directory of the agent's user: refusing it for MPS pipes"
+            )
+        os.chmod(level, 0o711)
+    return path
+
+
 class MpsSupervisor:
     """Keeps exactly the daemons the GPUs' modes call for."""
 
-    def __init__(self, root: Path, binary: str = CONTROL_BINARY) -> None:
+    def __init__(
+        self, root: Path, binary: str = CONTROL_BINARY, shared_base: Path = SHARED_BASE
+    ) -> None:
         self.root = root
         self.binary = binary
+        self.shared_base = shared_base
         self.enabled = mps_available(binary)
         self.daemons: dict[str, MpsDaemon] = {}
-        self.client_gid: int | None = None
-        """Set by the worker supervisor when workers run as the worker user."""
+        self.client: tuple[int, int] | None = None
+        """(uid, gid), set by the worker supervisor when workers run as the worker user: the
+        daemons run as that user, their directories under `shared_base`, which it can reach."""
+
+    def _base(self) -> Path:
+        if self.client is None:
+            return self.root
+        return shared_root(self.root, self.shared_base)
 
     def daemon(self, gpu_uuid: str) -> MpsDaemon:
         if gpu_uuid not in self.daemons:
             safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in gpu_uuid)
             self.daemons[gpu_uuid] = MpsDaemon(
-                gpu_uuid, self.root / safe, self.binary, self.client_gid
+                gpu_uuid, self._base() / safe, self.binary, self.client
             )
         return self.daemons[gpu_uuid]
 
@@ -200,3 +287,7 @@ class MpsSupervisor:
     def stop_all(self) -> None:
         for daemon in self.daemons.values():
             daemon.stop()
+        if self.client is not None and self.daemons:
+            # The runtime directory is this agent's alone: nothing of it outlives the agent.
+            with contextlib.suppress(OSError, MpsError):
+                shutil.rmtree(shared_root(self.root, self.shared_base))

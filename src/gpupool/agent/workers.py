@@ -249,13 +249,16 @@ class WorkerSupervisor:
         """(certificate, key): remote clients then reach the workers over TLS only."""
         self.mps = mps
         if user is not None:
-            mps.client_gid = user.gid  # all workers of a GPU: one user, as MPS wants
+            mps.client = (user.uid, user.gid)  # all workers of a GPU: one user, as MPS wants
         self.simulated = simulated
         self.listen_host = listen_host
         self.workers: dict[Key, Worker] = {}
         self.failures: dict[Key, str] = {}
         # reconcile() runs in a thread of its own while heartbeats read reports().
         self._lock = threading.Lock()
+        self._starting: set[int] = set()
+        """Worker processes started but not ready yet (see pids())."""
+        self._starting_by: dict[int, set[int]] = {}
         self._prepare_root()
         self._adopt()
 
@@ -386,9 +389,11 @@ class WorkerSupervisor:
                 log.error("cannot start a worker for lease %s on %s: %s", key[0], key[1], exc)
                 with self._lock:
                     self.failures[key] = str(exc)[:300]
+                    self._starting.difference_update(self._started_by_me())
             else:
                 with self._lock:
                     self.workers[key] = started
+                    self._starting.difference_update(self._started_by_me())
             changed = True
         self._pass_orders(wanted)
         if changed or not self.registry.exists():
@@ -510,7 +515,7 @@ class WorkerSupervisor:
                 user=self.user.uid if self.user else None,
                 group=self.user.gid if self.user else None,
                 cwd=directory,
-                placed=cgroup.attach if cgroup is not None else None,
+                placed=lambda pid: self._placed(pid, cgroup),
                 device=device,
                 listen=f"tcp://{self.listen_host}:0",
                 memory_limit_mib=piece.memory_mib,
@@ -612,9 +617,23 @@ class WorkerSupervisor:
         return out
 
     def pids(self) -> set[int]:
-        """The workers' processes: on a real GPU they hold contexts, and are not tenants'."""
+        """The workers' processes: on a real GPU they hold contexts, and are not tenants'.
+        Workers still starting count: a worker's CUDA context exists before its ready line,
+        and the direct-slice watch stopped one as an unknown GPU process in that window."""
         with self._lock:
-            return {w.proc.pid for w in self.workers.values()}
+            return {w.proc.pid for w in self.workers.values()} | set(self._starting)
+
+    def _placed(self, pid: int, cgroup: WorkerCgroup | None) -> None:
+        """A worker process exists (not yet ready): it is the agent's from now on."""
+        with self._lock:
+            self._starting.add(pid)
+            self._starting_by.setdefault(threading.get_ident(), set()).add(pid)
+        if cgroup is not None:
+            cgroup.attach(pid)
+
+    def _started_by_me(self) -> set[int]:
+        """The pids this thread's start placed (the caller holds the lock)."""
+        return self._starting_by.pop(threading.get_ident(), set())
 
     def stop_all(self) -> None:
         """Stop every worker (the agent is shutting down). The registry keeps them, so the

@@ -108,10 +108,26 @@ def lease_env(lease: LeaseOut, gpus: Sequence[GpuOut], url: str) -> dict[str, st
 def unenforced_warning(
     lease: LeaseOut, gpus: Sequence[GpuOut], env: Mapping[str, str]
 ) -> str | None:
-    """Say so when a slice on a real GPU runs without its MPS daemon (limits not enforced)."""
-    if lease.physical or "CUDA_MPS_PIPE_DIRECTORY" in env or "GPUPOOL_SIMULATED" in env:
+    """Say so when a slice on a real GPU runs without its MPS daemon (limits not enforced).
+
+    A daemon this user cannot reach is the same as none: CUDA then runs the program outside
+    MPS, on the whole GPU (the daemon of a GPU whose remote workers run as the pool's worker
+    user is that user's, and its pipes are that user's alone)."""
+    if lease.physical or "GPUPOOL_SIMULATED" in env:
         return None
     names = ", ".join(g.uuid for g in gpus)
+    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
+    if pipe is not None:
+        try:
+            Path(pipe, "control").stat()
+        except OSError as exc:
+            return (
+                f"warning: the MPS daemon of {names} cannot be reached from this user"
+                f" ({exc.strerror}): CUDA runs this program outside MPS, its compute share"
+                " is not enforced (the GPU's workers and daemon run as the pool's worker"
+                " user; use --remote, or run this program as that user)"
+            )
+        return None
     return (
         f"warning: no MPS daemon runs for {names}: the compute share and memory limit "
         "of this slice are not enforced (is nvidia-cuda-mps-control installed on the agent?)"

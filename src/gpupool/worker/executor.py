@@ -36,6 +36,7 @@ from gpupool.protocol.v1.tensors import (
 )
 from gpupool.worker.activity import Activity
 from gpupool.worker.admission import Admission
+from gpupool.worker.geometry import keeping_geometry, written_arguments
 from gpupool.worker.memory import (
     NO_RESERVATION,
     LimitExceeded,
@@ -334,9 +335,16 @@ class Executor:
 
     def _admit(self, op: _Op) -> _Op:
         """Where the memory limit counts storages, the op's outputs and in-place growth are
-        charged before it runs (`gpupool.worker.admission`): it runs only if they fit."""
-        if self._admission is not None and op.fn is not None and op.call is not None:
+        charged before it runs (`gpupool.worker.admission`): it runs only if they fit. An op
+        that may resize a tensor it writes puts that tensor's geometry back when it fails
+        (`gpupool.worker.geometry`)."""
+        if op.fn is None or op.call is None:
+            return op
+        if self._admission is not None:
             op.call = self._admission.wrap(op.fn, op.call)
+        written = written_arguments(op.fn)
+        if written:
+            op.call = keeping_geometry(op.call, written)
         return op
 
     def _resolve_op(self, name: str) -> _Op:

@@ -9,9 +9,10 @@ import os
 import platform
 import socket
 import ssl
+import stat
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,28 @@ class WorkerConfig:
         return WorkerCredentials(self.token, self.control_token, self.peer_token)
 
 
+def check_mps_reachable(env: Mapping[str, str]) -> None:
+    """Refuse to start where the lease's MPS daemon is named but cannot be reached.
+
+    A CUDA client that cannot reach the pipe directory it is given does not fail: it runs
+    outside MPS, on the whole GPU, with no compute share (seen with a pipe directory under a
+    directory the worker user could not pass). A worker must not hold a context its lease's
+    share does not bound, so it checks the daemon's control socket before CUDA starts."""
+    pipe = env.get("CUDA_MPS_PIPE_DIRECTORY")
+    if not pipe:
+        return
+    control = os.path.join(pipe, "control")
+    try:
+        mode = os.stat(control).st_mode
+    except OSError as exc:
+        raise RuntimeError(
+            f"the lease's MPS daemon is not reachable at {control} ({exc.strerror}): a worker"
+            " does not run outside its compute share"
+        ) from None
+    if not stat.S_ISSOCK(mode):
+        raise RuntimeError(f"{control} is not the MPS daemon's socket")
+
+
 class Worker:
     def __init__(self, config: WorkerConfig) -> None:
         self.config = config
@@ -133,6 +156,7 @@ class Worker:
         if self.device.type == "cuda":
             if self.device.index is None:
                 self.device = torch.device("cuda", 0)
+            check_mps_reachable(os.environ)
             torch.cuda.set_device(self.device)
         elif self.device.type != "cpu":
             raise ValueError(f"a worker runs on cuda:N or cpu, not {config.device}")
