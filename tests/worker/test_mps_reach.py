@@ -16,7 +16,7 @@ def test_no_mps_named_means_nothing_to_check() -> None:
 
 
 def test_an_unreachable_pipe_directory_stops_the_worker(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError, match="not reachable .* outside its compute share"):
+    with pytest.raises(RuntimeError, match=r"not reachable .* outside its compute share"):
         check_mps_reachable({"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path / "missing")})
 
 
