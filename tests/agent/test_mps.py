@@ -80,6 +80,7 @@ def test_supervisor_follows_gpu_modes(tmp_path: Path, fake_binary: str) -> None:
         sup.reconcile({"G0": ("virtual", None), "G1": ("physical", None)})
         assert sup.pipe_dir("G0") is not None
         assert sup.pipe_dir("G1") is None
+        assert sup.direct_pipe_dir("G0") == sup.pipe_dir("G0"), "one daemon for every client"
         sup.reconcile({"G0": ("draining", "physical"), "G1": ("physical", None)})
         assert sup.pipe_dir("G0") is not None, "clients of a draining GPU keep their daemon"
         sup.reconcile({"G0": ("physical", None), "G1": ("virtual", None)})
@@ -197,6 +198,12 @@ def test_the_worker_user_reaches_the_pipes_but_not_the_agents_directory(
             "the daemon runs as the workers' user"
         )
         assert os.stat(pipe).st_uid == user.uid and stat.S_IMODE(os.stat(pipe).st_mode) == 0o700
+        # Direct slices (programs of other users) get a daemon of the agent's own user.
+        direct = sup.direct_pipe_dir("GPU-4e3a410b-c041-7f34-e692-bdddd68b7e21")
+        assert direct is not None and direct != pipe and direct.startswith(str(private))
+        direct_pid = sup.direct_daemons["GPU-4e3a410b-c041-7f34-e692-bdddd68b7e21"].pid()
+        assert direct_pid is not None and os.stat(f"/proc/{direct_pid}").st_uid == os.geteuid()
+        assert sup.pids() == {pid, direct_pid}
         probe = "import os, sys; os.listdir(sys.argv[1]); open(sys.argv[1] + '/probe', 'w')"
         reached = _as_user(user, probe, pipe)
         assert reached.returncode == 0, reached.stderr
@@ -205,6 +212,7 @@ def test_the_worker_user_reaches_the_pipes_but_not_the_agents_directory(
     finally:
         sup.stop_all()
     assert os.listdir(run / "gpupool" / "mps") == [], "the agent's runtime directory is gone"
+    assert sup.pids() == set()
 
 
 def test_a_runtime_directory_someone_else_planted_is_refused(tmp_path: Path) -> None:

@@ -35,7 +35,13 @@ def create_agent_app(agent: Agent) -> FastAPI:
             "registered": agent.registered,
             "controller_reachable": agent.controller_reachable,
             "faults_reported": agent.faults_reported,
-            "mps": {uuid: agent.mps.pipe_dir(uuid) for uuid in agent.mps.daemons},
+            "mps": {
+                uuid: {
+                    "workers": agent.mps.pipe_dir(uuid),
+                    "direct": agent.mps.direct_pipe_dir(uuid),
+                }
+                for uuid in agent.mps.daemons
+            },
             "direct_watch": {
                 "mode": agent.watch.mode.value,
                 "socket": str(agent.settings.attach_path) if agent.attach_server else None,

@@ -5,8 +5,9 @@ other: a client reaches exactly the daemon of its GPU through CUDA_MPS_PIPE_DIRE
 
 When the workers run as the worker user, the daemon runs as that user too. A root daemon
 spawns each client user's MPS server under that user, and on the H200 machine every server it
-spawned for the worker user exited at once (its log file was the root daemon's): the clients
-failed with CUDA error 805 (bench/gpu/mps_user_probe.sh shows both layouts). A daemon of the
+spawned for the worker user exited at once (status 0, an empty server log, also with that log
+made the worker user's): the clients failed with CUDA error 805, while the same client of a
+daemon run as the worker user ran (bench/gpu/mps_user_probe.sh). A daemon of the
 workers' own user serves them, needs no privilege, and its pipes are that user's alone. That
 user must reach the pipe directory from `/` (an MPS client connects by absolute path) while it
 must not reach the agent's data dir: the daemons' directories then live under a short
@@ -233,7 +234,14 @@ def shared_root(private_root: Path, base: Path = SHARED_BASE) -> Path:
 
 
 class MpsSupervisor:
-    """Keeps exactly the daemons the GPUs' modes call for."""
+    """Keeps exactly the daemons the GPUs' modes call for.
+
+    One daemon per virtual GPU serves every client when the workers run as the agent's own
+    user. When they run as the worker user, a GPU has two: the workers' (run as that user,
+    `pipe_dir`) and the direct slices' (the agent's own user, `direct_pipe_dir`). An MPS
+    daemon runs one server at a time, for one user: a direct program of another user would
+    wait for every worker to end (and a root daemon's servers for the worker user died on the
+    H200 machine), so each kind of client gets a daemon of its own."""
 
     def __init__(
         self, root: Path, binary: str = CONTROL_BINARY, shared_base: Path = SHARED_BASE
@@ -243,9 +251,12 @@ class MpsSupervisor:
         self.shared_base = shared_base
         self.enabled = mps_available(binary)
         self.daemons: dict[str, MpsDaemon] = {}
+        """The workers' daemon of each GPU (the only one where workers run as the agent)."""
+        self.direct_daemons: dict[str, MpsDaemon] = {}
+        """The direct slices' daemon of each GPU, where the workers run as the worker user."""
         self.client: tuple[int, int] | None = None
-        """(uid, gid), set by the worker supervisor when workers run as the worker user: the
-        daemons run as that user, their directories under `shared_base`, which it can reach."""
+        """(uid, gid), set by the worker supervisor when workers run as the worker user: their
+        daemons run as that user, in directories under `shared_base`, which it can reach."""
 
     def _base(self) -> Path:
         if self.client is None:
@@ -253,41 +264,69 @@ class MpsSupervisor:
         return shared_root(self.root, self.shared_base)
 
     def daemon(self, gpu_uuid: str) -> MpsDaemon:
+        """The daemon the GPU's workers are clients of."""
         if gpu_uuid not in self.daemons:
-            safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in gpu_uuid)
             self.daemons[gpu_uuid] = MpsDaemon(
-                gpu_uuid, self._base() / safe, self.binary, self.client
+                gpu_uuid, self._base() / _safe(gpu_uuid), self.binary, self.client
             )
         return self.daemons[gpu_uuid]
 
+    def direct_daemon(self, gpu_uuid: str) -> MpsDaemon:
+        """The daemon the GPU's direct slices are clients of."""
+        if self.client is None:
+            return self.daemon(gpu_uuid)
+        if gpu_uuid not in self.direct_daemons:
+            self.direct_daemons[gpu_uuid] = MpsDaemon(
+                gpu_uuid, self.root / _safe(gpu_uuid), self.binary
+            )
+        return self.direct_daemons[gpu_uuid]
+
+    def _all(self) -> list[MpsDaemon]:
+        return [*self.daemons.values(), *self.direct_daemons.values()]
+
     def reconcile(self, modes: Mapping[str, tuple[str, str | None]]) -> None:
-        """Start and stop daemons so that each GPU has one exactly when its mode wants it."""
+        """Start and stop daemons so that each GPU has them exactly when its mode wants."""
         if not self.enabled:
             return
         for uuid, (mode, target) in modes.items():
-            daemon = self.daemon(uuid)
-            try:
-                if wants_mps(mode, target):
-                    daemon.start()
-                else:
-                    daemon.stop()
-            except (MpsError, OSError, subprocess.TimeoutExpired) as exc:
-                log.error("MPS for %s: %s", uuid, exc)
+            both = (self.daemon(uuid), self.direct_daemon(uuid))
+            for daemon in both[:1] if both[0] is both[1] else both:
+                try:
+                    if wants_mps(mode, target):
+                        daemon.start()
+                    else:
+                        daemon.stop()
+                except (MpsError, OSError, subprocess.TimeoutExpired) as exc:
+                    log.error("MPS for %s: %s", uuid, exc)
         for uuid in set(self.daemons) - set(modes):
             self.daemons[uuid].stop()
+        for uuid in set(self.direct_daemons) - set(modes):
+            self.direct_daemons[uuid].stop()
 
     def pids(self) -> set[int]:
         """The running control daemons (the MPS servers are their children)."""
-        return {pid for d in list(self.daemons.values()) if (pid := d.pid()) is not None}
+        return {pid for d in self._all() if (pid := d.pid()) is not None}
 
     def pipe_dir(self, gpu_uuid: str) -> str | None:
+        """Where the GPU's workers reach their daemon (None: no daemon runs)."""
         daemon = self.daemons.get(gpu_uuid)
         return str(daemon.pipe_dir) if daemon is not None and daemon.running() else None
 
+    def direct_pipe_dir(self, gpu_uuid: str) -> str | None:
+        """Where the GPU's direct slices reach their daemon (None: no daemon runs)."""
+        if self.client is None:
+            return self.pipe_dir(gpu_uuid)
+        daemon = self.direct_daemons.get(gpu_uuid)
+        return str(daemon.pipe_dir) if daemon is not None and daemon.running() else None
+
     def stop_all(self) -> None:
-        for daemon in self.daemons.values():
+        for daemon in self._all():
             daemon.stop()
         if self.client is not None and self.daemons:
             # The runtime directory is this agent's alone: nothing of it outlives the agent.
             with contextlib.suppress(OSError, MpsError):
                 shutil.rmtree(shared_root(self.root, self.shared_base))
+
+
+def _safe(gpu_uuid: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in gpu_uuid)

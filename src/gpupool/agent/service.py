@@ -658,7 +658,7 @@ class Agent:
         telemetry = [
             t.model_copy(
                 update={
-                    "mps_pipe_dir": self.mps.pipe_dir(t.uuid),
+                    "mps_pipe_dir": self.mps.direct_pipe_dir(t.uuid),
                     "direct_socket": attach,
                     **self.health_counts.telemetry_fields(t.uuid),
                 }
@@ -718,7 +718,7 @@ class Agent:
                             index=gpu.index,
                             mode=desired.mode,
                             target_mode=desired.target_mode,
-                            mps_pipe_dir=self.mps.pipe_dir(gpu.uuid),
+                            mps_pipe_dir=self.mps.direct_pipe_dir(gpu.uuid),
                         )
                     )
             shm = self.settings.mps_shm_dir
