@@ -8,14 +8,13 @@ keeps the tensor whole."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from gpupool.protocol.v1.dataplane import ErrorKind, Kind, Rec, start_worker_process
-from gpupool.protocol.v1.tensors import DTYPE_EXT, REMOTE_DEVICE_EXT, handle_ext
+from gpupool.protocol.v1.dataplane import ErrorKind, Kind, Rec
+from gpupool.protocol.v1.tensors import DTYPE_EXT, handle_ext
 from tests.worker import test_memory_attacks as attacks
 from tests.worker.test_memory_attacks import Client, WorkerProcess
 
@@ -26,21 +25,14 @@ F32 = DTYPE_EXT[torch.float32]
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[WorkerProcess]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc, ready = start_worker_process(attacks.LEASE, attacks.TOKEN, env=env, threads=1)
-    assert ready.credentials is not None
-    yield WorkerProcess(proc, str(ready.address), ready.credentials.peer)
-    proc.terminate()
-    proc.wait(timeout=10)
+    with attacks.running_worker() as running:  # no memory limit: nothing refuses the op first
+        yield running
 
 
 @pytest.fixture
 def client(worker: WorkerProcess) -> Iterator[Client]:
-    c = Client(worker.address)
-    c.op(1, [[4]], 10, dtype=F32, device=REMOTE_DEVICE_EXT)
-    assert c.read_floats(10) == [1.0] * 4
-    yield c
-    c.close()
+    with attacks.session(worker) as c:
+        yield c
 
 
 def expect_error(client: Client, says: str) -> None:

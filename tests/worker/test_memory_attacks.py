@@ -6,6 +6,7 @@ resident memory stays where it was, and the client's other tensors are intact.""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import subprocess
@@ -75,14 +76,24 @@ class WorkerProcess:
         raise AssertionError("no VmHWM")
 
 
+@contextlib.contextmanager
+def running_worker(**options: Any) -> Iterator[WorkerProcess]:
+    """A real worker process of lease LEASE (one op thread), with start_worker_process's
+    options (memory limits, device), stopped on the way out."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc, ready = start_worker_process(LEASE, TOKEN, env=env, threads=1, **options)
+    assert ready.credentials is not None
+    try:
+        yield WorkerProcess(proc, str(ready.address), ready.credentials.peer)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 @pytest.fixture(scope="module")
 def worker() -> Iterator[WorkerProcess]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc, ready = start_worker_process(LEASE, TOKEN, env=env, threads=1, memory_limit_mib=LIMIT_MIB)
-    assert ready.credentials is not None
-    yield WorkerProcess(proc, str(ready.address), ready.credentials.peer)
-    proc.terminate()
-    proc.wait(timeout=10)
+    with running_worker(memory_limit_mib=LIMIT_MIB) as running:
+        yield running
 
 
 class Client:
@@ -137,14 +148,23 @@ class Client:
         self.conn.close()
 
 
-@pytest.fixture
-def client(worker: WorkerProcess) -> Iterator[Client]:
+@contextlib.contextmanager
+def session(worker: WorkerProcess) -> Iterator[Client]:
+    """A client session holding tensor 10 (four ones on the worker's device), which every
+    attack must leave as it was (`intact`)."""
     c = Client(worker.address)
-    # A tensor of the client's that every attack must leave as it was.
     c.op(1, [[4]], 10, dtype=F32, device=REMOTE_DEVICE_EXT)
     assert c.read_floats(10) == [1.0] * 4
-    yield c
-    c.close()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture
+def client(worker: WorkerProcess) -> Iterator[Client]:
+    with session(worker) as c:
+        yield c
 
 
 def held(client: Client) -> int:

@@ -5,13 +5,12 @@ transfer refused before anything is allocated)."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 
 import pytest
 import torch
 
-from gpupool.protocol.v1.dataplane import Kind, Rec, start_worker_process
+from gpupool.protocol.v1.dataplane import Kind, Rec
 from gpupool.protocol.v1.tensors import DTYPE_EXT, HOST_DEVICE_EXT, REMOTE_DEVICE_EXT, handle_ext
 from tests.worker import test_memory_attacks as attacks
 from tests.worker.test_memory_attacks import Client, GiB, MiB, WorkerProcess
@@ -29,24 +28,16 @@ HOST_LIMIT_MIB = 128
 
 @pytest.fixture(scope="module")
 def worker() -> Iterator[WorkerProcess]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc, ready = start_worker_process(
-        attacks.LEASE, attacks.TOKEN, env=env, threads=1, device="cuda:0",
-        memory_limit_mib=LIMIT_MIB, host_memory_limit_mib=HOST_LIMIT_MIB,
-    )  # fmt: skip
-    assert ready.credentials is not None
-    yield WorkerProcess(proc, str(ready.address), ready.credentials.peer)
-    proc.terminate()
-    proc.wait(timeout=30)
+    with attacks.running_worker(
+        device="cuda:0", memory_limit_mib=LIMIT_MIB, host_memory_limit_mib=HOST_LIMIT_MIB
+    ) as running:
+        yield running
 
 
 @pytest.fixture
 def client(worker: WorkerProcess) -> Iterator[Client]:
-    c = Client(worker.address)
-    c.op(1, [[4]], 10, dtype=F32, device=REMOTE_DEVICE_EXT)
-    assert c.read_floats(10) == [1.0] * 4
-    yield c
-    c.close()
+    with attacks.session(worker) as c:
+        yield c
 
 
 def host_held(client: Client) -> int:
