@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from enum import StrEnum
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -32,6 +33,8 @@ from gpupool.protocol.v1.api import DirectEvent, DirectEventKind, DirectLease
 from gpupool.protocol.v1.attach import AttachRefused, token_sha256
 
 log = logging.getLogger(__name__)
+ENVIRON_SETTLE_S = 2.0
+"""How long an empty start environment counts as not laid out yet (see _environ_words)."""
 
 WATCH_INTERVAL_S = 0.25
 """How often every GPU's processes are read: with STOP_GRACE_S, a breach is over in < 2 s."""
@@ -290,19 +293,11 @@ class DirectWatch:
             self._said.add(key)
             kind, verb = "process_not_stopped", "found (watch reports only)"
         self.stopped[finding.reason.value] += 1
-        message = f"{verb} pid {proc.pid} ({command}): {detail}"
-        log.warning("direct watch: %s", message)
-        return DirectEvent(
-            kind=kind,
-            reason=finding.reason.value,
-            message=message[:500],
-            gpu_uuid=proc.gpu_uuid,
-            lease_id=finding.lease_id,
-            pid=proc.pid,
-            command=command,
+        return _event(
+            finding, kind, f"{verb} pid {proc.pid} ({command}): {detail}", command,
             used_memory_mib=_clip(finding.used_memory_mib or proc.used_memory_mib),
             limit_memory_mib=_clip(finding.limit_memory_mib),
-        )
+        )  # fmt: skip
 
     def _report(self, finding: Finding, kind: DirectEventKind) -> DirectEvent:
         proc = finding.process
@@ -311,19 +306,10 @@ class DirectWatch:
         except psutil.Error:
             command = ""
         self.reported[finding.reason.value] += 1
-        message = f"pid {proc.pid} ({command}): {finding.detail}"
-        log.warning("direct watch: %s", message)
-        return DirectEvent(
-            kind=kind,
-            reason=finding.reason.value,
-            message=message[:500],
-            gpu_uuid=proc.gpu_uuid,
-            lease_id=finding.lease_id,
-            pid=proc.pid,
-            command=command,
-            compute_pct=finding.compute_pct,
-            share_pct=finding.share_pct,
-        )
+        return _event(
+            finding, kind, f"pid {proc.pid} ({command}): {finding.detail}", command,
+            compute_pct=finding.compute_pct, share_pct=finding.share_pct,
+        )  # fmt: skip
 
     def _raised_limits(
         self,
@@ -344,8 +330,10 @@ class DirectWatch:
                 continue
             if key in self._said:
                 continue
-            self._said.add(key)
             words = self._environ_words(target, lease_id, proc.gpu_uuid, leases)
+            if words is None:
+                continue  # exec'd a moment ago: its environment is not readable yet
+            self._said.add(key)
             if not words:
                 continue
             finding = Finding(
@@ -364,14 +352,21 @@ class DirectWatch:
         lease_id: str | None,
         gpu_uuid: str,
         leases: Mapping[str, DirectLease],
-    ) -> list[str]:
+    ) -> list[str] | None:
+        """What the process's start environment asks beyond its lease, or None to look again
+        at the next poll: execve drops the old image (and tells the parent so) before it lays
+        out the new environment, so a process caught in that instant reads as having none (a
+        loaded machine showed it). An empty environment that lasts is judged as it is."""
         lease = leases.get(lease_id) if lease_id is not None else None
         if lease is None or slice_on(lease, gpu_uuid) is None:
             return []
         try:
             environ = target.environ()
+            young = time.time() - target.create_time() < ENVIRON_SETTLE_S
         except psutil.Error:
             return []
+        if not environ and young:
+            return None
         return raised_limits(environ, lease, gpu_uuid)
 
     def _still_over(self, key: tuple[str, str], leases: Mapping[str, DirectLease]) -> bool:
@@ -518,3 +513,15 @@ def _clip(value: int | None) -> int | None:
 
 def _same(a: str, b: str) -> bool:
     return bool(hmac.compare_digest(a.encode(), b.encode()))
+
+
+def _event(
+    finding: Finding, kind: DirectEventKind, message: str, command: str, **numbers: Any
+) -> DirectEvent:
+    """The event of one finding, logged as it is sent: stopped and reported ones alike."""
+    log.warning("direct watch: %s", message)
+    proc = finding.process
+    return DirectEvent(
+        kind=kind, reason=finding.reason.value, message=message[:500], gpu_uuid=proc.gpu_uuid,
+        lease_id=finding.lease_id, pid=proc.pid, command=command, **numbers,
+    )  # fmt: skip
