@@ -100,9 +100,7 @@ def github_slug(heading: str) -> str:
     and underscores kept), spaces as hyphens. MkDocs' default slugs agree on every heading
     these files use, and mkdocs --strict checks the site's own."""
     text = re.sub(r"`([^`]*)`", r"\1", heading).strip().lower()
-    text = "".join(
-        ch for ch in text if ch in "-_ " or unicodedata.category(ch)[0] in ("L", "N")
-    )
+    text = "".join(ch for ch in text if ch in "-_ " or unicodedata.category(ch)[0] in ("L", "N"))
     return text.replace(" ", "-")
 
 
@@ -159,9 +157,12 @@ def test_every_link_of_the_readme_reaches_a_file_and_its_anchor() -> None:
         target = (ROOT / unquote(parts.path)).resolve() if parts.path else README
         if not target.exists():
             broken.append(f"{link} (no such file)")
-        elif parts.fragment and target.suffix == ".md":
-            if unquote(parts.fragment) not in anchors_of(target):
-                broken.append(f"{link} (no such heading in {target.relative_to(ROOT)})")
+        elif (
+            parts.fragment
+            and target.suffix == ".md"
+            and unquote(parts.fragment) not in anchors_of(target)
+        ):
+            broken.append(f"{link} (no such heading in {target.relative_to(ROOT)})")
     assert not broken, "broken links in README.md:\n" + "\n".join(broken)
 
 
