@@ -177,7 +177,10 @@ def test_the_readme_links_every_page_of_the_docs() -> None:
         for p in sorted(DOCS.glob("*.md"))
         if p.name != "index.md" and p.resolve() not in linked
     ]
-    assert not missing, f"the README's page list lacks: {missing}"
+    assert not missing, (
+        f"the README's page list lacks {missing}: add a row to its table under 'Where the rest "
+        "is' (and the page to mkdocs.yml's nav)"
+    )
 
 
 # Project text speaks of the product: not of who measured what in which sitting.
