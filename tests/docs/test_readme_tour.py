@@ -270,3 +270,7 @@ def test_the_readmes_tour_runs_as_written_against_a_fresh_pool(tour: Tour, tmp_p
         check(output, pool)
     left = marked_processes(tour.mark)
     assert not left, f"gpupool down left processes running: {left}"
+    with socket.socket() as probe:
+        assert probe.connect_ex(("127.0.0.1", tour.port)) != 0, (
+            f"something still listens on the pool's port {tour.port} after gpupool down"
+        )
