@@ -47,6 +47,19 @@ def test_site_builds_strict_with_every_page_in_its_nav(site: Path) -> None:
         assert html.is_file(), f"docs/{page}.md has no page in the site"
 
 
+def test_the_sites_home_page_carries_the_readmes_sections(site: Path) -> None:
+    """docs/index.md includes the README's start, install, tour and stopping sections, so the
+    two say the same; a section marker renamed or removed fails the build (check_paths)."""
+    page = re.sub(r"<[^>]+>", "", (site / "index.html").read_text(encoding="utf-8"))
+    for words in (
+        "bash scripts/test.sh",
+        "pip install -e",
+        "gpupool up --fake 4xH100-80GB --background",
+        "gpupool down stops a pool started with --background",
+    ):
+        assert words in page, f"the site's home page lacks the README's {words!r}"
+
+
 class _Links(HTMLParser):
     """Collects every id and every href/src of one HTML page."""
 
