@@ -205,7 +205,7 @@ def test_the_readme_links_every_page_of_the_docs() -> None:
 
 # Project text speaks of the product: not of who measured what in which sitting.
 _NOT_PRODUCT_TEXT = re.compile(
-    r"\b[Ss]essions? \d+\b|\b[Tt]his session\b|\blast session\b|\b[Rr]uns? [A-Z](?:\b|-[A-Z]\b)"
+    r"\b[Ss]essions? \d+\b|\b[Tt]his session\b|\blast session\b|\b[Rr]uns? [A-Z](?![\w/])"
     r"|\b[Rr]uns [A-Z] and [A-Z]\b|\bdev VM\b|\bVM of the day\b",
 )
 
