@@ -6,7 +6,7 @@ fits its lease's own limit does not fit the GPU's free memory, some other sessio
 are swapped out to host memory (as idle release does) and the allocation waits for the room.
 Nobody is killed for another's allocation: a victim resumes at its next op, here or elsewhere.
 
-The policy, `choose_victims`, is deterministic and documented in the README:
+The policy, `choose_victims`, is deterministic and documented in docs/elastic.md:
 
 1. Only remote sessions that hold device memory now can give way: a direct lease's process
    cannot be swapped, the requester never gives way to itself, a swapped session holds none.
