@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
@@ -44,6 +43,7 @@ from gpupool.controller.services.tenants import ensure_default
 from gpupool.controller.settings import ControllerSettings
 from gpupool.controller.store import Store
 from gpupool.core import PoolError
+from gpupool.protocol.asgi import send_json
 from gpupool.protocol.v1 import API_PREFIX
 from gpupool.protocol.v1.api import HaMemberOut, HaOut
 
@@ -558,16 +558,5 @@ async def _read_body(receive: Receive) -> bytes:
 
 
 async def _answer(send: Send, status: int, error: PoolError) -> None:
-    body = json.dumps({"error": error.code, "detail": error.message}).encode()
-    await send(
-        {
-            "type": "http.response.start",
-            "status": status,
-            "headers": [
-                (b"content-type", b"application/json"),
-                (b"content-length", str(len(body)).encode()),
-                (b"retry-after", b"1"),
-            ],
-        }
-    )
-    await send({"type": "http.response.body", "body": body})
+    body = {"error": error.code, "detail": error.message}
+    await send_json(send, status, body, [(b"retry-after", b"1")])

@@ -12,10 +12,11 @@ still be sending is not read, let alone parsed.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
+
+from gpupool.protocol.asgi import send_json
 
 log = logging.getLogger(__name__)
 
@@ -150,18 +151,5 @@ class BodyLimit:
         )
 
     async def _refuse(self, send: Send, status: int, code: str, detail: str) -> None:
-        body = json.dumps(self.error_body(code, detail)).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    # The rest of the body is never read: the connection cannot carry another
-                    # request after it.
-                    (b"connection", b"close"),
-                ],
-            }
-        )
-        await send({"type": "http.response.body", "body": body})
+        # The rest of the body is never read: the connection cannot carry another request.
+        await send_json(send, status, self.error_body(code, detail), [(b"connection", b"close")])
