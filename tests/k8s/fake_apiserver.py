@@ -17,6 +17,8 @@ class FakeApiServer:
         self.pods: dict[tuple[str, str], dict[str, Any]] = {}
         self.bindings: list[dict[str, Any]] = []
         self.refuse_bindings: str | None = None
+        self.authorizations: list[str | None] = []
+        """The Authorization header of every request, in order."""
         self.lock = threading.Lock()
         server = self
 
@@ -33,6 +35,7 @@ class FakeApiServer:
                 self.wfile.write(data)
 
             def do_GET(self) -> None:
+                server.authorizations.append(self.headers.get("Authorization"))
                 url = urlparse(self.path)
                 parts = url.path.strip("/").split("/")
                 with server.lock:
@@ -57,6 +60,7 @@ class FakeApiServer:
                 self._send(404, {"kind": "Status", "message": "not found"})
 
             def do_POST(self) -> None:
+                server.authorizations.append(self.headers.get("Authorization"))
                 parts = urlparse(self.path).path.strip("/").split("/")
                 body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
                 if len(parts) == 7 and parts[6] == "binding":

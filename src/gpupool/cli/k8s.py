@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -13,6 +12,7 @@ from gpupool.cli.errors import BadInput
 
 if TYPE_CHECKING:
     from gpupool.k8s.callers import CallerRule
+    from gpupool.k8s.kube import KubeCredentials
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -30,6 +30,19 @@ def serve(
     kube_api: Annotated[
         str | None,
         typer.Option("--kube-api", help="API server URL (default: the cluster this pod is in)."),
+    ] = None,
+    kube_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--kube-token-file",
+            help="File with the bearer token for --kube-api (read again when it changes).",
+        ),
+    ] = None,
+    kube_ca_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--kube-ca-file", help="CA (PEM) of --kube-api's certificate (default: the system's)."
+        ),
     ] = None,
     scheduler_name: Annotated[
         str,
@@ -123,10 +136,7 @@ def serve(
         if not name or not key:
             raise BadInput(f"--token-secret must be SECRET/KEY, got {token_secret!r}")
         secret = (name, key)
-    if kube_api is not None and not kube_api.startswith(("http://", "https://")):
-        raise BadInput(f"--kube-api must be an http:// or https:// URL, got {kube_api!r}")
-    if kube_api is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
-        raise BadInput("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST): give --kube-api URL")
+    kube = kube_credentials(kube_api, kube_token_file, kube_ca_file)
     if not 1 <= max_body_mib <= 1024:
         raise BadInput(f"--max-body-mib must be 1..1024, got {max_body_mib}")
     from gpupool.k8s.app import ServeSettings
@@ -161,7 +171,7 @@ def serve(
     run(
         ServeSettings(
             controller_url=url,
-            kube_api=kube_api,
+            kube=kube,
             host=host,
             port=port,
             tls_cert=str(tls_cert) if tls_cert else None,
@@ -177,6 +187,33 @@ def serve(
             ),
         )
     )
+
+
+def kube_credentials(
+    url: str | None, token_file: Path | None, ca_file: Path | None
+) -> KubeCredentials:
+    """The API server and our credential for it: the flags, else the pod's service account."""
+    from gpupool.k8s.kube import KubeCredentials, KubeError, TokenFileAuth
+
+    if url is None:
+        if token_file is not None or ca_file is not None:
+            raise BadInput("--kube-token-file and --kube-ca-file go with --kube-api URL")
+        try:
+            return KubeCredentials.in_cluster()
+        except KubeError as exc:
+            raise BadInput(str(exc)) from None
+    if not url.startswith(("http://", "https://")):
+        raise BadInput(f"--kube-api must be an http:// or https:// URL, got {url!r}")
+    if token_file is not None:
+        if url.startswith("http://"):
+            raise BadInput("--kube-token-file needs an https:// --kube-api (the token is secret)")
+        try:
+            TokenFileAuth(token_file)
+        except KubeError as exc:
+            raise BadInput(f"--kube-token-file: {exc}") from None
+    if ca_file is not None and not ca_file.is_file():
+        raise BadInput(f"--kube-ca-file: no file {ca_file}")
+    return KubeCredentials(url, token_file, ca_file)
 
 
 def caller_rule(

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
 from gpupool.k8s.callers import CallerCheck, Callers, peer_certificate_protocol
 from gpupool.k8s.extender import Extender
-from gpupool.k8s.kube import KubeApi, KubeError
+from gpupool.k8s.kube import KubeApi, KubeCredentials, KubeError
 from gpupool.k8s.payloads import (
     MalformedPayload,
     check_admission_review,
@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ServeSettings:
     controller_url: str
-    kube_api: str | None = None
-    """None: the API server of the cluster this runs in (service account)."""
+    kube: KubeCredentials | None = None
+    """None: the API server of the cluster this runs in (its service account)."""
     host: str = "0.0.0.0"
     port: int = 8443
     tls_cert: str | None = None
@@ -176,7 +176,7 @@ def serve(settings: ServeSettings) -> None:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    kube = KubeApi(settings.kube_api) if settings.kube_api else KubeApi.in_cluster()
+    kube = KubeApi.of(settings.kube or KubeCredentials.in_cluster())
     pool = PoolClient(settings.controller_url, actor="k8s-extender")
     app = create_app(settings, pool, kube)
     for prefix, rule in settings.callers.rules.items():
