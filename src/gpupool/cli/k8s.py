@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
     from gpupool.k8s.kube import KubeCredentials
 
 app = typer.Typer(no_args_is_help=True)
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+"""An object name's rule (RuntimeClass names are DNS subdomains)."""
 
 
 @app.command("serve")
@@ -50,6 +53,13 @@ def serve(
             "--scheduler-name", help="Scheduler (with this extender) for GPU pods; '' keeps theirs."
         ),
     ] = "gpupool-scheduler",
+    runtime_class: Annotated[
+        str,
+        typer.Option(
+            "--runtime-class",
+            help="RuntimeClass set on direct GPU pods (e.g. nvidia); '' leaves theirs alone.",
+        ),
+    ] = "",
     pod_controller_url: Annotated[
         str | None,
         typer.Option(
@@ -137,6 +147,8 @@ def serve(
             raise BadInput(f"--token-secret must be SECRET/KEY, got {token_secret!r}")
         secret = (name, key)
     kube = kube_credentials(kube_api, kube_token_file, kube_ca_file)
+    if runtime_class and not DNS_SUBDOMAIN.match(runtime_class):
+        raise BadInput(f"--runtime-class must be a RuntimeClass name, got {runtime_class!r}")
     if not 1 <= max_body_mib <= 1024:
         raise BadInput(f"--max-body-mib must be 1..1024, got {max_body_mib}")
     from gpupool.k8s.app import ServeSettings
@@ -184,6 +196,7 @@ def serve(
                 scheduler_name=scheduler_name or None,
                 controller_url=pod_controller_url or url,
                 token_secret=secret,
+                runtime_class=runtime_class or None,
             ),
         )
     )
