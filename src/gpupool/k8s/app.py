@@ -26,6 +26,7 @@ from gpupool.k8s.payloads import (
     check_admission_review,
     check_binding_args,
     check_extender_args,
+    check_preemption_args,
 )
 from gpupool.k8s.webhook import WebhookSettings, review
 from gpupool.protocol.bodylimit import MIB, BodyLimit
@@ -124,6 +125,17 @@ def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> Fast
         except MalformedPayload as exc:
             return _malformed(f"ExtenderArgs: {exc}")
         return await extender.prioritize(body)
+
+    @app.post("/extender/preempt")
+    async def preempt(request: Request) -> Any:
+        body = await body_of(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            check_preemption_args(body)
+        except MalformedPayload as exc:
+            return _malformed(f"ExtenderPreemptionArgs: {exc}")
+        return await extender.preempt(body)
 
     @app.post("/extender/bind")
     async def bind(request: Request) -> Any:
