@@ -58,6 +58,10 @@ class ServeSettings:
     """CA file whose client certificates the TLS handshake verifies (callers may then
     present one; which names each path accepts is in `callers`)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    webhook_configuration: str | None = None
+    """MutatingWebhookConfiguration whose caBundle is set to `tls_ca` at start (the chart's
+    CA is made in the cluster, so no rendered manifest can carry it)."""
+    tls_ca: str | None = None
 
 
 def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> FastAPI:
@@ -67,11 +71,18 @@ def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> Fast
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
         sweeper = asyncio.create_task(_sweep_forever(extender, settings.sweep_interval_s, stop))
+        injector = None
+        if settings.webhook_configuration and settings.tls_ca:
+            injector = asyncio.create_task(
+                _inject_until_done(kube, settings.webhook_configuration, settings.tls_ca, stop)
+            )
         try:
             yield
         finally:
             stop.set()
             await sweeper
+            if injector is not None:
+                await injector
             await kube.close()
 
     # No /docs or /openapi.json: the only callers are the scheduler and the API server.
@@ -178,6 +189,29 @@ async def _sweep_forever(extender: Extender, interval_s: float, stop: asyncio.Ev
             log.warning("claims sweep: %s; trying again in %gs", exc, interval_s)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), interval_s)
+
+
+async def _inject_until_done(
+    kube: KubeApi, configuration: str, ca_file: str, stop: asyncio.Event
+) -> None:
+    """Set the webhooks' caBundle, retrying (the configuration may not exist yet)."""
+    from pathlib import Path
+
+    from gpupool.k8s.secrets import inject_ca_bundle
+
+    delay_s = 1.0
+    while not stop.is_set():
+        try:
+            ca = await asyncio.to_thread(Path(ca_file).read_bytes)
+            changed = await inject_ca_bundle(kube, configuration, ca)
+        except (KubeError, OSError) as exc:
+            log.warning("caBundle of %s: %s; trying again in %gs", configuration, exc, delay_s)
+        else:
+            log.info("caBundle of %s: %d webhook(s) set", configuration, changed)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay_s)
+        delay_s = min(delay_s * 2, 60.0)
 
 
 def serve(settings: ServeSettings) -> None:

@@ -25,6 +25,11 @@ MAX_TOKEN_BYTES = 64 * 1024
 class KubeError(Exception):
     """The API server refused a call or could not be reached; the message says which."""
 
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        """The HTTP status of the API server's refusal; None when it was not reached."""
+
 
 class TokenFileAuth(httpx.Auth):
     """`Authorization: Bearer <the file's token>`, read again when the file changes.
@@ -128,9 +133,19 @@ class KubeApi:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _call(self, method: str, path: str, body: Any = None, **params: str) -> Any:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str | None = None,
+        **params: str,
+    ) -> Any:
+        headers = {"Content-Type": content_type} if content_type else None
         try:
-            response = await self._http.request(method, path, json=body, params=params or None)
+            response = await self._http.request(
+                method, path, json=body, params=params or None, headers=headers
+            )
         except httpx.TransportError as exc:
             raise KubeError(f"API server {self.url} unreachable: {exc}") from exc
         if response.is_error:
@@ -138,7 +153,10 @@ class KubeApi:
                 message = response.json().get("message") or response.text
             except ValueError:
                 message = response.text
-            raise KubeError(f"{method} {path}: HTTP {response.status_code}: {message[:300]}")
+            raise KubeError(
+                f"{method} {path}: HTTP {response.status_code}: {message[:300]}",
+                response.status_code,
+            )
         return response.json() if response.content else None
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
@@ -170,3 +188,35 @@ class KubeApi:
         """Every pod, in any namespace, that carries `label`."""
         answer = await self._call("GET", "/api/v1/pods", labelSelector=label)
         return list((answer or {}).get("items") or [])
+
+    async def get_secret(self, namespace: str, name: str) -> dict[str, Any] | None:
+        """The Secret, or None where there is none."""
+        try:
+            secret: dict[str, Any] = await self._call(
+                "GET", f"/api/v1/namespaces/{quote(namespace)}/secrets/{quote(name)}"
+            )
+        except KubeError as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return secret
+
+    async def create_secret(self, namespace: str, secret: dict[str, Any]) -> bool:
+        """Create the Secret; False when one of its name exists already (it is not changed)."""
+        try:
+            await self._call("POST", f"/api/v1/namespaces/{quote(namespace)}/secrets", secret)
+        except KubeError as exc:
+            if exc.status == 409:
+                return False
+            raise
+        return True
+
+    async def get_webhook_configuration(self, name: str) -> dict[str, Any]:
+        path = f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{quote(name)}"
+        config: dict[str, Any] = await self._call("GET", path)
+        return config
+
+    async def patch_webhook_configuration(self, name: str, patch: list[dict[str, Any]]) -> None:
+        """Apply a JSON patch (RFC 6902) to the MutatingWebhookConfiguration."""
+        path = f"/apis/admissionregistration.k8s.io/v1/mutatingwebhookconfigurations/{quote(name)}"
+        await self._call("PATCH", path, patch, content_type="application/json-patch+json")
