@@ -156,3 +156,46 @@ def test_the_command_makes_the_secrets_and_says_which(api: FakeApiServer) -> Non
     assert done.stdout.strip() == "created: none; kept: adm, tls, sched"
     bad = subprocess.run([*argv, "--postgresql", "pg"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--postgresql-host" in bad.stderr
+
+
+def test_k8s_serve_sets_the_ca_bundle_once_its_configuration_exists(
+    api: FakeApiServer, tmp_path: Path
+) -> None:
+    """The chart's MutatingWebhookConfiguration is applied after the Deployment: `k8s serve`
+    keeps trying until it is there."""
+    import time
+    import warnings
+
+    from starlette.exceptions import StarletteDeprecationWarning
+
+    from gpupool.client.sdk import PoolClient
+    from gpupool.k8s.app import ServeSettings, create_app
+    from gpupool.k8s.callers import Callers
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", StarletteDeprecationWarning)
+        from fastapi.testclient import TestClient
+
+    ca = make_certificates("gpupool-k8s", "gpupool", "s").ca
+    (tmp_path / "ca.crt").write_bytes(ca)
+    settings = ServeSettings(
+        controller_url="http://127.0.0.1:9",
+        sweep_interval_s=3600,
+        callers=Callers.insecure(),
+        webhook_configuration="gpupool-k8s",
+        tls_ca=str(tmp_path / "ca.crt"),
+    )
+    pool = PoolClient(settings.controller_url, actor="test")
+    app = create_app(settings, pool, KubeApi(api.url))
+    deadline = time.monotonic() + 30
+    with TestClient(app):
+        while not any(a is None for a in api.authorizations):  # its first, failed, attempt
+            assert time.monotonic() < deadline, "k8s serve never asked for its configuration"
+            time.sleep(0.05)
+        _webhooks(api)
+        while not api.patches:
+            assert time.monotonic() < deadline, "the caBundle was never set"
+            time.sleep(0.05)
+    pool.close()
+    hooks = api.webhook_configurations["gpupool-k8s"]["webhooks"]
+    assert {base64.b64decode(h["clientConfig"]["caBundle"]) for h in hooks} == {ca}
