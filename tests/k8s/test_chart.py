@@ -5,6 +5,7 @@ example pods admitted by gpupool's own webhook."""
 
 from __future__ import annotations
 
+import base64
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +207,10 @@ def _k8s_args(docs: list[dict[str, Any]]) -> list[str]:
 def test_chart_refuses_a_webhook_nobody_authenticates_to() -> None:
     with pytest.raises(Exception, match="must authenticate to the webhook"):
         render({"k8s": {"auth": {"webhookToken": False}}})
+
+
+def test_chart_refuses_a_ca_bundle_that_signed_no_certificate_it_uses() -> None:
+    with pytest.raises(Exception, match=r"caBundle goes with k8s\.tls\.existingSecret"):
+        render({"k8s": {"tls": {"caBundle": base64.b64encode(b"PEM").decode()}}})
+    with pytest.raises(Exception, match=r"k8s\.tls\.caBundle .* is needed"):
+        render({"k8s": {"tls": {"existingSecret": "mine"}}})
