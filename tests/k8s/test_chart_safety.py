@@ -222,14 +222,24 @@ def test_every_container_is_restricted_probed_and_bounded() -> None:
 
 
 def test_service_account_tokens_are_mounted_only_where_the_api_is_called() -> None:
+    """A pod gets its token exactly when its service account is granted something: a
+    component that starts calling the API needs both its binding and its token."""
     docs = render()
-    api_callers = {"gpupool-k8s", "gpupool-scheduler", "gpupool-init-secrets"}
+    bound = {
+        subject["name"]
+        for d in docs
+        if d["kind"] in ("RoleBinding", "ClusterRoleBinding")
+        for subject in d["subjects"]
+        if subject["kind"] == "ServiceAccount"
+    }
+    assert bound == {"gpupool-k8s", "gpupool-scheduler", "gpupool-init-secrets"}
     for name, spec in pod_specs(docs):
-        assert (spec.get("automountServiceAccountToken", True) is not False) == (
-            name in api_callers
-        ), name
-    for account in ("gpupool-controller", "gpupool-agent"):
-        assert find(docs, "ServiceAccount", account)["automountServiceAccountToken"] is False
+        account = spec.get("serviceAccountName", "default")
+        mounted = spec.get("automountServiceAccountToken", True) is not False
+        assert mounted == (account in bound), name
+    for d in docs:
+        if d["kind"] == "ServiceAccount" and d["metadata"]["name"] not in bound:
+            assert d["automountServiceAccountToken"] is False, d["metadata"]["name"]
 
 
 @pytest.fixture

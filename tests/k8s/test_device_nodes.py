@@ -111,7 +111,7 @@ class OneClaim:
     def __init__(self, given: ClaimOut) -> None:
         self.given = given
 
-    async def allocate(self, kind: ResourceKind, devices: int) -> ClaimOut:
+    async def allocate(self, kind: ResourceKind, devices: int, *_: object) -> ClaimOut:
         return self.given
 
     async def pending(self) -> ClaimOut | None:

@@ -155,7 +155,7 @@ class Extender:
         """claim -> pod UID of the live claimed pods on `node` of lower priority."""
         mine = _k8s_priority(preemptor)
         out: dict[str, str] = {}
-        for victim in await self.kube.pods_on_node(node, CLAIM_LABEL):
+        for victim in await self.kube.pods_on_node(node):
             meta = victim.get("metadata") or {}
             claim, uid = claim_of(victim), str(meta.get("uid") or "")
             phase = (victim.get("status") or {}).get("phase")
