@@ -50,14 +50,8 @@ class FakeApiServer:
                         self._send(*found)
                         return
                     if parts == ["api", "v1", "pods"]:
-                        query = parse_qs(url.query)
-                        selector = query.get("labelSelector", [""])[0]
-                        fields = query.get("fieldSelector", [""])[0]
-                        items = [
-                            p
-                            for p in server.pods.values()
-                            if _matches(p, selector) and _on_node(p, fields)
-                        ]
+                        selector = parse_qs(url.query).get("labelSelector", [""])[0]
+                        items = [p for p in server.pods.values() if _matches(p, selector)]
                         self._send(200, {"kind": "PodList", "apiVersion": "v1", "items": items})
                         return
                     if (
@@ -163,15 +157,6 @@ class FakeApiServer:
     def delete_pod(self, namespace: str, name: str) -> None:
         with self.lock:
             del self.pods[(namespace, name)]
-
-
-def _on_node(pod: dict[str, Any], selector: str) -> bool:
-    """The one field selector the extender uses: `spec.nodeName=<node>`."""
-    if not selector:
-        return True
-    key, _, value = selector.partition("=")
-    assert key == "spec.nodeName", f"unsupported field selector {selector}"
-    return bool(pod.get("spec", {}).get("nodeName") == value)
 
 
 def _matches(pod: dict[str, Any], selector: str) -> bool:

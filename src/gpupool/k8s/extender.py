@@ -128,7 +128,8 @@ class Extender:
             return {"NodeNameToMetaVictims": _meta(proposed)}
         nodes = [n for n in proposed if _is_pool_node_name(n)]
         try:
-            offered = {n: await self._evictable(n, pod) for n in nodes}
+            evictable = await self._evictable(pod)
+            offered = {n: evictable.get(n, {}) for n in nodes}
             query = PreemptionQuery(
                 request=ask.lease_request(),
                 nodes={n: list(by_claim) for n, by_claim in offered.items()},
@@ -151,18 +152,20 @@ class Extender:
             result[verdict.node] = (list(dict.fromkeys([*uids, *extra])), pdb)
         return {"NodeNameToMetaVictims": _meta(result)}
 
-    async def _evictable(self, node: str, preemptor: Pod) -> dict[str, str]:
-        """claim -> pod UID of the live claimed pods on `node` of lower priority."""
+    async def _evictable(self, preemptor: Pod) -> dict[str, dict[str, str]]:
+        """node -> claim -> pod UID of the live claimed pods of lower priority (one list of
+        the claimed pods for all candidate nodes, however many the scheduler sent)."""
         mine = _k8s_priority(preemptor)
-        out: dict[str, str] = {}
-        for victim in await self.kube.pods_on_node(node):
+        out: dict[str, dict[str, str]] = {}
+        for victim in await self.kube.pods_with_label(CLAIM_LABEL):
             meta = victim.get("metadata") or {}
             claim, uid = claim_of(victim), str(meta.get("uid") or "")
+            node = str((victim.get("spec") or {}).get("nodeName") or "")
             phase = (victim.get("status") or {}).get("phase")
-            if not claim or not uid or meta.get("deletionTimestamp") or phase in ENDED_PHASES:
+            if not (claim and uid and node) or meta.get("deletionTimestamp"):
                 continue
-            if _k8s_priority(victim) < mine:
-                out[claim] = uid
+            if phase not in ENDED_PHASES and _k8s_priority(victim) < mine:
+                out.setdefault(node, {})[claim] = uid
         return out
 
     # ---- bind ----------------------------------------------------------------------------

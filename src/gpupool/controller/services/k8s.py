@@ -116,6 +116,11 @@ def preemption(store: Store, _session: Session, query: PreemptionQuery) -> Preem
             return PreemptionAnswer(
                 nodes=[NodeVictims(node=n, helps=False, reason=exc.message) for n in query.nodes]
             )
+        by_holder = {
+            r.holder: r
+            for r in list(store.lease_rows.values())
+            if r.holder.startswith(HOLDER_PREFIX)
+        }
         for node, offered in query.nodes.items():
             on_node = replace(base, node=node)
             if node not in pool.nodes_up:
@@ -127,7 +132,7 @@ def preemption(store: Store, _session: Session, query: PreemptionQuery) -> Preem
             leases = {
                 row.id: claim
                 for claim in dict.fromkeys(offered)
-                if (row := _live_claim_row(store, claim)) is not None and row.node == node
+                if (row := by_holder.get(holder_of(claim))) is not None and row.node == node
             }
             found = plan_preemption(pool, "", on_node, among=leases.keys()) if leases else None
             if found is None:
