@@ -1,7 +1,7 @@
 """The Helm chart, rendered by Helm's own Go SDK (helm-python-sdk) offline, then checked:
-Helm's lint, every object well formed, names that refer to each other agree, the TLS
-material valid for the webhook's Service, the commands accepted by gpupool's CLI, and the
-example pods admitted by gpupool's own webhook."""
+Helm's lint, every object well formed, names that refer to each other agree, the commands
+accepted by gpupool's CLI, and the example pods admitted by gpupool's own webhook (the TLS
+material and the rest of the chart's safety: test_chart_safety.py)."""
 
 from __future__ import annotations
 
