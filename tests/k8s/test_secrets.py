@@ -70,6 +70,10 @@ def openssl(*args: str) -> str:
 def test_every_secret_is_made_once_and_then_kept(api: FakeApiServer, tmp_path: Path) -> None:
     first = run(api, NAMES)
     assert len(first.created) == 6 and first.kept == []
+    # Not the release's objects (docs/kubernetes.md says how to find them by this label).
+    assert {
+        v["metadata"]["labels"]["app.kubernetes.io/managed-by"] for v in api.secrets.values()
+    } == {"gpupool-init-secrets"}
     assert split(data(api, "gpupool-admin-token", "token").decode()) is not None
     assert len(data(api, "gpupool-k8s-webhook-token", "token")) >= 32
     password = data(api, "gpupool-postgresql", "password").decode()
