@@ -13,6 +13,7 @@ from gpupool.cli.main import app
 API = ["--kube-api", "http://127.0.0.1:9"]
 OPEN_EXT = ["--insecure-unauthenticated-extender"]
 TOKEN = ["--webhook-token-file", "{file}"]
+EXTRA_CA = ["--extra-client-ca", "{file}"]
 
 
 @pytest.mark.parametrize(
@@ -48,6 +49,29 @@ TOKEN = ["--webhook-token-file", "{file}"]
             "--webhook-token-file",
         ),
         (["k8s", "serve", *API, "--max-body-mib", "0"], "--max-body-mib must be 1..1024"),
+        (["k8s", "serve", *API, "--runtime-class", "Not_A_Name"], "--runtime-class must be"),
+        (["k8s", "serve", "--kube-token-file", "{file}"], "go with --kube-api URL"),
+        (["k8s", "serve", *API, "--webhook-configuration", "w"], "needs --tls-ca"),
+        (["k8s", "init-secrets", *API, "--service", "s"], "give --namespace"),
+        (
+            [
+                "k8s",
+                "init-secrets",
+                *API,
+                "--namespace",
+                "n",
+                "--service",
+                "s",
+                "--postgresql",
+                "p",
+            ],
+            "--postgresql needs --postgresql-host",
+        ),
+        (
+            ["k8s", "init-secrets", *API, "--namespace", "n", "--service", "s", *EXTRA_CA],
+            "not a PEM certificate",
+        ),
+        (["agent", "--fake", "1xH100-80GB", "--cdi-devices", "all"], "--cdi-devices must be"),
         (["agent", "--fake", "1xH100-80GB", "--vgpu-slots", "0"], "--vgpu-slots must be 1..100"),
         (["agent", "--fake", "1xH100-80GB", "--room-timeout", "0"], "--room-timeout must be in"),
         (

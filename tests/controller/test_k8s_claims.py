@@ -169,9 +169,14 @@ def test_only_scheduler_and_admin_tokens_make_claims_and_agents_ask_for_their_no
         mine = client.get(f"{API}/k8s/nodes/node-a/pending", headers=agent)
         assert mine.status_code == 200 and mine.json()["claim"] == "c-auth00000001"
         # ...and cannot read or allocate another node's.
-        assert client.post(
-            f"{API}/k8s/claims", json=claim_body("c-auth00000002", node="node-b"), headers=scheduler
-        ).status_code == 201
+        assert (
+            client.post(
+                f"{API}/k8s/claims",
+                json=claim_body("c-auth00000002", node="node-b"),
+                headers=scheduler,
+            ).status_code
+            == 201
+        )
         other = client.get(f"{API}/k8s/nodes/node-b/pending", headers=agent)
         assert other.status_code == 403 and "node-a" in other.json()["detail"]
         take = client.post(
@@ -181,3 +186,53 @@ def test_only_scheduler_and_admin_tokens_make_claims_and_agents_ask_for_their_no
         )
         assert take.status_code == 403 and "node 'node-b'" in take.json()["detail"]
         assert client.get(f"{API}/k8s/claims/c-auth00000002").json()["state"] == "bound"
+
+
+def test_preemption_names_the_cheapest_offered_claims_and_only_live_ones(tmp_path: Path) -> None:
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=1)
+        register(client, "node-b", gpus=1)
+        tenant = {"name": "research", "quota": {"max_priority": 1000}}
+        assert client.post(f"{API}/tenants", json=tenant).status_code == 201
+        half = {"compute_pct": 50, "memory": "8GiB", "tenant": "research"}
+        for n, (claim, priority) in enumerate((("c-low00000001", 0), ("c-high0000001", 500))):
+            made = client.post(
+                f"{API}/k8s/claims", json=claim_body(claim, **half, priority=priority)
+            )
+            assert made.status_code == 201, made.text
+            allocated = client.post(
+                f"{API}/k8s/nodes/node-a/allocate", json={"resource": "vgpu", "devices": 1}
+            )
+            assert allocated.status_code == 200 and allocated.json()["claim"] == claim, n
+        # node-b is full of a lease made outside Kubernetes.
+        assert (
+            client.post(f"{API}/leases", json={"compute_pct": 100, "node": "node-b"}).status_code
+            == 201
+        )
+        query = {
+            "request": {"compute_pct": 40, "memory": "8GiB", "tenant": "research", "priority": 100},
+            "nodes": {
+                "node-a": ["c-high0000001", "c-low00000001", "c-gone00000001"],
+                "node-b": ["c-low00000001"],  # live, but not on node-b: not counted there
+            },
+        }
+        answer = client.post(f"{API}/k8s/preemption", json=query)
+        assert answer.status_code == 200, answer.text
+        nodes = {n["node"]: n for n in answer.json()["nodes"]}
+        assert nodes["node-a"]["helps"] is True
+        assert nodes["node-a"]["claims"] == ["c-low00000001"]  # never the higher priority one
+        assert (
+            nodes["node-b"]["helps"] is False and "would not make room" in nodes["node-b"]["reason"]
+        )
+        # Nothing was ended: the scheduler evicts, and claims end with their pods.
+        assert len(client.get(f"{API}/k8s/claims").json()) == 2
+        capped = {**query, "request": {**query["request"], "tenant": "default"}}
+        refused = client.post(f"{API}/k8s/preemption", json=capped).json()["nodes"]
+        assert all(not n["helps"] and "priority 100" in n["reason"] for n in refused)
+        agent = client.post(
+            f"{API}/tokens", json={"name": "a", "role": "agent", "node": "node-a"}
+        ).json()["token"]
+        denied = client.post(
+            f"{API}/k8s/preemption", json=query, headers={"Authorization": f"Bearer {agent}"}
+        )
+        assert denied.status_code == 403

@@ -1,7 +1,7 @@
 """The Helm chart, rendered by Helm's own Go SDK (helm-python-sdk) offline, then checked:
-Helm's lint, every object well formed, names that refer to each other agree, the TLS
-material valid for the webhook's Service, the commands accepted by gpupool's CLI, and the
-example pods admitted by gpupool's own webhook."""
+Helm's lint, every object well formed, names that refer to each other agree, the commands
+accepted by gpupool's CLI, and the example pods admitted by gpupool's own webhook (the TLS
+material and the rest of the chart's safety: test_chart_safety.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import yaml
 from admission import admission_review
 
 from gpupool.k8s.webhook import WebhookSettings, review
-from gpupool.protocol.v1.tokens import split
 
 helm = pytest.importorskip(
     "helm_python", reason="helm-python-sdk (dev extra) bundles Helm's renderer"
@@ -108,6 +107,7 @@ def test_chart_commands_are_accepted_by_the_gpupool_cli() -> None:
         ("Deployment", "gpupool-controller"),
         ("DaemonSet", "gpupool-agent"),
         ("Deployment", "gpupool-k8s"),
+        ("Job", "gpupool-init-secrets"),
     ):
         (container,) = containers(find(docs, kind, name))
         done = subprocess.run(
@@ -120,43 +120,6 @@ def test_chart_commands_are_accepted_by_the_gpupool_cli() -> None:
         assert "Usage:" in done.stdout
 
 
-def test_webhook_and_extender_share_one_certificate_for_the_service(tmp_path: Path) -> None:
-    docs = render()
-    secret = find(docs, "Secret", "gpupool-k8s-tls")
-    webhook = find(docs, "MutatingWebhookConfiguration", "gpupool-k8s")["webhooks"][0]
-    config = yaml.safe_load(
-        find(docs, "ConfigMap", "gpupool-scheduler-config")["data"]["scheduler-config.yaml"]
-    )
-    ca = secret["data"]["ca.crt"]
-    assert webhook["clientConfig"]["caBundle"] == ca
-    (extender,) = config["extenders"]
-    assert extender["tlsConfig"]["caData"] == ca
-    service = find(docs, "Service", "gpupool-k8s")
-    assert webhook["clientConfig"]["service"] == {
-        "name": "gpupool-k8s",
-        "namespace": NAMESPACE,
-        "path": "/webhook/mutate",
-        "port": service["spec"]["ports"][0]["port"],
-    }
-    assert extender["urlPrefix"] == "https://gpupool-k8s.gpupool.svc:8443/extender"
-    (tmp_path / "ca.pem").write_bytes(base64.b64decode(ca))
-    (tmp_path / "cert.pem").write_bytes(base64.b64decode(secret["data"]["tls.crt"]))
-    verified = subprocess.run(
-        ["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"), str(tmp_path / "cert.pem")],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert verified.returncode == 0, verified.stderr
-    names = subprocess.run(
-        ["openssl", "x509", "-noout", "-ext", "subjectAltName", "-in", str(tmp_path / "cert.pem")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert "DNS:gpupool-k8s.gpupool.svc" in names
-
-
 def test_scheduler_profile_consults_the_extender_for_gpupool_resources() -> None:
     docs = render()
     config = yaml.safe_load(
@@ -166,11 +129,8 @@ def test_scheduler_profile_consults_the_extender_for_gpupool_resources() -> None
     assert config["kind"] == "KubeSchedulerConfiguration"
     assert [p["schedulerName"] for p in config["profiles"]] == ["gpupool-scheduler"]
     (extender,) = config["extenders"]
-    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
-        "filter",
-        "prioritize",
-        "bind",
-    )
+    verbs = ("filterVerb", "prioritizeVerb", "preemptVerb", "bindVerb")
+    assert [extender[v] for v in verbs] == ["filter", "prioritize", "preempt", "bind"]
     assert extender["nodeCacheCapable"] is True and extender["enableHTTPS"] is True
     managed = {r["name"]: r["ignoredByScheduler"] for r in extender["managedResources"]}
     assert managed == {
@@ -183,24 +143,16 @@ def test_scheduler_profile_consults_the_extender_for_gpupool_resources() -> None
     assert "--scheduler-name=gpupool-scheduler" in k8s["args"]
     (scheduler,) = containers(find(docs, "Deployment", "gpupool-scheduler"))
     assert "--config=/etc/gpupool/scheduler-config.yaml" in scheduler["command"]
-    # The extender may read and bind pods, nothing more.
+    # The extender may read and bind pods, and set its own webhooks' caBundle; nothing more.
     role = find(docs, "ClusterRole", "gpupool-k8s")
-    assert {(r["resources"][0], tuple(r["verbs"])) for r in role["rules"]} == {
-        ("pods", ("get", "list")),
-        ("pods/binding", ("create",)),
+    assert {
+        (r["resources"][0], tuple(r["verbs"]), tuple(r.get("resourceNames", ())))
+        for r in role["rules"]
+    } == {
+        ("pods", ("get", "list"), ()),
+        ("pods/binding", ("create",), ()),
+        ("mutatingwebhookconfigurations", ("get", "patch"), ("gpupool-k8s",)),
     }
-
-
-def test_webhook_never_touches_gpupools_own_namespace() -> None:
-    webhook = find(render(), "MutatingWebhookConfiguration", "gpupool-k8s")["webhooks"][0]
-    (rule,) = webhook["namespaceSelector"]["matchExpressions"]
-    assert rule == {
-        "key": "kubernetes.io/metadata.name",
-        "operator": "NotIn",
-        "values": [NAMESPACE, "kube-system"],
-    }
-    assert webhook["rules"][0]["operations"] == ["CREATE", "UPDATE"]
-    assert webhook["admissionReviewVersions"] == ["v1"] and webhook["sideEffects"] == "None"
 
 
 def test_example_pods_are_admitted_by_the_webhook_as_documented() -> None:
@@ -230,27 +182,6 @@ def test_example_pods_are_admitted_by_the_webhook_as_documented() -> None:
     }
 
 
-def test_the_admin_token_is_well_formed_and_reaches_every_component() -> None:
-    docs = render()
-    token = find(docs, "Secret", "gpupool-admin-token")["stringData"]["token"]
-    assert split(token) is not None, token
-    for kind, name, var in (
-        ("Deployment", "gpupool-controller", "GPUPOOL_ADMIN_TOKEN"),
-        ("DaemonSet", "gpupool-agent", "GPUPOOL_TOKEN"),
-        ("Deployment", "gpupool-k8s", "GPUPOOL_TOKEN"),
-    ):
-        (container,) = containers(find(docs, kind, name))
-        env = {e["name"]: e for e in container["env"]}
-        assert env[var]["valueFrom"]["secretKeyRef"] == {
-            "name": "gpupool-admin-token",
-            "key": "token",
-        }
-    scheduler_token = render({"auth": {"tokenSecret": "gpupool-scheduler-token"}})
-    (k8s,) = containers(find(scheduler_token, "Deployment", "gpupool-k8s"))
-    ref = next(e for e in k8s["env"] if e["name"] == "GPUPOOL_TOKEN")["valueFrom"]["secretKeyRef"]
-    assert ref == {"name": "gpupool-scheduler-token", "key": "token"}
-
-
 def test_agents_get_the_join_token_and_no_other_credential_when_one_is_named() -> None:
     """A DaemonSet's agents share one Secret: it must be a join token, which each agent
     trades for its own node's token, never a token that acts for every node."""
@@ -273,70 +204,13 @@ def _k8s_args(docs: list[dict[str, Any]]) -> list[str]:
     return list(container["args"])
 
 
-def test_extender_admits_only_the_schedulers_client_certificate_the_chart_made(
-    tmp_path: Path,
-) -> None:
-    docs = render()
-    args = _k8s_args(docs)
-    assert "--client-ca=/etc/gpupool/client-ca/ca.crt" in args
-    assert "--extender-client=gpupool-scheduler" in args
-    assert not [a for a in args if a.startswith("--insecure")]
-    config = yaml.safe_load(
-        find(docs, "ConfigMap", "gpupool-scheduler-config")["data"]["scheduler-config.yaml"]
-    )
-    (extender,) = config["extenders"]
-    assert extender["tlsConfig"]["certFile"] == "/etc/gpupool-client/tls.crt"
-    assert extender["tlsConfig"]["keyFile"] == "/etc/gpupool-client/tls.key"
-    scheduler = find(docs, "Deployment", "gpupool-scheduler")["spec"]["template"]["spec"]
-    mounted = {m["name"]: m["mountPath"] for m in scheduler["containers"][0]["volumeMounts"]}
-    secrets = {v["name"]: v.get("secret", {}).get("secretName") for v in scheduler["volumes"]}
-    assert mounted["client"] == "/etc/gpupool-client"
-    assert secrets["client"] == "gpupool-k8s-scheduler-client"
-    client = find(docs, "Secret", "gpupool-k8s-scheduler-client")["data"]
-    ca = find(docs, "Secret", "gpupool-k8s-client-ca")["data"]["ca.crt"]
-    (tmp_path / "ca.pem").write_bytes(base64.b64decode(ca))
-    (tmp_path / "client.pem").write_bytes(base64.b64decode(client["tls.crt"]))
-    verified = subprocess.run(
-        ["openssl", "verify", "-CAfile", str(tmp_path / "ca.pem"), str(tmp_path / "client.pem")],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert verified.returncode == 0, verified.stderr
-    subject = subprocess.run(
-        ["openssl", "x509", "-noout", "-subject", "-in", str(tmp_path / "client.pem")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    assert "CN=gpupool-scheduler" in subject or "CN = gpupool-scheduler" in subject
-
-
-def test_webhook_wants_the_api_servers_token_unless_told_otherwise() -> None:
-    docs = render()
-    args = _k8s_args(docs)
-    assert "--webhook-token-file=/etc/gpupool/webhook-token/token" in args
-    token = base64.b64decode(find(docs, "Secret", "gpupool-k8s-webhook-token")["data"]["token"])
-    assert len(token) >= 32
-    named = _k8s_args(
-        render(
-            {
-                "k8s": {
-                    "auth": {
-                        "webhookToken": False,
-                        "webhookClientNames": ["kube-apiserver"],
-                        "webhookClientCA": base64.b64encode(b"PEM").decode(),
-                    }
-                }
-            }
-        )
-    )
-    assert "--webhook-client=kube-apiserver" in named
-    assert not [a for a in named if a.startswith("--webhook-token-file")]
-    insecure = _k8s_args(render({"k8s": {"auth": {"insecureWebhook": True}}}))
-    assert "--insecure-unauthenticated-webhook" in insecure
-
-
 def test_chart_refuses_a_webhook_nobody_authenticates_to() -> None:
     with pytest.raises(Exception, match="must authenticate to the webhook"):
         render({"k8s": {"auth": {"webhookToken": False}}})
+
+
+def test_chart_refuses_a_ca_bundle_that_signed_no_certificate_it_uses() -> None:
+    with pytest.raises(Exception, match=r"caBundle goes with k8s\.tls\.existingSecret"):
+        render({"k8s": {"tls": {"caBundle": base64.b64encode(b"PEM").decode()}}})
+    with pytest.raises(Exception, match=r"k8s\.tls\.caBundle .* is needed"):
+        render({"k8s": {"tls": {"existingSecret": "mine"}}})

@@ -60,6 +60,8 @@ def write_secret(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as out:
         out.write(text + "\n")
     os.replace(tmp, path)
+
+
 MAX_DIRECT_EVENTS_PER_POST = 256
 
 
@@ -94,6 +96,11 @@ class AgentSettings:
     """Serve the kubelet device plugin (gpupool.k8s) in this directory; None: no plugin."""
     device_plugin_slots: int = 10
     """gpupool.io/vgpu devices per virtual GPU: how many pods may share one."""
+    device_plugin_nodes: bool = True
+    """Allocate names the GPU's /dev nodes (found under /proc/driver/nvidia; never for
+    simulated GPUs, which have none)."""
+    device_plugin_cdi: str | None = None
+    """Allocate names the GPUs as CDI devices nvidia.com/gpu=<uuid|index>; None: not."""
     mps_shm_dir: Path | None = None
     """Host directory that is the MPS daemons' /dev/shm (the agent in a container): slices'
     containers get it as theirs, since an MPS client shares /dev/shm with its daemon."""
@@ -128,6 +135,7 @@ class AgentSettings:
     @property
     def attach_path(self) -> Path:
         return self.direct_socket or self.data_dir / "direct.sock"
+
     worker_user: str | None = None
     """The Unix user workers run as when the agent is root (made if missing); None or "": as
     the agent itself (`gpupool agent` defaults to gpupool-worker)."""
@@ -692,12 +700,17 @@ class Agent:
     async def _serve_device_plugin(self, done: asyncio.Event) -> None:
         """The kubelet device plugin, fed with this agent's GPUs and the controller's modes."""
         from gpupool.client.sdk import PoolClient
+        from gpupool.k8s.devicenodes import DeviceNodeFinder
         from gpupool.k8s.deviceplugin.claims import ControllerClaims
         from gpupool.k8s.deviceplugin.server import DevicePlugins, PluginSettings
-        from gpupool.k8s.devices import GpuView, NodeView
+        from gpupool.k8s.devices import CdiNaming, GpuView, NodeView
 
         assert self.settings.device_plugin_dir is not None and self.backend is not None
         simulated = self.backend.simulated
+        finder = DeviceNodeFinder() if self.settings.device_plugin_nodes and not simulated else None
+        cdi = (
+            CdiNaming(self.settings.device_plugin_cdi) if self.settings.device_plugin_cdi else None
+        )
         # The plugin asks the controller with the node's token, which a join may still fetch.
         waiting = asyncio.create_task(self._credential_ready.wait())
         ending = asyncio.create_task(done.wait())
@@ -723,7 +736,11 @@ class Agent:
                     )
             shm = self.settings.mps_shm_dir
             return NodeView(
-                gpus=tuple(gpus), simulated=simulated, mps_shm_dir=str(shm) if shm else None
+                gpus=tuple(gpus),
+                simulated=simulated,
+                mps_shm_dir=str(shm) if shm else None,
+                device_nodes=finder.nodes_for(g.uuid for g in gpus) if finder else None,
+                cdi=cdi,
             )
 
         settings = PluginSettings(

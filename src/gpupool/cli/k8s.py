@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-import os
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from gpupool.cli.context import cli_context
-from gpupool.cli.errors import BadInput
+from gpupool.cli.errors import BadInput, CommandFailed
 
 if TYPE_CHECKING:
     from gpupool.k8s.callers import CallerRule
+    from gpupool.k8s.kube import KubeCredentials
 
 app = typer.Typer(no_args_is_help=True)
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+"""An object name's rule (RuntimeClass names are DNS subdomains)."""
 
 
 @app.command("serve")
@@ -27,9 +30,35 @@ def serve(
         typer.Option("--tls-cert", help="TLS certificate (the API server needs HTTPS)."),
     ] = None,
     tls_key: Annotated[Path | None, typer.Option("--tls-key", help="TLS private key.")] = None,
+    tls_ca: Annotated[
+        Path | None,
+        typer.Option(
+            "--tls-ca", help="CA (PEM) that signed --tls-cert, for --webhook-configuration."
+        ),
+    ] = None,
+    webhook_configuration: Annotated[
+        str | None,
+        typer.Option(
+            "--webhook-configuration",
+            help="MutatingWebhookConfiguration whose caBundle is set to --tls-ca at start.",
+        ),
+    ] = None,
     kube_api: Annotated[
         str | None,
         typer.Option("--kube-api", help="API server URL (default: the cluster this pod is in)."),
+    ] = None,
+    kube_token_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--kube-token-file",
+            help="File with the bearer token for --kube-api (read again when it changes).",
+        ),
+    ] = None,
+    kube_ca_file: Annotated[
+        Path | None,
+        typer.Option(
+            "--kube-ca-file", help="CA (PEM) of --kube-api's certificate (default: the system's)."
+        ),
     ] = None,
     scheduler_name: Annotated[
         str,
@@ -37,6 +66,13 @@ def serve(
             "--scheduler-name", help="Scheduler (with this extender) for GPU pods; '' keeps theirs."
         ),
     ] = "gpupool-scheduler",
+    runtime_class: Annotated[
+        str,
+        typer.Option(
+            "--runtime-class",
+            help="RuntimeClass set on direct GPU pods (e.g. nvidia); '' leaves theirs alone.",
+        ),
+    ] = "",
     pod_controller_url: Annotated[
         str | None,
         typer.Option(
@@ -113,6 +149,10 @@ def serve(
     for path in (tls_cert, tls_key):
         if path is not None and not path.is_file():
             raise BadInput(f"no file {path}")
+    if webhook_configuration is not None and tls_ca is None:
+        raise BadInput("--webhook-configuration needs --tls-ca (the CA to put in its caBundle)")
+    if tls_ca is not None and not tls_ca.is_file():
+        raise BadInput(f"no file {tls_ca}")
     if not 0 < port < 65536:
         raise BadInput(f"--port must be 1..65535, got {port}")
     if sweep_interval <= 0:
@@ -123,10 +163,9 @@ def serve(
         if not name or not key:
             raise BadInput(f"--token-secret must be SECRET/KEY, got {token_secret!r}")
         secret = (name, key)
-    if kube_api is not None and not kube_api.startswith(("http://", "https://")):
-        raise BadInput(f"--kube-api must be an http:// or https:// URL, got {kube_api!r}")
-    if kube_api is None and not os.environ.get("KUBERNETES_SERVICE_HOST"):
-        raise BadInput("not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST): give --kube-api URL")
+    kube = kube_credentials(kube_api, kube_token_file, kube_ca_file)
+    if runtime_class and not DNS_SUBDOMAIN.match(runtime_class):
+        raise BadInput(f"--runtime-class must be a RuntimeClass name, got {runtime_class!r}")
     if not 1 <= max_body_mib <= 1024:
         raise BadInput(f"--max-body-mib must be 1..1024, got {max_body_mib}")
     from gpupool.k8s.app import ServeSettings
@@ -161,7 +200,7 @@ def serve(
     run(
         ServeSettings(
             controller_url=url,
-            kube_api=kube_api,
+            kube=kube,
             host=host,
             port=port,
             tls_cert=str(tls_cert) if tls_cert else None,
@@ -170,13 +209,152 @@ def serve(
             callers=callers,
             client_ca=str(client_ca) if client_ca else None,
             max_body_bytes=max_body_mib * 1024 * 1024,
+            webhook_configuration=webhook_configuration,
+            tls_ca=str(tls_ca) if tls_ca else None,
             webhook=WebhookSettings(
                 scheduler_name=scheduler_name or None,
                 controller_url=pod_controller_url or url,
                 token_secret=secret,
+                runtime_class=runtime_class or None,
             ),
         )
     )
+
+
+@app.command("init-secrets")
+def init_secrets(
+    service: Annotated[
+        str, typer.Option("--service", help="The webhook's Service (its certificate's names).")
+    ],
+    namespace: Annotated[
+        str | None,
+        typer.Option("--namespace", help="Where the Secrets go (default: this pod's namespace)."),
+    ] = None,
+    admin_token: Annotated[
+        str | None, typer.Option("--admin-token", help="Secret of the controller's admin token.")
+    ] = None,
+    webhook_token: Annotated[
+        str | None,
+        typer.Option("--webhook-token", help="Secret of the token the API server presents."),
+    ] = None,
+    tls: Annotated[
+        str | None,
+        typer.Option("--tls", help="kubernetes.io/tls Secret of the Service (with ca.crt)."),
+    ] = None,
+    scheduler_client: Annotated[
+        str | None,
+        typer.Option("--scheduler-client", help="kubernetes.io/tls Secret of the scheduler."),
+    ] = None,
+    scheduler_client_name: Annotated[
+        str, typer.Option("--scheduler-client-name", help="CN of the scheduler's certificate.")
+    ] = "gpupool-scheduler",
+    client_ca: Annotated[
+        str | None,
+        typer.Option("--client-ca", help="Secret of the CAs whose client certificates count."),
+    ] = None,
+    extra_client_ca: Annotated[
+        list[Path] | None,
+        typer.Option("--extra-client-ca", help="PEM file of another CA for --client-ca."),
+    ] = None,
+    postgresql: Annotated[
+        str | None,
+        typer.Option("--postgresql", help="Secret of the bundled PostgreSQL (password, url)."),
+    ] = None,
+    postgresql_host: Annotated[str, typer.Option("--postgresql-host")] = "",
+    postgresql_user: Annotated[str, typer.Option("--postgresql-user")] = "gpupool",
+    postgresql_database: Annotated[str, typer.Option("--postgresql-database")] = "gpupool",
+    kube_api: Annotated[
+        str | None, typer.Option("--kube-api", help="API server URL (default: in-cluster).")
+    ] = None,
+    kube_token_file: Annotated[Path | None, typer.Option("--kube-token-file")] = None,
+    kube_ca_file: Annotated[Path | None, typer.Option("--kube-ca-file")] = None,
+) -> None:
+    """Create the chart's Secrets that are missing; never change one that exists.
+
+    The chart's pre-install/pre-upgrade Job runs this, so `helm template` renders no secret
+    (stable for GitOps) and the credentials are made once, inside the cluster.
+    """
+    import asyncio
+
+    from gpupool.k8s.kube import SERVICE_ACCOUNT, KubeApi, KubeError
+    from gpupool.k8s.secrets import InitError, SecretNames
+    from gpupool.k8s.secrets import init_secrets as run
+
+    kube = kube_credentials(kube_api, kube_token_file, kube_ca_file)
+    if namespace is None:
+        try:
+            namespace = (SERVICE_ACCOUNT / "namespace").read_text().strip()
+        except OSError:
+            raise BadInput("give --namespace (not in a pod with a service account)") from None
+    if postgresql and not postgresql_host:
+        raise BadInput("--postgresql needs --postgresql-host (its Service's DNS name)")
+    extra = []
+    for path in extra_client_ca or []:
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise BadInput(f"--extra-client-ca {path}: {exc.strerror}") from None
+        if "-----BEGIN CERTIFICATE-----" not in text:
+            raise BadInput(f"--extra-client-ca {path}: not a PEM certificate")
+        extra.append(text)
+    names = SecretNames(
+        namespace=namespace,
+        service=service,
+        admin_token=admin_token,
+        webhook_token=webhook_token,
+        tls=tls,
+        scheduler_client=scheduler_client,
+        scheduler_client_name=scheduler_client_name,
+        client_ca=client_ca,
+        extra_client_cas=extra,
+        postgresql=postgresql,
+        postgresql_host=postgresql_host,
+        postgresql_user=postgresql_user,
+        postgresql_database=postgresql_database,
+    )
+
+    async def go() -> None:
+        client = KubeApi.of(kube)
+        try:
+            outcome = await run(client, names)
+        finally:
+            await client.close()
+        typer.echo(
+            f"created: {', '.join(outcome.created) or 'none'}; "
+            f"kept: {', '.join(outcome.kept) or 'none'}"
+        )
+
+    try:
+        asyncio.run(go())
+    except (KubeError, InitError) as exc:
+        raise CommandFailed(str(exc)) from None
+
+
+def kube_credentials(
+    url: str | None, token_file: Path | None, ca_file: Path | None
+) -> KubeCredentials:
+    """The API server and our credential for it: the flags, else the pod's service account."""
+    from gpupool.k8s.kube import KubeCredentials, KubeError, TokenFileAuth
+
+    if url is None:
+        if token_file is not None or ca_file is not None:
+            raise BadInput("--kube-token-file and --kube-ca-file go with --kube-api URL")
+        try:
+            return KubeCredentials.in_cluster()
+        except KubeError as exc:
+            raise BadInput(str(exc)) from None
+    if not url.startswith(("http://", "https://")):
+        raise BadInput(f"--kube-api must be an http:// or https:// URL, got {url!r}")
+    if token_file is not None:
+        if url.startswith("http://"):
+            raise BadInput("--kube-token-file needs an https:// --kube-api (the token is secret)")
+        try:
+            TokenFileAuth(token_file)
+        except KubeError as exc:
+            raise BadInput(f"--kube-token-file: {exc}") from None
+    if ca_file is not None and not ca_file.is_file():
+        raise BadInput(f"--kube-ca-file: no file {ca_file}")
+    return KubeCredentials(url, token_file, ca_file)
 
 
 def caller_rule(

@@ -545,6 +545,21 @@ def agent(
         int,
         typer.Option("--vgpu-slots", help="gpupool.io/vgpu devices per virtual GPU (1..100)."),
     ] = 10,
+    device_nodes: Annotated[
+        bool,
+        typer.Option(
+            "--device-nodes/--no-device-nodes",
+            help="The device plugin names each GPU's /dev/nvidia* nodes to the kubelet.",
+        ),
+    ] = True,
+    cdi_devices: Annotated[
+        str,
+        typer.Option(
+            "--cdi-devices",
+            help="The device plugin names GPUs as CDI devices nvidia.com/gpu=<uuid|index> "
+            "(the node's CDI spec's naming), or none.",
+        ),
+    ] = "none",
     mps_shm_dir: Annotated[
         Path | None,
         typer.Option(
@@ -598,6 +613,8 @@ def agent(
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
     if not 1 <= vgpu_slots <= 100:
         raise BadInput(f"--vgpu-slots must be 1..100, got {vgpu_slots}")
+    if cdi_devices not in ("none", "uuid", "index"):
+        raise BadInput(f"--cdi-devices must be none, uuid or index, got {cdi_devices!r}")
     if device_plugin and not kubelet_dir.is_dir():
         raise BadInput(f"--kubelet-dir {kubelet_dir} is not a directory (is the kubelet here?)")
     if not 0 <= api_port <= 65535:
@@ -641,6 +658,8 @@ def agent(
             api_port=api_port,
             device_plugin_dir=kubelet_dir if device_plugin else None,
             device_plugin_slots=vgpu_slots,
+            device_plugin_nodes=device_nodes,
+            device_plugin_cdi=None if cdi_devices == "none" else cdi_devices,
             mps_shm_dir=mps_shm_dir,
             room_timeout_s=room_timeout,
             direct_watch=WatchMode(direct_watch) if direct_watch is not None else None,

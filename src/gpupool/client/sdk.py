@@ -48,6 +48,8 @@ from gpupool.protocol.v1.k8s import (
     ClaimOut,
     PlacementAnswer,
     PlacementQuery,
+    PreemptionAnswer,
+    PreemptionQuery,
 )
 
 DEFAULT_URL = "http://127.0.0.1:8900"
@@ -526,6 +528,10 @@ class PoolClient:
     def k8s_placement(self, query: PlacementQuery) -> PlacementAnswer:
         """Where a pod's request fits now among some nodes, and the node the pool prefers."""
         return self._one(PlacementAnswer, self._request("POST", "/k8s/placement", query))
+
+    def k8s_preemption(self, query: PreemptionQuery) -> PreemptionAnswer:
+        """Which claims on each node must end for a pod's request to fit there."""
+        return self._one(PreemptionAnswer, self._request("POST", "/k8s/preemption", query))
 
     def create_claim(self, claim: ClaimCreate) -> ClaimOut:
         """Grant a pod's request on the node the scheduler chose, as the pod's claim."""

@@ -233,12 +233,20 @@ def _cheapest_on_gpu(
     return min(options, key=lambda o: (o[0], sorted(o[1]))) if options else None
 
 
-def plan_preemption(pool: Pool, lease_id: str, request: LeaseRequest) -> Preemption | None:
-    """The cheapest set of lower-priority leases whose end makes `request` fit, or None."""
+def plan_preemption(
+    pool: Pool, lease_id: str, request: LeaseRequest, among: Collection[str] | None = None
+) -> Preemption | None:
+    """The cheapest set of lower-priority leases whose end makes `request` fit, or None.
+
+    `among`: only these leases may be chosen (those whose holders the caller can end, as
+    the Kubernetes scheduler can evict pods but not end other leases)."""
     demand = demand_of(request)
     if demand.gpus == 0:
         return None
     costs = _eligible_victims(pool, request)
+    if among is not None:
+        allowed = set(among)
+        costs = {lid: cost for lid, cost in costs.items() if lid in allowed}
     if not costs:
         return None
     best: tuple[float, set[str], list[tuple[str, Slot]]] | None = None

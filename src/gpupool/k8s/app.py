@@ -20,12 +20,13 @@ from fastapi.responses import JSONResponse
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
 from gpupool.k8s.callers import CallerCheck, Callers, peer_certificate_protocol
 from gpupool.k8s.extender import Extender
-from gpupool.k8s.kube import KubeApi, KubeError
+from gpupool.k8s.kube import KubeApi, KubeCredentials, KubeError
 from gpupool.k8s.payloads import (
     MalformedPayload,
     check_admission_review,
     check_binding_args,
     check_extender_args,
+    check_preemption_args,
 )
 from gpupool.k8s.webhook import WebhookSettings, review
 from gpupool.protocol.bodylimit import MIB, BodyLimit
@@ -42,8 +43,8 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class ServeSettings:
     controller_url: str
-    kube_api: str | None = None
-    """None: the API server of the cluster this runs in (service account)."""
+    kube: KubeCredentials | None = None
+    """None: the API server of the cluster this runs in (its service account)."""
     host: str = "0.0.0.0"
     port: int = 8443
     tls_cert: str | None = None
@@ -57,6 +58,10 @@ class ServeSettings:
     """CA file whose client certificates the TLS handshake verifies (callers may then
     present one; which names each path accepts is in `callers`)."""
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    webhook_configuration: str | None = None
+    """MutatingWebhookConfiguration whose caBundle is set to `tls_ca` at start (the chart's
+    CA is made in the cluster, so no rendered manifest can carry it)."""
+    tls_ca: str | None = None
 
 
 def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> FastAPI:
@@ -66,11 +71,18 @@ def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> Fast
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         stop = asyncio.Event()
         sweeper = asyncio.create_task(_sweep_forever(extender, settings.sweep_interval_s, stop))
+        injector = None
+        if settings.webhook_configuration and settings.tls_ca:
+            injector = asyncio.create_task(
+                _inject_until_done(kube, settings.webhook_configuration, settings.tls_ca, stop)
+            )
         try:
             yield
         finally:
             stop.set()
             await sweeper
+            if injector is not None:
+                await injector
             await kube.close()
 
     # No /docs or /openapi.json: the only callers are the scheduler and the API server.
@@ -125,6 +137,17 @@ def create_app(settings: ServeSettings, pool: PoolClient, kube: KubeApi) -> Fast
             return _malformed(f"ExtenderArgs: {exc}")
         return await extender.prioritize(body)
 
+    @app.post("/extender/preempt")
+    async def preempt(request: Request) -> Any:
+        body = await body_of(request)
+        if isinstance(body, JSONResponse):
+            return body
+        try:
+            check_preemption_args(body)
+        except MalformedPayload as exc:
+            return _malformed(f"ExtenderPreemptionArgs: {exc}")
+        return await extender.preempt(body)
+
     @app.post("/extender/bind")
     async def bind(request: Request) -> Any:
         body = await body_of(request)
@@ -168,6 +191,29 @@ async def _sweep_forever(extender: Extender, interval_s: float, stop: asyncio.Ev
             await asyncio.wait_for(stop.wait(), interval_s)
 
 
+async def _inject_until_done(
+    kube: KubeApi, configuration: str, ca_file: str, stop: asyncio.Event
+) -> None:
+    """Set the webhooks' caBundle, retrying (the configuration may not exist yet)."""
+    from pathlib import Path
+
+    from gpupool.k8s.secrets import inject_ca_bundle
+
+    delay_s = 1.0
+    while not stop.is_set():
+        try:
+            ca = await asyncio.to_thread(Path(ca_file).read_bytes)
+            changed = await inject_ca_bundle(kube, configuration, ca)
+        except (KubeError, OSError) as exc:
+            log.warning("caBundle of %s: %s; trying again in %gs", configuration, exc, delay_s)
+        else:
+            log.info("caBundle of %s: %d webhook(s) set", configuration, changed)
+            return
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), delay_s)
+        delay_s = min(delay_s * 2, 60.0)
+
+
 def serve(settings: ServeSettings) -> None:
     """Run until SIGINT/SIGTERM; the entry point of `gpupool k8s serve`."""
     import uvicorn
@@ -176,7 +222,7 @@ def serve(settings: ServeSettings) -> None:
         logging.basicConfig(
             level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
         )
-    kube = KubeApi(settings.kube_api) if settings.kube_api else KubeApi.in_cluster()
+    kube = KubeApi.of(settings.kube or KubeCredentials.in_cluster())
     pool = PoolClient(settings.controller_url, actor="k8s-extender")
     app = create_app(settings, pool, kube)
     for prefix, rule in settings.callers.rules.items():

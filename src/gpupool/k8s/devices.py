@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from gpupool.k8s.devicenodes import DeviceNodes
 from gpupool.k8s.resources import ALLOCATED_CLAIM_ENV, LEASE_ENV, ResourceKind
 from gpupool.protocol.v1.k8s import ClaimOut
 
@@ -19,6 +20,10 @@ MAX_DEVICE_ID = 63
 SLOT_SEPARATOR = "-slot"
 MPS_PIPE_IN_CONTAINER = "/run/gpupool/mps/pipe"
 MPS_LOG_IN_CONTAINER = "/run/gpupool/mps/log"
+DEVICE_PERMISSIONS = "rw"
+"""Read and write, no mknod: what a CUDA process needs of its device nodes."""
+CDI_KIND = "nvidia.com/gpu"
+"""The kind of the NVIDIA Container Toolkit's CDI specs (`nvidia-ctk cdi generate`)."""
 
 
 class AllocationRefused(Exception):
@@ -37,11 +42,34 @@ class GpuView:
 
 
 @dataclass(frozen=True, slots=True)
+class CdiNaming:
+    """How the node's CDI spec names its GPUs: `<kind>=<uuid>` or `<kind>=<index>` (the
+    toolkit's `--device-name-strategy uuid` or `index`)."""
+
+    strategy: str = "uuid"
+    kind: str = CDI_KIND
+
+    def __post_init__(self) -> None:
+        if self.strategy not in ("uuid", "index"):
+            raise ValueError(f"CDI device names are by uuid or index, not {self.strategy!r}")
+        vendor, sep, klass = self.kind.partition("/")
+        if not (sep and "." in vendor and klass and "=" not in self.kind):
+            raise ValueError(f"a CDI kind is vendor.tld/class, got {self.kind!r}")
+
+    def name(self, gpu: GpuView) -> str:
+        return f"{self.kind}={gpu.uuid if self.strategy == 'uuid' else gpu.index}"
+
+
+@dataclass(frozen=True, slots=True)
 class NodeView:
     gpus: tuple[GpuView, ...] = ()
     simulated: bool = False
     mps_shm_dir: str | None = None
     """Host directory that is /dev/shm of the agent's MPS daemons: MPS clients share it."""
+    device_nodes: DeviceNodes | None = None
+    """Given: Allocate names the GPUs' device nodes (None: the runtime's hook makes them)."""
+    cdi: CdiNaming | None = None
+    """Given: Allocate names the GPUs as CDI devices (kubelets of 1.28 on read them)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +84,10 @@ class ContainerAllocation:
     envs: dict[str, str]
     mounts: list[tuple[str, str, bool]] = field(default_factory=list)
     """(container path, host path, read only)."""
+    devices: list[tuple[str, str, str]] = field(default_factory=list)
+    """(container path, host path, permissions) of device nodes."""
+    cdi_devices: list[str] = field(default_factory=list)
+    """Fully qualified CDI device names (vendor.tld/class=name)."""
 
 
 def slot_id(gpu_uuid: str, slot: int) -> str:
@@ -183,7 +215,31 @@ def allocation(claim: ClaimOut, view: NodeView, device_ids: Iterable[str]) -> Co
                 f"claim {claim.claim}: GPU {piece.gpu_uuid} runs no MPS daemon, so the slice's "
                 "compute share and memory limit could not be enforced"
             )
-    return ContainerAllocation(envs=envs, mounts=mounts)
+    return ContainerAllocation(
+        envs=envs,
+        mounts=mounts,
+        devices=_device_specs(claim, view, [gpus[u] for u in uuids]),
+        cdi_devices=[view.cdi.name(gpus[u]) for u in uuids] if view.cdi is not None else [],
+    )
+
+
+def _device_specs(
+    claim: ClaimOut, view: NodeView, gpus: list[GpuView]
+) -> list[tuple[str, str, str]]:
+    """The lease's GPUs' nodes and the control nodes, each at its host path; only those."""
+    nodes = view.device_nodes
+    if nodes is None:
+        return []
+    specs = [(path, path, DEVICE_PERMISSIONS) for path in nodes.control]
+    for gpu in gpus:
+        path = nodes.gpu_node(gpu.uuid)
+        if path is None:
+            raise AllocationRefused(
+                f"claim {claim.claim}: no device node of GPU {gpu.uuid} was found on this "
+                "node (/proc/driver/nvidia/gpus), so the container could not reach it"
+            )
+        specs.append((path, path, DEVICE_PERMISSIONS))
+    return specs
 
 
 def _log_dir(pipe_dir: str) -> str:

@@ -5,6 +5,12 @@ such as `Pod`, `NodeNames`, `PodUID`; older schedulers sent lowercase tags), and
 our answers case-insensitively, as Go's encoding/json does. Bind is where a pod's claim
 becomes a lease: the controller grants the request on the chosen node, then the pod is
 bound; if the binding fails the lease is released again.
+
+Preempt: the scheduler's own preemption sees gpupool's resources only as device counts, so
+on a node whose GPUs are full it finds nothing to evict. The extender asks the pool which
+claimed pods of lower priority on each node would make room, adds them to the scheduler's
+victims (the scheduler evicts only pods of that node), and drops the nodes where no such
+set exists. The victims' claims end with their pods (the sweep).
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
 from gpupool.k8s.kube import KubeApi, KubeError
 from gpupool.k8s.pods import Pod, PodRefused, asks_for_gpus, claim_of, gpu_ask, pod_name
 from gpupool.k8s.resources import CLAIM_LABEL
-from gpupool.protocol.v1.k8s import ClaimCreate, PlacementAnswer, PlacementQuery
+from gpupool.protocol.v1.k8s import ClaimCreate, PlacementAnswer, PlacementQuery, PreemptionQuery
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +112,61 @@ class Extender:
         except ValidationError as exc:
             raise PodRefused(f"the pod's GPU request is not valid: {_first_error(exc)}") from None
         return await asyncio.to_thread(self.pool.k8s_placement, query)
+
+    # ---- preempt -------------------------------------------------------------------------
+
+    async def preempt(self, args: Mapping[str, Any]) -> dict[str, Any]:
+        """ExtenderPreemptionArgs -> ExtenderPreemptionResult (victims by UID, per node)."""
+        pod: Pod = field(args, "Pod") or {}
+        proposed = _proposed_victims(args)
+        try:
+            ask = gpu_ask(pod) if asks_for_gpus(pod) else None
+        except PodRefused as exc:
+            log.info("preempt %s: %s; no node", pod_name(pod), exc)
+            return {"NodeNameToMetaVictims": {}}
+        if ask is None or ask.access == "remote":
+            return {"NodeNameToMetaVictims": _meta(proposed)}
+        nodes = [n for n in proposed if _is_pool_node_name(n)]
+        try:
+            evictable = await self._evictable(pod)
+            offered = {n: evictable.get(n, {}) for n in nodes}
+            query = PreemptionQuery(
+                request=ask.lease_request(),
+                nodes={n: list(by_claim) for n, by_claim in offered.items()},
+            )
+            answer = await asyncio.to_thread(self.pool.k8s_preemption, query)
+        except ValidationError as exc:
+            log.info("preempt %s: %s; no node", pod_name(pod), _first_error(exc))
+            return {"NodeNameToMetaVictims": {}}
+        except (ApiError, ControllerUnreachable, KubeError) as exc:
+            # No answer means no eviction: never evict pods for room the pool did not confirm.
+            log.warning("preempt %s: %s; no node this time", pod_name(pod), exc)
+            return {"NodeNameToMetaVictims": {}}
+        result: dict[str, _Victims] = {}
+        for verdict in answer.nodes:
+            if not verdict.helps:
+                log.info("preempt %s: not on %s: %s", pod_name(pod), verdict.node, verdict.reason)
+                continue
+            uids, pdb = proposed[verdict.node]
+            extra = [offered[verdict.node][c] for c in verdict.claims]
+            result[verdict.node] = (list(dict.fromkeys([*uids, *extra])), pdb)
+        return {"NodeNameToMetaVictims": _meta(result)}
+
+    async def _evictable(self, preemptor: Pod) -> dict[str, dict[str, str]]:
+        """node -> claim -> pod UID of the live claimed pods of lower priority (one list of
+        the claimed pods for all candidate nodes, however many the scheduler sent)."""
+        mine = _k8s_priority(preemptor)
+        out: dict[str, dict[str, str]] = {}
+        for victim in await self.kube.pods_with_label(CLAIM_LABEL):
+            meta = victim.get("metadata") or {}
+            claim, uid = claim_of(victim), str(meta.get("uid") or "")
+            node = str((victim.get("spec") or {}).get("nodeName") or "")
+            phase = (victim.get("status") or {}).get("phase")
+            if not (claim and uid and node) or meta.get("deletionTimestamp"):
+                continue
+            if phase not in ENDED_PHASES and _k8s_priority(victim) < mine:
+                out.setdefault(node, {})[claim] = uid
+        return out
 
     # ---- bind ----------------------------------------------------------------------------
 
@@ -211,6 +272,41 @@ _POOL_NODE_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 def _is_pool_node_name(name: str) -> bool:
     """Whether `name` could be a gpupool node's (NodeRegister's rule); others never are."""
     return bool(_POOL_NODE_NAME.match(name))
+
+
+_Victims = tuple[list[str], int]
+"""The UIDs of a node's victims and the PodDisruptionBudget violations evicting them costs."""
+
+
+def _proposed_victims(args: Mapping[str, Any]) -> dict[str, _Victims]:
+    """The scheduler's victims per node, as UIDs, whichever form it sent them in."""
+    out: dict[str, _Victims] = {}
+    meta = field(args, "NodeNameToMetaVictims")
+    if meta is not None:
+        for node, victims in meta.items():
+            body = victims or {}
+            uids = [str(field(p, "UID") or "") for p in field(body, "Pods") or []]
+            out[str(node)] = ([u for u in uids if u], int(field(body, "NumPDBViolations") or 0))
+        return out
+    for node, victims in (field(args, "NodeNameToVictims") or {}).items():
+        body = victims or {}
+        pods = field(body, "Pods") or []
+        uids = [str((p.get("metadata") or {}).get("uid") or "") for p in pods]
+        out[str(node)] = ([u for u in uids if u], int(field(body, "NumPDBViolations") or 0))
+    return out
+
+
+def _meta(victims: Mapping[str, _Victims]) -> dict[str, Any]:
+    return {
+        node: {"Pods": [{"UID": u} for u in uids], "NumPDBViolations": pdb}
+        for node, (uids, pdb) in victims.items()
+    }
+
+
+def _k8s_priority(pod: Pod) -> int:
+    """The pod's priority as the scheduler compares it (from its priorityClass; 0 unset)."""
+    value = (pod.get("spec") or {}).get("priority")
+    return value if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _first_error(exc: ValidationError) -> str:

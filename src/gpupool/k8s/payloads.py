@@ -120,6 +120,8 @@ def check_pod(pod: Any, where: str = "Pod") -> None:
     spec = _object(body.get("spec"), f"{where}.spec") or {}
     _each(spec.get("containers"), f"{where}.spec.containers", _container)
     _each(spec.get("initContainers"), f"{where}.spec.initContainers", _container)
+    _each(spec.get("ephemeralContainers"), f"{where}.spec.ephemeralContainers", _container)
+    _string(spec.get("runtimeClassName"), f"{where}.spec.runtimeClassName")
     _each(spec.get("volumes"), f"{where}.spec.volumes", _volume)
     _boolean(spec.get("hostPID"), f"{where}.spec.hostPID")
     _string(spec.get("nodeName"), f"{where}.spec.nodeName")
@@ -150,6 +152,36 @@ def check_extender_args(args: Mapping[str, Any]) -> None:
             raise MalformedPayload(f"Nodes.items[{i}] must be an object, got null")
         meta = _object(node_object.get("metadata"), f"Nodes.items[{i}].metadata") or {}
         _string(meta.get("name"), f"Nodes.items[{i}].metadata.name")
+
+
+def _victims(value: Any, where: str) -> None:
+    """Victims or MetaVictims: Pods (Pod objects, or MetaPods with a UID) and a count."""
+    body = _object(value, where) or {}
+    for i, victim in enumerate(_list(field(body, "Pods"), f"{where}.Pods") or []):
+        pod = _object(victim, f"{where}.Pods[{i}]")
+        if pod is None:
+            raise MalformedPayload(f"{where}.Pods[{i}] must be an object, got null")
+        _string(field(pod, "UID"), f"{where}.Pods[{i}].UID")
+        meta = _object(pod.get("metadata"), f"{where}.Pods[{i}].metadata") or {}
+        _string(meta.get("uid"), f"{where}.Pods[{i}].metadata.uid")
+    count = field(body, "NumPDBViolations")
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int)):
+        raise MalformedPayload(f"{where}.NumPDBViolations must be an integer")
+
+
+def check_preemption_args(args: Mapping[str, Any]) -> None:
+    """ExtenderPreemptionArgs: the Pod, and each node's victims (whole pods, or their UIDs
+    when the extender is nodeCacheCapable)."""
+    pod = field(args, "Pod")
+    if pod is None:
+        raise MalformedPayload("Pod is missing")
+    check_pod(pod)
+    for name in ("NodeNameToVictims", "NodeNameToMetaVictims"):
+        nodes = _object(field(args, name), name) or {}
+        if len(nodes) > MAX_NODES:
+            raise MalformedPayload(f"{name}: more than {MAX_NODES} nodes")
+        for node, victims in nodes.items():
+            _victims(victims, f"{name}.{node}")
 
 
 def check_binding_args(args: Mapping[str, Any]) -> None:

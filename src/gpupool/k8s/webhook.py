@@ -11,7 +11,10 @@ For a pod that asks for gpupool GPUs it
 - remote access: takes our resources off (the pod may run on any node) and runs the
   container's command under `gpupool run --remote` with the pod's request.
 Every other pod loses the same variables: NVIDIA_VISIBLE_DEVICES=all, under the NVIDIA
-runtime, would otherwise expose every GPU of its node outside the pool.
+runtime, would otherwise expose every GPU of its node outside the pool. Variables a pod
+takes from a ConfigMap or Secret (`envFrom`) cannot be read here, so containers with
+`envFrom`, and every ephemeral container (`kubectl debug`: no device plugin ever gives one
+a GPU), get explicit entries that say "no GPU": Kubernetes lets `env` win over `envFrom`.
 """
 
 from __future__ import annotations
@@ -55,6 +58,25 @@ ESCAPE_PREFIXES = ("CUDA_MPS_", "NVIDIA_")
 """Stripped from every container of every pod the webhook sees. GPUPOOL_URL and
 GPUPOOL_TOKEN stay: a pod may use the pool's API with its own tenant's token."""
 DANGEROUS_CAPABILITIES = frozenset({"SYS_ADMIN", "ALL", "CAP_SYS_ADMIN"})
+NO_GPU_ENV: tuple[tuple[str, str], ...] = (
+    # The NVIDIA container runtime's "not a GPU container" (runc's behaviour).
+    ("NVIDIA_VISIBLE_DEVICES", "void"),
+    ("CUDA_VISIBLE_DEVICES", ""),
+    # Every variable an MPS client reads (CUDA's MPS documentation, appendix of variables).
+    ("CUDA_MPS_PIPE_DIRECTORY", ""),
+    ("CUDA_MPS_LOG_DIRECTORY", ""),
+    ("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", ""),
+    ("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT", ""),
+    ("CUDA_MPS_ENABLE_PER_CTX_DEVICE_MULTIPROCESSOR_PARTITIONING", ""),
+    ("CUDA_MPS_CLIENT_PRIORITY", ""),
+    ("CUDA_MPS_PROTOCOL_VERSION", ""),
+)
+"""Appended to the env of containers that get no GPU from gpupool and may carry variables
+the webhook cannot see (envFrom, ephemeral containers): an `env` entry wins over `envFrom`."""
+OTHER_GPU_VENDORS = ("nvidia.com/",)
+"""A container asking for such a resource gets its GPUs from that vendor's device plugin,
+whose Allocate sets NVIDIA_VISIBLE_DEVICES: an explicit "void" would take them away."""
+EPHEMERAL = "ephemeralcontainers"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +87,9 @@ class WebhookSettings:
     """What remote-access pods use as GPUPOOL_URL."""
     token_secret: tuple[str, str] | None = None
     """(Secret name, key) whose value remote-access pods get as GPUPOOL_TOKEN."""
+    runtime_class: str | None = None
+    """Set on direct GPU pods: the RuntimeClass whose handler gives containers the GPUs the
+    device plugin names (NVIDIA's, where it is not the nodes' default runtime)."""
     new_claim: Callable[[], str] = field(default=lambda: "c-" + uuid.uuid4().hex[:20])
 
 
@@ -91,6 +116,8 @@ def review(body: dict[str, Any], settings: WebhookSettings) -> dict[str, Any]:
 def admit(request: dict[str, Any], settings: WebhookSettings) -> list[dict[str, Any]]:
     """The JSONPatch for one admission request (empty: unchanged); PodRefused to deny."""
     kind = (request.get("kind") or {}).get("kind")
+    if kind == "Pod" and request.get("subResource") == EPHEMERAL:
+        return _admit_ephemeral(request)
     if kind != "Pod" or request.get("subResource"):
         return []
     pod: Pod = request.get("object") or {}
@@ -103,7 +130,7 @@ def admit(request: dict[str, Any], settings: WebhookSettings) -> list[dict[str, 
     if operation != "CREATE":
         return []
     new = copy.deepcopy(pod)
-    stripped = _strip_escapes(new)
+    _strip_escapes(new)
     if asks_for_gpus(pod):
         ask = gpu_ask(pod)
         _refuse_unsafe(pod)
@@ -111,8 +138,38 @@ def admit(request: dict[str, Any], settings: WebhookSettings) -> list[dict[str, 
             _make_remote(new, ask, settings)
         else:
             _make_direct(new, ask, settings)
-    elif not stripped:
+    else:
+        for container in _all_containers(new):
+            if container.get("envFrom"):
+                _say_no_gpu(container)
+    return _patch(pod, new)
+
+
+def _admit_ephemeral(request: dict[str, Any]) -> list[dict[str, Any]]:
+    """Ephemeral containers being added (the pods/ephemeralcontainers subresource).
+
+    They share the pod's namespaces but never get a device plugin's GPUs: in a GPU pod
+    they may not be privileged nor read variables from elsewhere, and in any pod they
+    get no GPU. Only the new ones are changed: the API server refuses changes to those
+    already there.
+    """
+    if request.get("operation") != "UPDATE":
         return []
+    pod: Pod = request.get("object") or {}
+    old_spec = (request.get("oldObject") or {}).get("spec") or {}
+    existing = {c.get("name") for c in old_spec.get("ephemeralContainers") or []}
+    new = copy.deepcopy(pod)
+    added = [
+        c
+        for c in (new.get("spec") or {}).get("ephemeralContainers") or []
+        if c.get("name") not in existing
+    ]
+    gpu_pod = asks_for_gpus(pod)
+    for container in added:
+        if gpu_pod:
+            _refuse_unsafe_container(container, "ephemeral container")
+        _strip_container(container)
+        _say_no_gpu(container)
     return _patch(pod, new)
 
 
@@ -121,27 +178,17 @@ def admit(request: dict[str, Any], settings: WebhookSettings) -> list[dict[str, 
 
 def _all_containers(pod: Pod) -> list[dict[str, Any]]:
     spec = pod.get("spec") or {}
-    return list(spec.get("containers") or []) + list(spec.get("initContainers") or [])
+    return [
+        *(spec.get("containers") or []),
+        *(spec.get("initContainers") or []),
+        *(spec.get("ephemeralContainers") or []),
+    ]
 
 
 def _refuse_unsafe(pod: Pod) -> None:
     spec = pod.get("spec") or {}
     for container in _all_containers(pod):
-        name = container.get("name", "?")
-        security = container.get("securityContext") or {}
-        if security.get("privileged"):
-            raise PodRefused(
-                f"container {name} is privileged: a privileged container sees every GPU of "
-                "its node, so GPU pods may not be privileged"
-            )
-        added = set((security.get("capabilities") or {}).get("add") or [])
-        if added & DANGEROUS_CAPABILITIES:
-            raise PodRefused(f"container {name} adds {sorted(added & DANGEROUS_CAPABILITIES)}")
-        if container.get("envFrom"):
-            raise PodRefused(
-                f"container {name} uses envFrom, which could set CUDA_MPS_*, LD_PRELOAD and "
-                "the like; list the variables in env instead"
-            )
+        _refuse_unsafe_container(container, "container")
     if spec.get("hostPID"):
         raise PodRefused("GPU pods may not use hostPID (they could reach other tenants' GPUs)")
     for volume in spec.get("volumes") or []:
@@ -155,22 +202,51 @@ def _refuse_unsafe(pod: Pod) -> None:
         )
 
 
-def _strip_escapes(pod: Pod) -> bool:
-    """Remove the variables of ESCAPE_*; True when any was there."""
-    changed = False
+def _refuse_unsafe_container(container: dict[str, Any], what: str) -> None:
+    name = container.get("name", "?")
+    security = container.get("securityContext") or {}
+    if security.get("privileged"):
+        raise PodRefused(
+            f"{what} {name} is privileged: a privileged container sees every GPU of "
+            "its node, so GPU pods may not be privileged"
+        )
+    added = set((security.get("capabilities") or {}).get("add") or [])
+    if added & DANGEROUS_CAPABILITIES:
+        raise PodRefused(f"{what} {name} adds {sorted(added & DANGEROUS_CAPABILITIES)}")
+    if container.get("envFrom"):
+        raise PodRefused(
+            f"{what} {name} uses envFrom, which could set CUDA_MPS_*, LD_PRELOAD and "
+            "the like; list the variables in env instead"
+        )
+
+
+def _strip_escapes(pod: Pod) -> None:
+    """Remove the variables of ESCAPE_* from every container."""
     for container in _all_containers(pod):
-        env = container.get("env")
-        if not env:
-            continue
+        _strip_container(container)
+
+
+def _strip_container(container: dict[str, Any]) -> None:
+    env = container.get("env")
+    if env:
         kept = [e for e in env if not _escapes(str(e.get("name", "")))]
         if len(kept) != len(env):
             container["env"] = kept
-            changed = True
-    return changed
 
 
 def _escapes(name: str) -> bool:
     return name in ESCAPE_VARIABLES or name.startswith(ESCAPE_PREFIXES)
+
+
+def _say_no_gpu(container: dict[str, Any]) -> None:
+    """Append NO_GPU_ENV (after the escapes were stripped), unless another vendor's device
+    plugin gives this container its GPUs. Idempotent: a second call changes nothing."""
+    limits = (container.get("resources") or {}).get("limits") or {}
+    if any(str(k).startswith(OTHER_GPU_VENDORS) for k in limits):
+        return
+    names = {n for n, _ in NO_GPU_ENV}
+    env = [e for e in container.get("env") or [] if e.get("name") not in names]
+    container["env"] = env + [{"name": n, "value": v} for n, v in NO_GPU_ENV]
 
 
 # ---- mutations -------------------------------------------------------------------------------
@@ -186,6 +262,14 @@ def _make_direct(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
     env.append({"name": CLAIM_ENV, "value": claim})
     if settings.scheduler_name:
         pod["spec"]["schedulerName"] = settings.scheduler_name
+    if settings.runtime_class:
+        own = pod["spec"].get("runtimeClassName")
+        if own and own != settings.runtime_class:
+            raise PodRefused(
+                f"GPU pods run with runtime class {settings.runtime_class} (the one that "
+                f"gives containers their GPUs), not {own}: remove spec.runtimeClassName"
+            )
+        pod["spec"]["runtimeClassName"] = settings.runtime_class
 
 
 def _make_remote(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
@@ -224,7 +308,16 @@ def _patch(old: Pod, new: Pod) -> list[dict[str, Any]]:
     ops: list[dict[str, Any]] = []
     for section, keys in (
         ("metadata", ("labels",)),
-        ("spec", ("containers", "initContainers", "schedulerName")),
+        (
+            "spec",
+            (
+                "containers",
+                "initContainers",
+                "ephemeralContainers",
+                "schedulerName",
+                "runtimeClassName",
+            ),
+        ),
     ):
         for key in keys:
             before = (old.get(section) or {}).get(key)

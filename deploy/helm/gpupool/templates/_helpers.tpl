@@ -42,44 +42,9 @@ else the admin token. */}}
       name: {{ .Values.auth.tokenSecret }}
       key: {{ .Values.auth.tokenKey }}
       {{- else }}
-      name: {{ include "gpupool.fullname" . }}-admin-token
+      name: {{ include "gpupool.adminTokenSecret" . }}
       key: token
       {{- end }}
-{{- end -}}
-
-{{/*
-The TLS certificates of the extender and webhook: the server's (the given Secret, else one
-generated with a CA of its own) and the scheduler's client certificate, signed by the same
-CA. Reused from the cluster on upgrades so the webhook's caBundle stays valid; made again
-(all together) where an older release left no client certificate. Returns a dict with crt,
-key, ca, schedulerCrt and schedulerKey (all base64).
-*/}}
-{{- define "gpupool.tls" -}}
-{{- $service := include "gpupool.k8sService" . -}}
-{{- $existing := lookup "v1" "Secret" .Release.Namespace (printf "%s-tls" $service) -}}
-{{- $client := lookup "v1" "Secret" .Release.Namespace (printf "%s-scheduler-client" $service) -}}
-{{- if and $existing $existing.data (index $existing.data "ca.crt") $client $client.data (index $client.data "tls.crt") -}}
-{{- dict "crt" (index $existing.data "tls.crt") "key" (index $existing.data "tls.key") "ca" (index $existing.data "ca.crt") "schedulerCrt" (index $client.data "tls.crt") "schedulerKey" (index $client.data "tls.key") | toJson -}}
-{{- else -}}
-{{- $dns := list $service (printf "%s.%s" $service .Release.Namespace) (printf "%s.%s.svc" $service .Release.Namespace) -}}
-{{- $ca := genCA "gpupool-k8s-ca" 3650 -}}
-{{- $cert := genSignedCert (printf "%s.%s.svc" $service .Release.Namespace) nil $dns 3650 $ca -}}
-{{- $scheduler := genSignedCert .Values.k8s.auth.schedulerClientName nil nil 3650 $ca -}}
-{{- dict "crt" ($cert.Cert | b64enc) "key" ($cert.Key | b64enc) "ca" ($ca.Cert | b64enc) "schedulerCrt" ($scheduler.Cert | b64enc) "schedulerKey" ($scheduler.Key | b64enc) | toJson -}}
-{{- end -}}
-{{- end -}}
-
-{{/*
-The bearer token kube-apiserver sends to the webhook (k8s.auth.webhookToken): made once,
-kept across upgrades.
-*/}}
-{{- define "gpupool.webhookToken" -}}
-{{- $existing := lookup "v1" "Secret" .Release.Namespace (printf "%s-webhook-token" (include "gpupool.k8sService" .)) -}}
-{{- if and $existing $existing.data (index $existing.data "token") -}}
-{{- index $existing.data "token" | b64dec -}}
-{{- else -}}
-{{- randAlphaNum 48 -}}
-{{- end -}}
 {{- end -}}
 
 {{/*
@@ -98,7 +63,64 @@ Secret never lets an agent act for another node. Else the admin token (trying th
 - name: GPUPOOL_TOKEN
   valueFrom:
     secretKeyRef:
-      name: {{ include "gpupool.fullname" . }}-admin-token
+      name: {{ include "gpupool.adminTokenSecret" . }}
       key: token
 {{- end }}
+{{- end -}}
+
+
+{{- define "gpupool.adminTokenSecret" -}}
+{{ .Values.auth.adminTokenSecret | default (printf "%s-admin-token" (include "gpupool.fullname" .)) }}
+{{- end -}}
+
+{{/*
+The cluster's version as major.minor.patch: kubeVersion when set, else what Helm reads from
+the cluster (.Capabilities.KubeVersion; managed clusters add suffixes such as -eks-1234).
+*/}}
+{{- define "gpupool.kubeVersion" -}}
+{{- $given := .Values.kubeVersion | default .Capabilities.KubeVersion.Version | toString -}}
+{{- $found := regexFind "[0-9]+\\.[0-9]+\\.[0-9]+" $given -}}
+{{- if not $found -}}
+{{- fail (printf "cannot read a Kubernetes version from %q: set kubeVersion, e.g. 1.31.4" $given) -}}
+{{- end -}}
+{{- $found -}}
+{{- end -}}
+
+{{/* The API version of KubeSchedulerConfiguration that the cluster's scheduler serves. */}}
+{{- define "gpupool.schedulerConfigApi" -}}
+{{- $v := include "gpupool.kubeVersion" . -}}
+{{- if semverCompare ">=1.25.0-0" $v -}}kubescheduler.config.k8s.io/v1
+{{- else if semverCompare ">=1.23.0-0" $v -}}kubescheduler.config.k8s.io/v1beta3
+{{- else if semverCompare ">=1.22.0-0" $v -}}kubescheduler.config.k8s.io/v1beta2
+{{- else -}}kubescheduler.config.k8s.io/v1beta1
+{{- end -}}
+{{- end -}}
+
+{{- define "gpupool.pdbApi" -}}
+{{- if semverCompare ">=1.21.0-0" (include "gpupool.kubeVersion" .) -}}policy/v1{{- else -}}policy/v1beta1{{- end -}}
+{{- end -}}
+
+{{/* Webhooks with matchConditions (CEL): beta and on by default from 1.28. */}}
+{{- define "gpupool.matchConditions" -}}
+{{- if semverCompare ">=1.28.0-0" (include "gpupool.kubeVersion" .) -}}true{{- end -}}
+{{- end -}}
+
+{{- define "gpupool.schedulerImage" -}}
+{{ .Values.scheduler.image.repository }}:{{ .Values.scheduler.image.tag | default (printf "v%s" (include "gpupool.kubeVersion" .)) }}
+{{- end -}}
+
+{{/* A restricted pod: not root (uid given), the runtime's default seccomp profile. */}}
+{{- define "gpupool.restrictedPod" -}}
+runAsNonRoot: true
+runAsUser: {{ . }}
+runAsGroup: {{ . }}
+fsGroup: {{ . }}
+seccompProfile: {type: RuntimeDefault}
+{{- end -}}
+
+{{/* A restricted container: no privilege escalation, no capability, a read-only root. */}}
+{{- define "gpupool.restrictedContainer" -}}
+allowPrivilegeEscalation: false
+readOnlyRootFilesystem: true
+capabilities: {drop: [ALL]}
 {{- end -}}

@@ -22,6 +22,8 @@ from gpupool.protocol.v1.k8s import (
     NodeName,
     PlacementAnswer,
     PlacementQuery,
+    PreemptionAnswer,
+    PreemptionQuery,
 )
 
 router = APIRouter(
@@ -34,6 +36,12 @@ router = APIRouter(
 @router.post("/placement", response_model=PlacementAnswer, dependencies=[Depends(SCHEDULERS)])
 async def placement(body: PlacementQuery, store: Store = Depends(get_store)) -> PlacementAnswer:
     return await store.write(lambda s: k8s.placement(store, s, body))
+
+
+@router.post("/preemption", response_model=PreemptionAnswer, dependencies=[Depends(SCHEDULERS)])
+async def preemption(body: PreemptionQuery, store: Store = Depends(get_store)) -> PreemptionAnswer:
+    """Read only: the scheduler evicts the pods; their claims end when the pods do."""
+    return await store.write(lambda s: k8s.preemption(store, s, body))
 
 
 @router.post("/claims", status_code=status.HTTP_201_CREATED, response_model=ClaimOut)

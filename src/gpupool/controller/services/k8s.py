@@ -32,14 +32,18 @@ from gpupool.core import (
     Pool,
     PoolError,
 )
+from gpupool.core.preempt import plan_preemption
 from gpupool.protocol.v1.api import LeaseCreate
 from gpupool.protocol.v1.k8s import (
     ClaimAllocate,
     ClaimCreate,
     ClaimOut,
     NodeFit,
+    NodeVictims,
     PlacementAnswer,
     PlacementQuery,
+    PreemptionAnswer,
+    PreemptionQuery,
 )
 
 HOLDER_PREFIX = "k8s-claim:"
@@ -90,6 +94,55 @@ def placement(store: Store, _session: Session, query: PlacementQuery) -> Placeme
                 fits.append(NodeFit(node=node, fits=True, score=score))
     ranked = sorted((f for f in fits if f.fits), key=lambda f: -f.score)
     return PlacementAnswer(nodes=fits, best=ranked[0].node if ranked else None)
+
+
+def preemption(store: Store, _session: Session, query: PreemptionQuery) -> PreemptionAnswer:
+    """For each node, the cheapest of the offered claims whose end lets the request fit.
+
+    The pool's own rules choose: only leases of lower priority than the request (capped at
+    its tenant's limit, as a claim would be), never below a tenant's guaranteed share.
+    Claims offered that are not live on that node are ignored, so the scheduler's word
+    cannot make the pool count a lease as freed where it is not.
+    """
+    if query.request.access != "direct":
+        raise InvalidRequest("Kubernetes claims are direct leases: the pod runs on the GPU's node")
+    out: list[NodeVictims] = []
+    with store.lock:
+        pool = store.pool
+        base = _request_for(query.request, node=None)
+        try:
+            pool.check_quota_ever(base)
+        except PoolError as exc:
+            return PreemptionAnswer(
+                nodes=[NodeVictims(node=n, helps=False, reason=exc.message) for n in query.nodes]
+            )
+        by_holder = {
+            r.holder: r
+            for r in list(store.lease_rows.values())
+            if r.holder.startswith(HOLDER_PREFIX)
+        }
+        for node, offered in query.nodes.items():
+            on_node = replace(base, node=node)
+            if node not in pool.nodes_up:
+                out.append(NodeVictims(node=node, helps=False, reason="its gpupool agent is down"))
+                continue
+            if pool.plan(on_node) is not None:
+                out.append(NodeVictims(node=node, helps=True))
+                continue
+            leases = {
+                row.id: claim
+                for claim in dict.fromkeys(offered)
+                if (row := by_holder.get(holder_of(claim))) is not None and row.node == node
+            }
+            found = plan_preemption(pool, "", on_node, among=leases.keys()) if leases else None
+            if found is None:
+                why = _short_on(pool, base, [pool.gpus[u] for u in pool.node_gpus.get(node, {})])
+                reason = f"{why}; ending the lower-priority claims offered would not make room"
+                out.append(NodeVictims(node=node, helps=False, reason=reason))
+            else:
+                claims = sorted(leases[v] for v in found.victims)
+                out.append(NodeVictims(node=node, helps=True, claims=claims))
+    return PreemptionAnswer(nodes=out)
 
 
 def _never_fits(pool: Pool, request: LeaseRequest, gpus: list[Gpu]) -> str | None:

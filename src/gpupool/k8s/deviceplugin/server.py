@@ -192,6 +192,11 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
                         pb.Mount(container_path=c, host_path=h, read_only=ro)
                         for c, h, ro in given.mounts
                     ],
+                    devices=[
+                        pb.DeviceSpec(container_path=c, host_path=h, permissions=perms)
+                        for c, h, perms in given.devices
+                    ],
+                    cdi_devices=[pb.CDIDevice(name=n) for n in given.cdi_devices],
                 )
             ]
         )

@@ -44,6 +44,33 @@ class PlacementAnswer(BaseModel):
     """The node the pool would choose among those asked, or None when none fits."""
 
 
+class PreemptionQuery(Strict):
+    """Which of these claims, on each node, must end for `request` to fit there?
+
+    The scheduler extender's preempt verb: for each node the pods it could evict (of lower
+    priority than the pod waiting), named by their claims.
+    """
+
+    request: LeaseCreate
+    nodes: Annotated[
+        dict[NodeName, Annotated[list[ClaimId], Field(max_length=1024)]], Field(max_length=5000)
+    ]
+
+
+class NodeVictims(BaseModel):
+    node: str
+    helps: bool
+    """Whether ending `claims` (possibly none) makes the request fit on the node."""
+    claims: list[str] = []
+    """The claims to end: the cheapest set the pool's preemption rules allow."""
+    reason: str | None = None
+    """Why no set of the claims offered would make room."""
+
+
+class PreemptionAnswer(BaseModel):
+    nodes: list[NodeVictims]
+
+
 class ClaimCreate(Strict):
     """Grant `request` on `node` for the pod that holds claim `claim` (the extender's bind)."""
 
