@@ -34,6 +34,7 @@ from gpupool.torch import (
     conversions,
     cuda_api,
     dispatch,  # noqa: F401 - binds RemoteTensor's dispatcher
+    flags,
     kernels,
     optim,
     runtime,
@@ -137,6 +138,7 @@ def _install_hooks() -> None:
     serialization.install()
     autocast.install()
     optim.install()
+    flags.install()
     atexit.register(detach)  # close the connections in order; the workers free everything
 
 
@@ -145,6 +147,7 @@ def detach() -> None:
     if not runtime.attached():
         return
     atexit.unregister(detach)
+    flags.uninstall()
     optim.uninstall()
     autocast.uninstall()
     serialization.uninstall()

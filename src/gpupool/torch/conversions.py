@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gpupool.torch import runtime
+from gpupool.torch import pinned, runtime
 from gpupool.torch.tensor import RemoteTensor
 
 _TensorBase = torch._C.TensorBase
@@ -151,7 +151,26 @@ class _Move(torch.autograd.Function):
         return to(grad, ctx.source_device, ctx.source_dtype), None, None
 
 
-_TENSOR_METHODS = {"to": to, "cuda": cuda, "cpu": cpu, "new_tensor": new_tensor}
+def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+    """Pinned host memory without a local GPU (see gpupool.torch.pinned); `device` is
+    deprecated in PyTorch and means the accelerator, which here is always the remote one."""
+    return pinned.pin(self)
+
+
+def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+    if isinstance(self, RemoteTensor):
+        return False
+    return pinned.is_pinned(self)
+
+
+_TENSOR_METHODS = {
+    "to": to,
+    "cuda": cuda,
+    "cpu": cpu,
+    "new_tensor": new_tensor,
+    "pin_memory": pin_memory,
+    "is_pinned": is_pinned,
+}
 _TORCH_FUNCTIONS = ("tensor", "as_tensor", "asarray")
 
 
