@@ -31,6 +31,7 @@ from gpupool.protocol.v1.dataplane import parse_address
 from gpupool.startup import restore_gc, tune_gc
 from gpupool.torch import (
     autocast,
+    compiler,
     conversions,
     cuda_api,
     dispatch,  # noqa: F401 - binds RemoteTensor's dispatcher
@@ -139,6 +140,7 @@ def _install_hooks() -> None:
     autocast.install()
     optim.install()
     flags.install()
+    compiler.install()
     atexit.register(detach)  # close the connections in order; the workers free everything
 
 
@@ -147,6 +149,7 @@ def detach() -> None:
     if not runtime.attached():
         return
     atexit.unregister(detach)
+    compiler.uninstall()
     flags.uninstall()
     optim.uninstall()
     autocast.uninstall()

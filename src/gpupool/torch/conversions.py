@@ -163,7 +163,34 @@ def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
     return pinned.is_pinned(self)
 
 
+def _no_dlpack(tensor: torch.Tensor) -> BufferError:
+    return BufferError(
+        f"DLPack cannot share a gpupool remote tensor ({tensor.device}): its memory is on the "
+        "lease's worker, not in this process; copy it to the host first (tensor.cpu())"
+    )
+
+
+def dlpack(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if isinstance(self, RemoteTensor):
+        raise _no_dlpack(self)
+    return _ORIGINALS[(torch.Tensor, "__dlpack__")](self, *args, **kwargs)
+
+
+def dlpack_device(self: torch.Tensor) -> Any:
+    if isinstance(self, RemoteTensor):
+        raise _no_dlpack(self)
+    return _ORIGINALS[(torch.Tensor, "__dlpack_device__")](self)
+
+
+def to_dlpack(tensor: torch.Tensor) -> Any:
+    if isinstance(tensor, RemoteTensor):
+        raise _no_dlpack(tensor)
+    return _ORIGINALS[(torch.utils.dlpack, "to_dlpack")](tensor)
+
+
 _TENSOR_METHODS = {
+    "__dlpack__": dlpack,
+    "__dlpack_device__": dlpack_device,
     "to": to,
     "cuda": cuda,
     "cpu": cpu,
@@ -185,6 +212,8 @@ def install() -> None:
     for name in _TORCH_FUNCTIONS:
         _ORIGINALS[(torch, name)] = getattr(torch, name)
         setattr(torch, name, _with_device(name))
+    _ORIGINALS[(torch.utils.dlpack, "to_dlpack")] = torch.utils.dlpack.to_dlpack
+    torch.utils.dlpack.to_dlpack = to_dlpack
     install_module_swap()
 
 

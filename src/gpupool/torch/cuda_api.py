@@ -56,6 +56,12 @@ def _exchange_device(index: int) -> int:
     return previous
 
 
+def _maybe_exchange_device(index: int) -> int:
+    """A function of its own, not an alias of _exchange_device: torch.compile keeps a table of
+    torch.cuda's functions and refuses one registered twice ("Handler already registered")."""
+    return _exchange_device(index)
+
+
 def get_device_name(device: Any = None) -> str:
     return runtime.stream(_index(device)).name
 
@@ -217,7 +223,7 @@ REPLACEMENTS: dict[str, Any] = {
     "current_device": current_device,
     "set_device": set_device,
     "_exchange_device": _exchange_device,
-    "_maybe_exchange_device": _exchange_device,
+    "_maybe_exchange_device": _maybe_exchange_device,
     "get_device_name": get_device_name,
     "get_device_properties": get_device_properties,
     "get_device_capability": get_device_capability,
@@ -225,14 +231,14 @@ REPLACEMENTS: dict[str, Any] = {
     "synchronize": synchronize,
     "memory_allocated": memory_allocated,
     "max_memory_allocated": max_memory_allocated,
-    "memory_reserved": memory_allocated,
-    "max_memory_reserved": max_memory_allocated,
+    "memory_reserved": lambda device=None: memory_allocated(device),
+    "max_memory_reserved": lambda device=None: max_memory_allocated(device),
     "mem_get_info": mem_get_info,
     "memory_stats": memory_stats,
     "empty_cache": _nothing,
     "reset_peak_memory_stats": reset_peak_memory_stats,
-    "reset_max_memory_allocated": reset_peak_memory_stats,
-    "reset_max_memory_cached": reset_peak_memory_stats,
+    "reset_max_memory_allocated": lambda device=None: reset_peak_memory_stats(device),
+    "reset_max_memory_cached": lambda device=None: reset_peak_memory_stats(device),
     "manual_seed": manual_seed,
     "manual_seed_all": manual_seed_all,
     "seed": seed,
@@ -314,7 +320,7 @@ ACCELERATOR_REPLACEMENTS: dict[str, Any] = {
     "_accelerator_getDeviceIndex": current_device,
     "_accelerator_setDeviceIndex": _accelerator_set_index,
     "_accelerator_exchangeDevice": _exchange_device,
-    "_accelerator_maybeExchangeDevice": _exchange_device,
+    "_accelerator_maybeExchangeDevice": _maybe_exchange_device,
     "_accelerator_synchronizeDevice": _accelerator_synchronize,
     "_accelerator_getDeviceCapability": _accelerator_capability,
     "_accelerator_getStream": _accelerator_stream,
@@ -323,9 +329,9 @@ ACCELERATOR_REPLACEMENTS: dict[str, Any] = {
     "_accelerator_getDeviceStats": _accelerator_stats,
     "_accelerator_getMemoryInfo": _accelerator_memory_info,
     "_accelerator_resetPeakStats": _accelerator_reset_peak,
-    "_accelerator_resetAccumulatedStats": _accelerator_reset_peak,
+    "_accelerator_resetAccumulatedStats": lambda index=None: _accelerator_reset_peak(index),
     "_accelerator_emptyCache": _nothing,
-    "_accelerator_emptyHostCache": _nothing,
+    "_accelerator_emptyHostCache": lambda: None,
 }
 
 _ORIGINALS_C: dict[str, Any] = {}

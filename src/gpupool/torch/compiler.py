@@ -1,0 +1,100 @@
+"""torch.compile with remote tensors: Dynamo captures the graph, the pool runs it op by op.
+
+Inductor writes kernels for the device it sees, and a remote tensor's device is not in this
+process: its code would not run here (nor, compiled for this host, on the worker). So while
+attached, a graph whose inputs are remote runs as the FX graph Dynamo captured, each of its
+ops a remote op (streamed to the worker like any other); a graph of host tensors is compiled
+by the backend that was asked for. gpupool's own code is never traced: Dynamo runs it as it
+is (its calls are graph breaks), so compiling costs no retracing of the runtime's internals.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_ORIGINAL: Any = None
+
+
+def _touches_remote(example_inputs: list[Any]) -> bool:
+    """Dynamo's example inputs are fake tensors; a remote one reports cuda (or its C++ meta)."""
+    return any(
+        isinstance(t, torch.Tensor) and t.device.type in ("cuda", "meta") for t in example_inputs
+    )
+
+
+def _backend(requested: Any, mode: str | None, options: dict[str, Any] | None, dynamic: Any) -> Any:
+    """The backend torch.compile would have used, as a callable, and the one used instead."""
+    if requested == "inductor":
+        local = torch._TorchCompileInductorWrapper(mode, options, dynamic)  # type: ignore[attr-defined]
+    else:
+        local = torch._TorchCompileWrapper(requested, mode, options, dynamic)  # type: ignore[attr-defined]
+
+    def gpupool_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        if _touches_remote(example_inputs):
+            return gm.forward
+        return local(gm, example_inputs)
+
+    return gpupool_backend
+
+
+_skipped = False
+
+
+def _skip_gpupool() -> None:
+    """Dynamo must not trace gpupool's frames (at the first compile: importing Dynamo takes
+    a while, and most programs never compile)."""
+    global _skipped
+    if not _skipped:
+        import torch._dynamo.trace_rules as trace_rules
+
+        trace_rules.add("gpupool")
+        _skipped = True
+
+
+def compile(
+    model: Any = None,
+    *,
+    fullgraph: bool = False,
+    dynamic: bool | None = None,
+    backend: Any = "inductor",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    disable: bool = False,
+) -> Any:
+    if model is None:
+
+        def decorate(fn: Any) -> Any:
+            return compile(
+                fn, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
+                options=options, disable=disable,
+            )  # fmt: skip
+
+        return decorate
+    _skip_gpupool()
+    if mode is not None and options is not None:
+        raise RuntimeError("Either mode or options can be specified, but both can't be specified at the same time.")  # fmt: skip
+    return _ORIGINAL(
+        model,
+        fullgraph=fullgraph,
+        dynamic=dynamic,
+        backend=_backend(backend, mode, options, dynamic),
+        disable=disable,
+    )
+
+
+def install() -> None:
+    global _ORIGINAL
+    if _ORIGINAL is not None:
+        return
+    _ORIGINAL = torch.compile
+    torch.compile = compile  # type: ignore[assignment]
+
+
+def uninstall() -> None:
+    global _ORIGINAL
+    if _ORIGINAL is not None:
+        torch.compile = _ORIGINAL
+        _ORIGINAL = None
