@@ -75,7 +75,7 @@ def compile(
         return decorate
     _skip_gpupool()
     if mode is not None and options is not None:
-        raise RuntimeError("Either mode or options can be specified, but both can't be specified at the same time.")  # fmt: skip
+        raise RuntimeError("Either mode or options can be specified, but both can't be specified")
     return _ORIGINAL(
         model,
         fullgraph=fullgraph,

@@ -66,7 +66,7 @@ class Stream:
         stream = _defaults.get(index)
         if stream is None or stream._ds is not runtime.stream(index):
             stream = cls.__new__(cls)
-            stream._ds = _worker(index)
+            stream._ds = runtime.stream(index)  # any worker has its default stream
             stream.device, stream.priority, stream.stream_id = stream._ds.device, 0, 0
             _defaults[index] = stream
         return stream
@@ -87,10 +87,20 @@ class Stream:
         event.record(self)
         return event
 
+    def is_capturing(self) -> bool:
+        """Optimizers ask before every step; no CUDA graph is ever captured in this process
+        (gpupool.torch.capture records steps its own way)."""
+        return False
+
     def query(self) -> bool:
+        if not self.stream_id and not self._ds.takes_streams():
+            return bool(self._ds.sync() is not None)
         return bool(self._ds.query("stream_query", self.stream_id))
 
     def synchronize(self) -> None:
+        if not self.stream_id and not self._ds.takes_streams():
+            self._ds.sync()
+            return
         self._ds.query("stream_sync", self.stream_id)
 
     def __enter__(self) -> Stream:
