@@ -507,9 +507,7 @@ print(round(start.elapsed_time(end) >= 0), torch.compile(lambda t: t * 2)(loss).
 """
 
 
-def test_a_remote_program_prints_nothing_on_stderr(
-    workers: list[Any], tmp_path: Path
-) -> None:
+def test_a_remote_program_prints_nothing_on_stderr(workers: list[Any], tmp_path: Path) -> None:
     from torch_workers import TOKEN
 
     script = tmp_path / "program.py"
