@@ -27,10 +27,11 @@ def _touches_remote(example_inputs: list[Any]) -> bool:
 
 def _backend(requested: Any, mode: str | None, options: dict[str, Any] | None, dynamic: Any) -> Any:
     """The backend torch.compile would have used, as a callable, and the one used instead."""
+    local: Callable[..., Any]
     if requested == "inductor":
-        local = torch._TorchCompileInductorWrapper(mode, options, dynamic)  # type: ignore[attr-defined]
+        local = torch._TorchCompileInductorWrapper(mode, options, dynamic)
     else:
-        local = torch._TorchCompileWrapper(requested, mode, options, dynamic)  # type: ignore[attr-defined]
+        local = torch._TorchCompileWrapper(requested, mode, options, dynamic)
 
     def gpupool_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if _touches_remote(example_inputs):

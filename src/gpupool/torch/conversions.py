@@ -163,6 +163,9 @@ def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
     return pinned.is_pinned(self)
 
 
+_DLPACK_MODULE: Any = torch.utils.dlpack
+
+
 def _no_dlpack(tensor: torch.Tensor) -> BufferError:
     return BufferError(
         f"DLPack cannot share a gpupool remote tensor ({tensor.device}): its memory is on the "
@@ -185,7 +188,7 @@ def dlpack_device(self: torch.Tensor) -> Any:
 def to_dlpack(tensor: torch.Tensor) -> Any:
     if isinstance(tensor, RemoteTensor):
         raise _no_dlpack(tensor)
-    return _ORIGINALS[(torch.utils.dlpack, "to_dlpack")](tensor)
+    return _ORIGINALS[(_DLPACK_MODULE, "to_dlpack")](tensor)
 
 
 _TENSOR_METHODS = {
@@ -212,8 +215,8 @@ def install() -> None:
     for name in _TORCH_FUNCTIONS:
         _ORIGINALS[(torch, name)] = getattr(torch, name)
         setattr(torch, name, _with_device(name))
-    _ORIGINALS[(torch.utils.dlpack, "to_dlpack")] = torch.utils.dlpack.to_dlpack
-    torch.utils.dlpack.to_dlpack = to_dlpack
+    _ORIGINALS[(_DLPACK_MODULE, "to_dlpack")] = _DLPACK_MODULE.to_dlpack
+    _DLPACK_MODULE.to_dlpack = to_dlpack
     install_module_swap()
 
 

@@ -114,7 +114,7 @@ def install() -> None:
             setattr(_C, name, _following(original))
     cudnn_type = type(torch.backends.cudnn)
     for name in _CUDNN_PROPS:
-        prop = cudnn_type.__dict__.get(name)
+        prop = vars(cudnn_type).get(name)
         if isinstance(prop, torch.backends.ContextProp):
             _ORIGINAL_PROPS[name] = prop
             setattr(
