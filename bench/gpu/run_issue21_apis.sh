@@ -14,10 +14,10 @@ set -u
 . bench/gpu/site.sh
 python3 -c 'import torch; print(torch.__version__, torch.cuda.is_available())' > "$OUT/env.log" 2>&1
 CUDA_VISIBLE_DEVICES= GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0 \
-  timeout -k 5 280 python3 -m pytest -q -p no:cacheprovider -rs -n 0 \
+  timeout -k 5 280 python3 -m pytest -q -p no:cacheprovider -rs \
   tests/torch/test_remote_apis.py > "$OUT/remote_apis_gpu.log" 2>&1
 echo "remote APIs, GPU worker rc=$?" >> "$OUT/remote_apis_gpu.log"
-CUDA_VISIBLE_DEVICES= timeout -k 5 280 python3 -m pytest -q -p no:cacheprovider -rs -n 0 \
+CUDA_VISIBLE_DEVICES= timeout -k 5 280 python3 -m pytest -q -p no:cacheprovider -rs \
   tests/torch/test_remote_apis.py tests/worker/test_flags_and_streams.py \
   > "$OUT/remote_apis_cpu_workers.log" 2>&1
 echo "remote APIs, CPU workers rc=$?" >> "$OUT/remote_apis_cpu_workers.log"
