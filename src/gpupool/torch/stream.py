@@ -244,29 +244,29 @@ class DeviceStream:
     def note_flags(self) -> None:
         """Tell the worker the global switches that changed since it was last told (in stream
         order: the ops queued before run with the old values)."""
-        if flags_snapshot is None or not self.open or not self.welcome.get("flags"):
-            return
-        values = flags_snapshot()
-        if values != self.flags_sent:
-            diff = {k: v for k, v in values.items() if self.flags_sent.get(k) != v}
-            self.flags_sent = values
-            self.records.append([Rec.FLAGS, diff])
+        if self.open:
+            record = self._flags_record()
+            if record is not None:
+                self.records.append(record)
 
-    def _flags_first(self) -> None:
-        """Switches changed behind the setters gpupool follows: sent ahead of the batch."""
+    def _flags_record(self) -> list[Any] | None:
+        """A FLAGS record of the switches that differ from what the worker was told, or None."""
         if flags_snapshot is None or not self.welcome.get("flags"):
-            return
+            return None
         values = flags_snapshot()
-        if values != self.flags_sent:
-            diff = {k: v for k, v in values.items() if self.flags_sent.get(k) != v}
-            self.flags_sent = values
-            self.records.appendleft([Rec.FLAGS, diff])
+        if values == self.flags_sent:
+            return None
+        diff = {k: v for k, v in values.items() if self.flags_sent.get(k) != v}
+        self.flags_sent = values
+        return [Rec.FLAGS, diff]
 
     def _flush_locked(self) -> None:
         self._check_open()
         if self.elastic.event or self.elastic.swapped:
             session.settle(self, idle=False)
-        self._flags_first()
+        changed = self._flags_record()
+        if changed is not None:  # switched behind the setters gpupool follows: ahead of all
+            self.records.appendleft(changed)
         records = self.records
         n = len(records)
         if not n:
