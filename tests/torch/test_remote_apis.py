@@ -164,6 +164,7 @@ def test_torch_accelerator_reports_the_remote_devices(attach: Callable[..., Any]
     assert accelerator.is_available() and accelerator.device_count() == 2
     assert accelerator.current_accelerator() == torch.device("cuda")
     assert accelerator.current_accelerator(check_available=True) == torch.device("cuda")
+    assert torch._C._get_accelerator() == torch.device("cuda")  # what torch.distributed asks
     assert accelerator.current_device_index() == 0
     accelerator.set_device_index(1)
     try:

@@ -317,6 +317,8 @@ def _accelerator_reset_peak(index: int | None = None) -> None:
 
 ACCELERATOR_REPLACEMENTS: dict[str, Any] = {
     "_accelerator_getAccelerator": _accelerator,
+    # What torch.distributed and FSDP ask (a function of its own, as for _exchange_device).
+    "_get_accelerator": lambda: torch.device("cuda"),
     "_accelerator_getDeviceIndex": current_device,
     "_accelerator_setDeviceIndex": _accelerator_set_index,
     "_accelerator_exchangeDevice": _exchange_device,

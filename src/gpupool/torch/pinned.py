@@ -11,6 +11,7 @@ memory of its own that `is_pinned()` recognises, as long as any tensor or view u
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 import weakref
 
@@ -73,6 +74,15 @@ def pinned_blocks() -> int:
 def _forget(address: int) -> None:
     with _lock:
         _PINNED.pop(address, None)
+
+
+def _fresh_lock_in_child() -> None:
+    """A loader forks while its pin thread may hold the lock: the child gets one of its own."""
+    global _lock
+    _lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def _dense(tensor: torch.Tensor) -> bool:
