@@ -290,6 +290,19 @@ def test_global_switches_are_applied_on_the_worker(
     assert _worker_flags()["matmul_allow_tf32"] is False
 
 
+def test_a_switch_set_behind_the_followed_setters_reaches_the_worker_by_the_next_batch(
+    attach: Callable[..., Any], restore_switches: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpupool.torch import flags
+    from gpupool.torch import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "FLAGS_CATCH_UP_S", 0.0)  # compare at every batch
+    attach()
+    assert _worker_flags()["cudnn_benchmark"] is False
+    flags._ORIGINALS["_set_cudnn_benchmark"](True)  # as a reference taken before attach
+    assert _worker_flags()["cudnn_benchmark"] is True
+
+
 def test_switches_take_effect_in_stream_order(
     attach: Callable[..., Any], restore_switches: Any
 ) -> None:

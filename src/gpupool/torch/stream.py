@@ -59,6 +59,9 @@ ADMIT_ASK_FRACTION = 8
 FLUSH_AFTER_S = 0.001
 """A batch leaves at the latest this long after its first record (the flusher covers idle gaps)."""
 BATCH_MAX_BYTES = 8 * MiB
+FLAGS_CATCH_UP_S = 0.05
+"""How often a flush also compares all of torch's switches with what the worker was told (a
+few microseconds): the setters PyTorch's functions call send theirs at once anyway."""
 NOTICE_POLL_S = 0.05
 """While the program is busy the flusher still reads the worker's notices this often."""
 REPLY_SPIN_S = int(os.environ.get("GPUPOOL_SPIN_US", "0") or 0) / 1e6
@@ -146,6 +149,7 @@ class DeviceStream:
         """How open_stream connected: what a move to a successor worker connects with."""
         self.flags_sent: dict[str, Any] = {}
         """The global switches as the worker was last told them."""
+        self._flags_checked_at = 0.0
         self.worker_stream = 0
         """The torch.cuda stream (client-chosen id, 0: default) the worker runs records on."""
 
@@ -264,9 +268,13 @@ class DeviceStream:
         self._check_open()
         if self.elastic.event or self.elastic.swapped:
             session.settle(self, idle=False)
-        changed = self._flags_record()
-        if changed is not None:  # switched behind the setters gpupool follows: ahead of all
-            self.records.appendleft(changed)
+        now = time.perf_counter()
+        if now - self._flags_checked_at > FLAGS_CATCH_UP_S:
+            # A switch set behind the setters gpupool follows: sent ahead of this batch.
+            self._flags_checked_at = now
+            changed = self._flags_record()
+            if changed is not None:
+                self.records.appendleft(changed)
         records = self.records
         n = len(records)
         if not n:
@@ -544,7 +552,7 @@ class DeviceStream:
                 arena.close()
         self.conn, self.address, self.welcome = fresh.conn, fresh.address, fresh.welcome
         # The successor starts on its default stream and torch's default switches.
-        self.worker_stream, self.flags_sent = 0, {}
+        self.worker_stream, self.flags_sent, self._flags_checked_at = 0, {}, 0.0
         self._client_arena, self._worker_arena = fresh._client_arena, fresh._worker_arena
         self._arena_cursor = 0
 
