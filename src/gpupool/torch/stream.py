@@ -278,6 +278,7 @@ class DeviceStream:
         records = self.records
         n = len(records)
         if not n:
+            self._first_at = 0.0  # nothing waits: the next record starts a batch's age afresh
             return
         batch = [records.popleft() for _ in range(n)]
         self._pending_bytes = 0
