@@ -1,11 +1,11 @@
-"""torch.compile with remote tensors: Dynamo captures the graph, the pool runs it op by op.
+"""torch.compile while attached: correct results on remote tensors, host graphs compiled as asked.
 
-Inductor writes kernels for the device it sees, and a remote tensor's device is not in this
-process: its code would not run here (nor, compiled for this host, on the worker). So while
-attached, a graph whose inputs are remote runs as the FX graph Dynamo captured, each of its
-ops a remote op (streamed to the worker like any other); a graph of host tensors is compiled
-by the backend that was asked for. gpupool's own code is never traced: Dynamo runs it as it
-is (its calls are graph breaks), so compiling costs no retracing of the runtime's internals.
+Dynamo does not trace a remote tensor's ops: RemoteTensor overrides __torch_dispatch__ without
+Dynamo's subclass protocol (__tensor_flatten__), so Dynamo breaks the graph at them and they
+run eagerly, each a remote op streamed to the worker. gpupool's own frames are never traced
+(they would be retraced as user code). A graph that does reach the backend with remote (or
+their C++ meta) inputs runs as the FX graph itself: Inductor would write kernels for a device
+this process does not have. Graphs of host tensors go to the backend that was asked for.
 """
 
 from __future__ import annotations
