@@ -234,8 +234,8 @@ def test_saved_remote_tensors_load_as_cuda_or_where_mapped(attach: Callable[...,
 
 def test_unsupported_things_fail_loudly_naming_what(attach: Callable[..., Any]) -> None:
     attach()
-    with pytest.raises(NotImplementedError, match="Event"):
-        torch.cuda.Event(enable_timing=True)
+    with pytest.raises(NotImplementedError, match="CUDAGraph"):
+        torch.cuda.CUDAGraph()
     with pytest.raises(NotImplementedError, match="Generator"):
         torch.randn(3, device="cuda", generator=torch.Generator())
 
@@ -250,7 +250,9 @@ def test_memory_limit_raises_out_of_memory_naming_the_lease(
     try:
         assert torch.cuda.get_device_properties(0).total_memory == 16 << 20
         small = torch.ones(1024, device="cuda")
-        big = torch.empty(8 << 20, device="cuda")  # 32 MiB
+        with pytest.raises(torch.cuda.OutOfMemoryError, match=r"lease-small.*16 MiB"):
+            torch.empty(8 << 20, device="cuda")  # 32 MiB: refused at the call
+        big = torch.empty(3 << 20, device="cuda")  # 12 MiB fit; their sum's 12 more do not
         with pytest.raises(torch.cuda.OutOfMemoryError, match=r"lease-small.*16 MiB"):
             (big + 1).cpu()
         del big

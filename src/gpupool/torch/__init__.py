@@ -31,9 +31,11 @@ from gpupool.protocol.v1.dataplane import parse_address
 from gpupool.startup import restore_gc, tune_gc
 from gpupool.torch import (
     autocast,
+    compiler,
     conversions,
     cuda_api,
     dispatch,  # noqa: F401 - binds RemoteTensor's dispatcher
+    flags,
     kernels,
     optim,
     runtime,
@@ -137,6 +139,8 @@ def _install_hooks() -> None:
     serialization.install()
     autocast.install()
     optim.install()
+    flags.install()
+    compiler.install()
     atexit.register(detach)  # close the connections in order; the workers free everything
 
 
@@ -145,6 +149,8 @@ def detach() -> None:
     if not runtime.attached():
         return
     atexit.unregister(detach)
+    compiler.uninstall()
+    flags.uninstall()
     optim.uninstall()
     autocast.uninstall()
     serialization.uninstall()

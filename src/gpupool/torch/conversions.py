@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from gpupool.torch import runtime
+from gpupool.torch import pinned, runtime
 from gpupool.torch.tensor import RemoteTensor
 
 _TensorBase = torch._C.TensorBase
@@ -151,7 +151,56 @@ class _Move(torch.autograd.Function):
         return to(grad, ctx.source_device, ctx.source_dtype), None, None
 
 
-_TENSOR_METHODS = {"to": to, "cuda": cuda, "cpu": cpu, "new_tensor": new_tensor}
+def pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
+    """Pinned host memory without a local GPU (see gpupool.torch.pinned); `device` is
+    deprecated in PyTorch and means the accelerator, which here is always the remote one."""
+    return pinned.pin(self)
+
+
+def is_pinned(self: torch.Tensor, device: Any = None) -> bool:
+    if isinstance(self, RemoteTensor):
+        return False
+    return pinned.is_pinned(self)
+
+
+_DLPACK_MODULE: Any = torch.utils.dlpack
+
+
+def _no_dlpack(tensor: torch.Tensor) -> BufferError:
+    return BufferError(
+        f"DLPack cannot share a gpupool remote tensor ({tensor.device}): its memory is on the "
+        "lease's worker, not in this process; copy it to the host first (tensor.cpu())"
+    )
+
+
+def dlpack(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+    if isinstance(self, RemoteTensor):
+        raise _no_dlpack(self)
+    return _ORIGINALS[(torch.Tensor, "__dlpack__")](self, *args, **kwargs)
+
+
+def dlpack_device(self: torch.Tensor) -> Any:
+    if isinstance(self, RemoteTensor):
+        raise _no_dlpack(self)
+    return _ORIGINALS[(torch.Tensor, "__dlpack_device__")](self)
+
+
+def to_dlpack(tensor: torch.Tensor) -> Any:
+    if isinstance(tensor, RemoteTensor):
+        raise _no_dlpack(tensor)
+    return _ORIGINALS[(_DLPACK_MODULE, "to_dlpack")](tensor)
+
+
+_TENSOR_METHODS = {
+    "__dlpack__": dlpack,
+    "__dlpack_device__": dlpack_device,
+    "to": to,
+    "cuda": cuda,
+    "cpu": cpu,
+    "new_tensor": new_tensor,
+    "pin_memory": pin_memory,
+    "is_pinned": is_pinned,
+}
 _TORCH_FUNCTIONS = ("tensor", "as_tensor", "asarray")
 
 
@@ -166,6 +215,8 @@ def install() -> None:
     for name in _TORCH_FUNCTIONS:
         _ORIGINALS[(torch, name)] = getattr(torch, name)
         setattr(torch, name, _with_device(name))
+    _ORIGINALS[(_DLPACK_MODULE, "to_dlpack")] = _DLPACK_MODULE.to_dlpack
+    _DLPACK_MODULE.to_dlpack = to_dlpack
     install_module_swap()
 
 

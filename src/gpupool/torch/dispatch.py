@@ -311,6 +311,7 @@ def _metadata_inplace(
 def upload(host: torch.Tensor, stream: DeviceStream) -> RemoteTensor:
     """A new remote tensor with a host tensor's values (contiguous)."""
     host = host.detach().contiguous()
+    stream.admit(host.numel() * host.element_size(), "aten::empty.memory_format")
     handle = stream.new_handle()
     stream.emit(
         [
@@ -479,8 +480,13 @@ def factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     through these, so all of them make RemoteTensors without a TorchFunctionMode."""
     device = kwargs.get("device")
     index = device.index if isinstance(device, torch.device) else None
+    index = runtime.current_index() if index is None else index
+    stride = args[1] if func is aten.empty_strided.default else None
+    runtime.stream(index).admit(
+        stream_module.allocation_bytes(args[0], stride, kwargs.get("dtype")), func.name()
+    )  # a lease too small for it raises here, at the allocating call
     kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory" and v is not None}
-    return run(op_info(func), args, kwargs, runtime.current_index() if index is None else index)
+    return run(op_info(func), args, kwargs, index)
 
 
 bind_dispatch(dispatch)

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -27,19 +28,29 @@ MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
 _SDP_CHOICES: dict[tuple[Any, ...], int] = {}
 
 
+OVERRIDE_WARNING = (
+    r"(?s).*Overriding a previously registered kernel for the same operator and the same "
+    r"dispatch key"
+)
+"""What a CUDA build of torch warns, once per kernel, when these replace its own: on purpose
+here, so not printed (only this warning, only while registering them)."""
+
+
 def install() -> None:
     if _LIBRARIES:
         return
-    cuda = torch.library.Library("aten", "IMPL", "CUDA")
-    for name, op in (
-        ("empty.memory_format", aten.empty.memory_format),
-        ("empty_strided", aten.empty_strided.default),
-    ):
-        cuda.impl(name, _factory_kernel(op))
-    autograd_meta = torch.library.Library("aten", "IMPL", "AutogradMeta")
-    autograd_meta.impl("scaled_dot_product_attention", scaled_dot_product_attention)
-    autograd_meta.impl("batch_norm", batch_norm)
-    autograd_meta.impl("dropout", dropout)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=OVERRIDE_WARNING, category=UserWarning)
+        cuda = torch.library.Library("aten", "IMPL", "CUDA")
+        for name, op in (
+            ("empty.memory_format", aten.empty.memory_format),
+            ("empty_strided", aten.empty_strided.default),
+        ):
+            cuda.impl(name, _factory_kernel(op))
+        autograd_meta = torch.library.Library("aten", "IMPL", "AutogradMeta")
+        autograd_meta.impl("scaled_dot_product_attention", scaled_dot_product_attention)
+        autograd_meta.impl("batch_norm", batch_norm)
+        autograd_meta.impl("dropout", dropout)
     _LIBRARIES.extend([cuda, autograd_meta])
 
 

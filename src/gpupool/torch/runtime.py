@@ -27,6 +27,8 @@ _deferred_seeds: dict[int, int] = {}
 """Seeds set before a lazy lease was acquired (torch.manual_seed at the top of a program),
 by device index: the first records each stream sends, so results equal a non-lazy run."""
 _acquiring = threading.Lock()
+_forked_child = False
+"""This process is a forked child (a DataLoader worker) of a process attached to remote GPUs."""
 
 
 class NotAttached(RuntimeError):
@@ -119,8 +121,9 @@ def set_current(index: int) -> None:
 
 
 def install(new_streams: list[DeviceStream]) -> None:
-    global _current
+    global _current, _forked_child
     _current = 0
+    _forked_child = False
     _start(new_streams)
 
 
@@ -176,14 +179,24 @@ class _Flusher(threading.Thread):
         self._stop_event.set()
 
 
+def forked_child() -> bool:
+    """Whether this process is a forked child of an attached one: it sees the parent's devices
+    but cannot use them (a remote op raises WorkerLost saying so); seeding them is a no-op, as
+    DataLoader workers seed every device at their start."""
+    return _forked_child
+
+
 def _after_fork_in_child() -> None:
-    """A forked child (a DataLoader worker) shares the parent's sockets: it must not use them."""
-    global _flusher, _pending
+    """A forked child (a DataLoader worker) shares the parent's sockets: it must not use them,
+    whatever the parent had queued or was sending at the fork."""
+    global _flusher, _pending, _forked_child
+    _forked_child = bool(_streams) or _pending is not None
     for s in _streams:
         s.forked()
     _flusher = None
     # Nor may it take a lease of its own: its tensors would live apart from the parent's.
     _pending = None
+    _deferred_seeds.clear()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

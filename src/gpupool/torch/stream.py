@@ -54,9 +54,14 @@ HANDLE_IDS = itertools.count(1)
 """Handles are chosen by the client, so making a tensor needs no round trip."""
 
 MiB = 1 << 20
+ADMIT_ASK_FRACTION = 8
+"""Allocations of at least 1/8 of the lease's memory ask the worker whether they fit."""
 FLUSH_AFTER_S = 0.001
 """A batch leaves at the latest this long after its first record (the flusher covers idle gaps)."""
 BATCH_MAX_BYTES = 8 * MiB
+FLAGS_CATCH_UP_S = 0.05
+"""How often a flush also compares all of torch's switches with what the worker was told (a
+few microseconds): the setters PyTorch's functions call send theirs at once anyway."""
 NOTICE_POLL_S = 0.05
 """While the program is busy the flusher still reads the worker's notices this often."""
 REPLY_SPIN_S = int(os.environ.get("GPUPOOL_SPIN_US", "0") or 0) / 1e6
@@ -69,6 +74,11 @@ _BATCH_HEAD = [Kind.BATCH]
 fast_pack: Callable[[Any, list[Any]], bytes | None] | None = None
 """gpupool.torch._fastpath.pack_records while the compiled hot path is on (dispatch.use_fastpath
 sets it): the same bytes as msgpack, or None for a kind it leaves to msgpack."""
+
+
+flags_snapshot: Callable[[], dict[str, Any]] | None = None
+"""gpupool.torch.flags.snapshot while attached: torch's global switches, which each stream's
+worker follows (FLAGS records)."""
 
 
 def pack_batch(batch: list[Any]) -> bytes:
@@ -137,6 +147,11 @@ class DeviceStream:
         self.token = ""
         self.shm_mib = 0
         """How open_stream connected: what a move to a successor worker connects with."""
+        self.flags_sent: dict[str, Any] = {}
+        """The global switches as the worker was last told them."""
+        self._flags_checked_at = 0.0
+        self.worker_stream = 0
+        """The torch.cuda stream (client-chosen id, 0: default) the worker runs records on."""
 
     # ---- facts ---------------------------------------------------------------------------
 
@@ -230,13 +245,40 @@ class DeviceStream:
                 self.lock.release()
         return busy
 
+    def note_flags(self) -> None:
+        """Tell the worker the global switches that changed since it was last told (in stream
+        order: the ops queued before run with the old values)."""
+        if self.open:
+            record = self._flags_record()
+            if record is not None:
+                self.records.append(record)
+
+    def _flags_record(self) -> list[Any] | None:
+        """A FLAGS record of the switches that differ from what the worker was told, or None."""
+        if flags_snapshot is None or not self.welcome.get("flags"):
+            return None
+        values = flags_snapshot()
+        if values == self.flags_sent:
+            return None
+        diff = {k: v for k, v in values.items() if self.flags_sent.get(k) != v}
+        self.flags_sent = values
+        return [Rec.FLAGS, diff]
+
     def _flush_locked(self) -> None:
         self._check_open()
         if self.elastic.event or self.elastic.swapped:
             session.settle(self, idle=False)
+        now = time.perf_counter()
+        if now - self._flags_checked_at > FLAGS_CATCH_UP_S:
+            # A switch set behind the setters gpupool follows: sent ahead of this batch.
+            self._flags_checked_at = now
+            changed = self._flags_record()
+            if changed is not None:
+                self.records.appendleft(changed)
         records = self.records
         n = len(records)
         if not n:
+            self._first_at = 0.0  # nothing waits: the next record starts a batch's age afresh
             return
         batch = [records.popleft() for _ in range(n)]
         self._pending_bytes = 0
@@ -260,11 +302,21 @@ class DeviceStream:
             )
 
     def forked(self) -> None:
-        """In a forked child: never touch the parent's connection."""
+        """In a forked child (a DataLoader worker): never touch the parent's connection.
+
+        Nothing the parent had queued is sent from here, and the child's copy of the socket is
+        closed, so that the parent's close() still ends the connection while the child lives
+        on (persistent loader workers): the worker would otherwise keep waiting for a client
+        that left."""
         self._forked = True
         self.open = False
         self.records = deque()
         self.lock = threading.RLock()
+        self._first_at = 0.0
+        self._pending_bytes = 0
+        self.recorder = None
+        with contextlib.suppress(Exception):
+            self.conn.forget()
 
     def _lost(self, exc: BaseException) -> NoReturn:
         self.open = False
@@ -350,6 +402,56 @@ class DeviceStream:
     def stats(self) -> dict[str, Any]:
         with self.lock:
             return self._receive_result(self._request_locked(Rec.STATS))
+
+    def reset_peak(self) -> None:
+        self.query("reset_peak")
+
+    # ---- memory the lease has ------------------------------------------------------------
+
+    def admit(self, nbytes: int, op: str) -> None:
+        """Before an allocation of `nbytes` is sent: raise torch.OutOfMemoryError here, at the
+        allocating call, where the lease cannot hold it (as a local GPU's allocator does),
+        instead of at a later read. One that alone exceeds the limit raises at once; one of
+        at least ADMIT_ASK_FRACTION of the limit asks the worker what it holds (one round
+        trip: rare, and small beside the tensor itself)."""
+        limit = self.welcome.get("memory_limit_bytes")
+        if not isinstance(limit, int) or nbytes * ADMIT_ASK_FRACTION < limit:
+            return
+        held = 0 if nbytes > limit else int(self.stats().get("memory_held_bytes", 0))
+        if held + nbytes > limit:
+            raise torch.OutOfMemoryError(
+                f"gpupool lease {self.lease} is out of GPU memory (a limit of {limit // MiB} "
+                f"MiB, {held / MiB:.1f} MiB held) in {op}: tried to allocate "
+                f"{nbytes / MiB:.1f} MiB on {self.device}"
+            )
+
+    # ---- streams and events (gpupool.torch.streams) --------------------------------------
+
+    def takes_streams(self) -> bool:
+        return bool(self.welcome.get("streams"))
+
+    def use_stream(self, stream_id: int, priority: int) -> None:
+        """The records after this run on the worker's stream `stream_id`."""
+        if stream_id != self.worker_stream:
+            self.emit([Rec.STREAM, "use", stream_id, priority])
+            self.worker_stream = stream_id
+
+    def free_stream(self, stream_id: int) -> None:
+        """A Stream object died (called from __del__: append only)."""
+        if self.open:
+            self.records.append([Rec.STREAM, "free", stream_id, None])
+
+    def free_event(self, event_id: int) -> None:
+        if self.open:
+            self.records.append([Rec.EVENT, "free", event_id, 0, False])
+
+    def query(self, what: str, a: Any = None, b: Any = None) -> Any:
+        """A question about streams, events or memory counters, answered after everything
+        queued before it ran (and, for syncs, finished)."""
+        if self.recorder is not None:
+            self.recorder.on_wait(self, f"waits for the worker ({what})")
+        with self.lock:
+            return self._receive_result(self._request_locked(Rec.QUERY, what, a, b))
 
     def seed(self, seed: int) -> None:
         self.emit([Rec.SEED, int(seed)])
@@ -450,6 +552,8 @@ class DeviceStream:
             if arena is not None:
                 arena.close()
         self.conn, self.address, self.welcome = fresh.conn, fresh.address, fresh.welcome
+        # The successor starts on its default stream and torch's default switches.
+        self.worker_stream, self.flags_sent, self._flags_checked_at = 0, {}, 0.0
         self._client_arena, self._worker_arena = fresh._client_arena, fresh._worker_arena
         self._arena_cursor = 0
 
@@ -463,6 +567,20 @@ class DeviceStream:
         for arena in (self._client_arena, self._worker_arena):
             if arena is not None:
                 arena.close()
+
+
+def allocation_bytes(size: Any, stride: Any, dtype: torch.dtype | None) -> int:
+    """Bytes of the storage that empty(size) / empty_strided(size, stride) allocate."""
+    itemsize = (dtype or torch.get_default_dtype()).itemsize
+    sizes = [int(s) for s in size]
+    if any(s == 0 for s in sizes):
+        return 0
+    if stride is None:
+        numel = 1
+        for s in sizes:
+            numel *= s
+        return numel * itemsize
+    return (1 + sum((s - 1) * int(st) for s, st in zip(sizes, stride, strict=False))) * itemsize
 
 
 def remote_exception(body: ErrorBody) -> BaseException:

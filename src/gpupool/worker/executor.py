@@ -34,6 +34,7 @@ from gpupool.protocol.v1.tensors import (
     op_overload,
     tensor_from_bytes,
 )
+from gpupool.worker import flags
 from gpupool.worker.activity import Activity
 from gpupool.worker.admission import Admission
 from gpupool.worker.geometry import keeping_geometry, written_arguments
@@ -48,6 +49,7 @@ from gpupool.worker.memory import (
 from gpupool.worker.opchecks import CHECKS, guard, zero_fill_cpu_allocations
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
+from gpupool.worker.streams import StreamError, Streams
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
 from gpupool.worker.transfer import Arrivals, PeerLinks, PeerNotNamed, TransferFailed
 
@@ -223,6 +225,8 @@ class Executor:
     def __post_init__(self) -> None:
         zero_fill_cpu_allocations()  # a tenant never gets memory no kernel of its wrote
         self._host = torch.device("cpu")
+        self.streams = Streams(self.device)
+        """The client's torch.cuda streams and events (STREAM, EVENT, QUERY)."""
         self.activity.watch_memory(self.memory.held_bytes)
         self._admission = Admission(self.memory) if self.memory.counts_storages else None
         """Charges each op's outputs before it runs, where no allocator holds the limit."""
@@ -246,6 +250,10 @@ class Executor:
             Rec.SEND: self._send,
             Rec.RECV: self._recv,
             Rec.RESUME: self._resume,
+            Rec.FLAGS: self._flags,
+            Rec.STREAM: self._stream,
+            Rec.EVENT: self._event,
+            Rec.QUERY: self._query,
         }
         self._loop = None if _runloop is None else _new_loop(self)
 
@@ -324,6 +332,8 @@ class Executor:
         self.error = None
         self.memory.reset()
         self.activity.memory_held_bytes = self.memory.held_bytes()
+        self.streams.reset()
+        flags.reset()
 
     # ---- records -------------------------------------------------------------------------
 
@@ -713,11 +723,10 @@ class Executor:
 
     def _sync(self, rec: list[Any], link: Link) -> None:
         _, req = rec
-        if self.device.type == "cuda":
-            try:
-                torch.cuda.current_stream(self.device).synchronize()
-            except Exception as exc:
-                self._fail(exc, "synchronize", [], None)
+        try:
+            self.streams.synchronize()  # every stream of the client's, as torch.cuda does
+        except Exception as exc:
+            self._fail(exc, "synchronize", [], None)
         if self._report_error(req, link):
             return
         link.reply([Kind.RESULT, req, self.stats()])
@@ -737,6 +746,7 @@ class Executor:
             "busy_s": self.activity.busy_s,
             "busy_cpu_s": self.activity.busy_cpu_s,
             "programs": self.programs.describe(),
+            "flags": flags.current(),
         }
 
     def _seed(self, rec: list[Any], link: Link) -> None:
@@ -770,6 +780,61 @@ class Executor:
                 torch.set_rng_state(state)
         except Exception as exc:
             self._fail(exc, "set_rng_state", [], None)
+
+    # ---- global switches, streams and events (gpupool.worker.flags, gpupool.worker.streams) ----
+
+    def _flags(self, rec: list[Any], link: Link) -> None:
+        _, values = rec
+        checked = flags.validate(values)
+        if self.error is not None:
+            return
+        try:
+            flags.apply(checked)
+        except Exception as exc:
+            self._fail(exc, "torch flags", [], None)
+
+    def _stream(self, rec: list[Any], link: Link) -> None:
+        _, action, stream_id, arg = rec
+        if self.error is not None and action != "free":
+            return
+        try:
+            self.streams.stream_record(action, stream_id, arg)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            self._fail(exc, f"stream {action}", [arg], None)
+
+    def _event(self, rec: list[Any], link: Link) -> None:
+        _, action, event_id, stream_id, timing = rec
+        if self.error is not None and action != "free":
+            return
+        try:
+            self.streams.event_record(action, event_id, stream_id, timing)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            self._fail(exc, f"event {action}", [], None)
+
+    def _query(self, rec: list[Any], link: Link) -> None:
+        _, req, what, a, b = rec
+        if self._report_error(req, link):
+            return
+        try:
+            if what == "reset_peak":
+                self.memory.reset_peak()
+                answer = None
+            else:
+                answer = self.streams.query(what, a, b)
+        except ProtocolError:
+            raise
+        except StreamError as exc:
+            link.reply([Kind.ERROR, req, ErrorBody(ErrorKind.OP, str(exc), None).to_wire()])
+            return
+        except Exception as exc:
+            self._fail(exc, str(what), [], None)
+            self._report_error(req, link)
+            return
+        link.reply([Kind.RESULT, req, answer])
 
     def _swap(self, rec: list[Any], link: Link) -> None:
         if self.elastic is None:

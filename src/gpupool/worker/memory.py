@@ -88,6 +88,9 @@ class MemoryLimit(Protocol):
 
     def peak_bytes(self) -> int: ...
 
+    def reset_peak(self) -> None:
+        """The peak starts again from what is held now (torch.cuda.reset_peak_memory_stats)."""
+
     def charge(self, tensors: list[torch.Tensor]) -> None:
         """Account freshly stored tensors; raise LimitExceeded (after undoing) past the limit."""
 
@@ -207,6 +210,9 @@ class CudaMemory:
 
     def peak_bytes(self) -> int:
         return self._allocated("peak")
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
 
     def _allocated(self, which: str) -> int:
         # The allocator's nested stats, not torch.cuda.memory_allocated: that one flattens the
@@ -330,6 +336,10 @@ class HostMemory:
 
     def peak_bytes(self) -> int:
         return self._peak
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._held + self._reserved
 
     # ---- stored tensors ----------------------------------------------------------------------
 

@@ -20,8 +20,10 @@ from typing import Any
 import torch
 
 from gpupool.protocol.v1.dataplane import (
+    FLAGS_VERSION,
     HELLO_TIMEOUT_S,
     MAX_FRAME_BYTES,
+    STREAMS_VERSION,
     VERSION,
     WORKER_EXIT_DEVICE_BROKEN,
     Address,
@@ -556,6 +558,8 @@ class Worker:
             "max_frame_bytes": self.config.max_frame_bytes,
             "shm": link.worker_arena is not None,
             "peer_copy": True,
+            "flags": FLAGS_VERSION,
+            "streams": STREAMS_VERSION,
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }

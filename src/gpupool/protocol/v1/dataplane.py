@@ -43,6 +43,10 @@ INLINE_PAYLOAD_BYTES = 64 * 1024
 BATCH_MAX_RECORDS = 512
 PROGRAM_VERSION = 1
 """Version of a PROGRAM record's body; a worker refuses bodies of another version."""
+FLAGS_VERSION = 1
+"""Version of the FLAGS record's names and values."""
+STREAMS_VERSION = 1
+"""Version of the STREAM, EVENT and QUERY records."""
 HELLO_TIMEOUT_S = 10.0
 
 _HEADER = struct.Struct(">II")
@@ -133,6 +137,25 @@ class Rec(IntEnum):
     """[RECV, transfer_id, handle, dtype | None, into]: take what another worker of the lease
     sent under transfer_id; store it as a new tensor `handle` (cast to dtype), or with `into`
     copy it into the existing tensor `handle`. Waits for the bytes, in stream order."""
+    FLAGS = 19
+    """[FLAGS, {name: value}]: the client's global torch switches (deterministic algorithms,
+    cuDNN and TF32 flags, matmul precision, default dtype; `gpupool.worker.flags` lists them),
+    applied to every record after it. Workers that take it say `"flags": FLAGS_VERSION` in
+    WELCOME."""
+    STREAM = 20
+    """[STREAM, action, stream_id, arg]: the client's torch.cuda.Stream objects. "use": the
+    records after it run on stream `stream_id` (0: the device's default stream; made at first
+    use with priority `arg`); "free": the client dropped it; "tensor": `arg` (a tensor) is in
+    use on the stream (Tensor.record_stream). Workers that take STREAM, EVENT and QUERY say
+    `"streams": STREAMS_VERSION` in WELCOME."""
+    EVENT = 21
+    """[EVENT, action, event_id, stream_id, timing]: "record": record event `event_id` on the
+    stream (made at first record, with timing if `timing`); "wait": the stream waits for it;
+    "free": the client dropped it (stream_id and timing unused)."""
+    QUERY = 22
+    """[QUERY, req, what, a, b]: answered with RESULT. "event_query" / "event_sync" (event a),
+    "stream_query" / "stream_sync" (stream a), "elapsed" (ms from event a to event b, as the
+    worker's device measured them), "reset_peak" (the peak memory counter)."""
 
 
 class Ext(IntEnum):
@@ -741,6 +764,13 @@ class Connection:
             self.sock.shutdown(socket.SHUT_RDWR)
         with contextlib.suppress(OSError):
             self.sock.close()
+
+    def forget(self) -> None:
+        """Close this process's copy of the socket without ending the connection: a forked
+        child's, while the parent goes on using the connection (no shutdown, no TLS alert)."""
+        self.closed = True
+        with contextlib.suppress(OSError):
+            os.close(self.sock.detach())
 
 
 # ---- the handshake (raw socket calls: it may carry a file descriptor) ----------------------

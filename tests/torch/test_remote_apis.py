@@ -1,0 +1,543 @@
+"""The torch APIs programs use, on remote GPUs: pinned memory and loaders, torch.accelerator,
+streams and events, global switches, RNG and memory counters, allocation failures, GradScaler,
+torch.compile and DLPack. Real CPU workers on loopback (see conftest.py)."""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import gpupool.torch
+from gpupool.torch import pinned, runtime
+
+pytestmark = pytest.mark.slow
+
+
+# ---- 1. pinned memory ------------------------------------------------------------------------
+
+
+def test_pin_memory_gives_a_pinned_copy_that_moves_to_the_device(
+    attach: Callable[..., Any],
+) -> None:
+    attach()
+    host = torch.arange(12.0).reshape(3, 4)
+    blocks = pinned.pinned_blocks()
+    pinned_host = host.pin_memory()
+    assert pinned_host.is_pinned() and not host.is_pinned()
+    assert pinned_host[1:].is_pinned(), "a view of pinned memory is pinned"
+    assert pinned_host.pin_memory() is pinned_host
+    assert pinned_host.data_ptr() != host.data_ptr() and torch.equal(pinned_host, host)
+    remote = pinned_host.to("cuda", non_blocking=True)
+    assert remote.device == torch.device("cuda", 0) and not remote.is_pinned()
+    assert torch.equal(remote.cpu(), host)
+    transposed = host.t().pin_memory()
+    assert torch.equal(transposed, host.t()) and transposed.is_pinned()
+    with pytest.raises(RuntimeError, match="cannot pin"):
+        remote.pin_memory()
+    del pinned_host, transposed
+    gc.collect()
+    assert pinned.pinned_blocks() == blocks, "pinned memory goes with its last tensor"
+
+
+def test_pinning_a_tensor_that_needs_gradients_keeps_it_in_the_graph(
+    attach: Callable[..., Any],
+) -> None:
+    attach()
+    leaf = torch.ones(3, requires_grad=True)
+    (leaf.pin_memory().cuda() * 2).sum().backward()
+    assert leaf.grad is not None and leaf.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+# ---- 2. DataLoader workers ---------------------------------------------------------------------
+
+
+def _loader_training(loader: Any, model: nn.Module, opt: Any) -> float:
+    total = 0.0
+    for x, y in loader:
+        assert x.is_pinned(), "pin_memory=True loaders hand out pinned batches"
+        loss = nn.functional.mse_loss(model(x.cuda(non_blocking=True)), y.cuda(non_blocking=True))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        total += loss.item()
+    return total
+
+
+def _dataset() -> torch.utils.data.TensorDataset:
+    generator = torch.Generator().manual_seed(0)
+    return torch.utils.data.TensorDataset(
+        torch.randn(32, 8, generator=generator), torch.randn(32, 1, generator=generator)
+    )
+
+
+def test_forked_loader_workers_pass_20_of_20_runs_whatever_the_parent_has_queued(
+    attach: Callable[..., Any],
+) -> None:
+    attach()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    stream = runtime.stream(0)
+    losses = []
+    for _ in range(20):
+        loader = torch.utils.data.DataLoader(
+            _dataset(), batch_size=8, num_workers=2, pin_memory=True,
+            multiprocessing_context="fork",
+        )  # fmt: skip
+        with stream.lock:  # as if another thread were sending: the flusher keeps off
+            stream.flush()  # what was queued goes; the next op then waits for the batch's age
+            model.weight.data.mul_(1.0)
+            if not stream.records:  # a batch age set by another thread flushed it: again
+                model.weight.data.mul_(1.0)
+            assert stream.records, "the fork must happen with records pending"
+            batches = iter(loader)  # the workers fork now
+        losses.append(_loader_training(batches, model, opt))
+    assert all(loss == loss for loss in losses) and losses[-1] < losses[0]
+
+
+_INHERITED: list[torch.Tensor] = []
+"""A remote tensor a forked child inherits (an argument would be pickled as its host copy)."""
+
+
+def _touch_inherited(answers: Any) -> None:
+    try:
+        (_INHERITED[0] + 1).cpu()
+        answers.put("no error")
+    except gpupool.torch.WorkerLost as exc:
+        answers.put(str(exc))
+
+
+def test_a_forked_child_that_touches_a_remote_tensor_is_told_and_the_parent_goes_on(
+    attach: Callable[..., Any],
+) -> None:
+    attach()
+    remote = torch.ones(4, device="cuda")
+    _INHERITED[:] = [remote]
+    context = multiprocessing.get_context("fork")
+    answers = context.SimpleQueue()
+    child = context.Process(target=_touch_inherited, args=(answers,))
+    pending = remote * 3  # queued in the parent at the fork
+    child.start()
+    message = answers.get()
+    child.join()
+    _INHERITED.clear()
+    assert "forked subprocess cannot use it" in message
+    assert torch.cuda.is_available()
+    assert pending.sum().item() == 12.0
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_persistent_loader_workers_serve_several_epochs(
+    attach: Callable[..., Any], start_method: str
+) -> None:
+    attach()
+    torch.manual_seed(0)
+    model = nn.Linear(8, 1).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = torch.utils.data.DataLoader(
+        _dataset(), batch_size=8, num_workers=2, pin_memory=True, persistent_workers=True,
+        multiprocessing_context=start_method,
+    )  # fmt: skip
+    first = _loader_training(loader, model, opt)
+    model.bias.data.add_(0.0)  # pending while the workers live on
+    second = _loader_training(loader, model, opt)
+    assert second < first
+    del loader
+
+
+# ---- 3. torch.accelerator -----------------------------------------------------------------------
+
+
+def test_torch_accelerator_reports_the_remote_devices(attach: Callable[..., Any]) -> None:
+    attach(2)
+    accelerator = torch.accelerator
+    assert accelerator.is_available() and accelerator.device_count() == 2
+    assert accelerator.current_accelerator() == torch.device("cuda")
+    assert accelerator.current_accelerator(check_available=True) == torch.device("cuda")
+    assert torch._C._get_accelerator() == torch.device("cuda")  # what torch.distributed asks
+    assert accelerator.current_device_index() == 0
+    accelerator.set_device_index(1)
+    try:
+        assert torch.cuda.current_device() == 1
+        assert torch.zeros(2, device="cuda").device == torch.device("cuda", 1)
+    finally:
+        accelerator.set_device_index(0)
+    with accelerator.device_index(1):
+        assert accelerator.current_device_index() == 1
+    assert accelerator.current_device_index() == 0
+    device = torch.accelerator.current_accelerator()
+    x = torch.ones(3, device=device)
+    accelerator.synchronize()
+    assert x.device == torch.device("cuda", 0) and x.sum().item() == 3.0
+    assert accelerator.current_stream() == torch.cuda.default_stream()
+    with pytest.raises(RuntimeError, match="invalid device ordinal"):
+        accelerator.set_device_index(5)
+
+
+def test_detach_gives_torch_accelerator_back(attach: Callable[..., Any]) -> None:
+    before = torch.accelerator.current_accelerator()
+    attach()
+    gpupool.torch.detach()
+    assert torch.accelerator.current_accelerator() == before
+
+
+# ---- 4. streams and events -----------------------------------------------------------------------
+
+
+def test_ops_run_on_the_current_stream_and_streams_order_through_events(
+    attach: Callable[..., Any],
+) -> None:
+    attach()
+    side = torch.cuda.Stream()
+    assert isinstance(side, torch.cuda.Stream) and side != torch.cuda.default_stream()
+    a = torch.arange(6.0, device="cuda")
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        assert torch.cuda.current_stream() == side
+        b = a * 2
+        b.record_stream(side)
+        done = side.record_event()
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()
+    torch.cuda.current_stream().wait_event(done)
+    assert (b + 1).tolist() == [1.0, 3.0, 5.0, 7.0, 9.0, 11.0]
+    assert done.query() and side.query()
+    side.synchronize()
+    done.synchronize()
+    with side:
+        c = b.sum()
+    assert c.item() == 30.0
+    stats = runtime.stream(0).stats()
+    assert stats["tensors"] >= 2
+
+
+def test_event_elapsed_time_is_the_workers_time(attach: Callable[..., Any]) -> None:
+    attach()
+    m = torch.randn(384, 384, device="cuda")
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    quick = torch.cuda.Event(enable_timing=True)
+    start.record()
+    quick.record()
+    for _ in range(24):
+        m = (m @ m).tanh()
+    end.record()  # the client queued all of it without waiting for any
+    end.synchronize()
+    worked, idle = start.elapsed_time(end), start.elapsed_time(quick)
+    assert worked > 0 and idle >= 0
+    assert worked > idle, "the time spans the worker's matmuls, not the client's calls"
+    untimed = torch.cuda.Event()
+    untimed.record()
+    with pytest.raises(RuntimeError, match="enable_timing"):
+        start.elapsed_time(untimed)
+    with pytest.raises(RuntimeError, match="recorded"):
+        start.elapsed_time(torch.cuda.Event(enable_timing=True))
+    assert torch.cuda.Event().query(), "an event never recorded counts as done"
+    assert m.sum().item() == m.sum().item()  # the session goes on after the errors
+
+
+# ---- 5. global switches, RNG and memory counters -------------------------------------------------
+
+
+def _worker_flags() -> dict[str, Any]:
+    flags: dict[str, Any] = runtime.stream(0).stats()["flags"]
+    return flags
+
+
+@pytest.fixture
+def restore_switches() -> Any:
+    saved = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.get_default_dtype(),
+    )
+    yield
+    torch.use_deterministic_algorithms(saved[0])
+    torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[1], saved[2]
+    torch.backends.cuda.matmul.allow_tf32 = saved[3]
+    torch.set_float32_matmul_precision("highest")
+    torch.set_default_dtype(saved[4])
+
+
+def test_global_switches_are_applied_on_the_worker(
+    attach: Callable[..., Any], restore_switches: Any
+) -> None:
+    attach()
+    assert _worker_flags()["deterministic"] is False
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = True
+    torch.backends.cudnn.deterministic = True
+    torch.set_float32_matmul_precision("high")
+    torch.set_default_dtype(torch.float64)
+    flags = _worker_flags()
+    assert flags["deterministic"] and flags["cudnn_benchmark"] and flags["cudnn_deterministic"]
+    assert flags["float32_matmul_precision"] == "high" and flags["matmul_allow_tf32"]
+    assert flags["default_dtype"] == "float64"
+    with torch.backends.cudnn.flags(enabled=False, benchmark=False):
+        assert _worker_flags()["cudnn_enabled"] is False
+    assert _worker_flags()["cudnn_enabled"] is True
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert _worker_flags()["matmul_allow_tf32"] is False
+
+
+def test_a_switch_set_behind_the_followed_setters_reaches_the_worker_by_the_next_batch(
+    attach: Callable[..., Any], restore_switches: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpupool.torch import flags
+    from gpupool.torch import stream as stream_module
+
+    monkeypatch.setattr(stream_module, "FLAGS_CATCH_UP_S", 0.0)  # compare at every batch
+    attach()
+    assert _worker_flags()["cudnn_benchmark"] is False
+    flags._ORIGINALS["_set_cudnn_benchmark"](True)  # as a reference taken before attach
+    assert _worker_flags()["cudnn_benchmark"] is True
+
+
+def test_switches_take_effect_in_stream_order(
+    attach: Callable[..., Any], restore_switches: Any
+) -> None:
+    attach()
+    before = torch.empty(4, device="cuda")  # queued before the switch: zero-filled memory
+    torch.use_deterministic_algorithms(True)
+    after = torch.empty(4, device="cuda")  # deterministic mode fills new memory with NaN
+    if not runtime.stream(0).is_cuda_worker:  # a GPU's fresh memory may hold anything
+        assert not before.isnan().any().item()
+    assert after.isnan().all().item()
+
+
+class _SmallCnn(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8 * 8 * 8, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.max_pool2d(nn.functional.relu(self.norm(self.conv(x))), 2)
+        return self.head(nn.functional.dropout(x.flatten(1), 0.2, self.training))
+
+
+def _seeded_cnn_run(device: str) -> list[float]:
+    torch.manual_seed(7)
+    model = _SmallCnn().to(device)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    data = torch.randn(16, 3, 16, 16).to(device)
+    labels = torch.randint(0, 10, (16,)).to(device)
+    torch.manual_seed(11)  # dropout draws from the device's generator: seeded alike
+    losses = []
+    for _ in range(4):
+        loss = nn.functional.cross_entropy(model(data), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    losses.append(model.head.weight.sum().item())
+    return losses
+
+
+def test_two_seeded_deterministic_cnn_runs_are_bit_identical(
+    attach: Callable[..., Any], restore_switches: Any
+) -> None:
+    attach()
+    torch.use_deterministic_algorithms(True)
+    first, second = _seeded_cnn_run("cuda"), _seeded_cnn_run("cuda")
+    assert first == second
+    on_cpu = not runtime.stream(0).is_cuda_worker
+    gpupool.torch.detach()
+    if on_cpu:  # a GPU's convolutions (TF32) round otherwise than the host's
+        torch.testing.assert_close(first, _seeded_cnn_run("cpu"), rtol=1e-4, atol=1e-5)
+
+
+def test_rng_state_of_the_remote_device_saves_and_restores(attach: Callable[..., Any]) -> None:
+    attach()
+    torch.cuda.manual_seed_all(3)
+    state = torch.cuda.get_rng_state()
+    first = torch.rand(5, device="cuda").tolist()
+    torch.cuda.set_rng_state(state)
+    assert torch.rand(5, device="cuda").tolist() == first
+    with torch.random.fork_rng(devices=[0], device_type="cuda"):
+        torch.rand(100, device="cuda")
+    after_fork = torch.rand(5, device="cuda").tolist()
+    torch.cuda.set_rng_state(state)
+    torch.rand(5, device="cuda")
+    assert torch.rand(5, device="cuda").tolist() == after_fork
+
+
+def test_memory_counters_are_the_leases(attach: Callable[..., Any]) -> None:
+    attach()
+    base = torch.cuda.memory_allocated()
+    x = torch.empty(256, 1024, device="cuda")  # 1 MiB
+    assert torch.cuda.memory_allocated() == base + (1 << 20)
+    assert torch.cuda.memory_reserved() == torch.cuda.memory_allocated()
+    assert torch.accelerator.memory_allocated() == base + (1 << 20)
+    assert torch.cuda.memory_stats()["allocated_bytes.all.current"] == base + (1 << 20)
+    del x
+    assert torch.cuda.max_memory_allocated() >= base + (1 << 20)
+    torch.cuda.reset_peak_memory_stats()
+    assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated() == base
+    free, total = torch.cuda.mem_get_info()
+    assert 0 < free <= total
+    assert torch.accelerator.get_memory_info() == (free, total)
+
+
+# ---- 6. allocation failures at the allocating call ------------------------------------------------
+
+
+def test_allocations_the_lease_cannot_hold_raise_at_the_call(
+    worker_factory: Callable[..., Any],
+) -> None:
+    from torch_workers import TOKEN
+
+    worker = worker_factory("lease-oom", memory_limit_mib=64)
+    gpupool.torch.attach(workers=[worker.address], token=TOKEN, lease="lease-oom")
+    try:
+        stream = runtime.stream(0)
+        with pytest.raises(torch.OutOfMemoryError, match=r"lease-oom.*64 MiB.*1024.0 MiB"):
+            torch.empty(1 << 28, device="cuda")  # 1 GiB, nothing sent
+        held = torch.ones(10 << 20, device="cuda")  # 40 MiB: fits
+        with pytest.raises(torch.OutOfMemoryError, match=r"40.0 MiB held"):
+            torch.zeros(10 << 20, device="cuda")
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.ones(20 << 20).to("cuda")  # 80 MiB from the host
+        assert held.sum().item() == 10 << 20, "no error is left behind for a later read"
+        assert stream.open
+        del held
+        assert torch.ones(10 << 20, device="cuda").sum().item() == 10 << 20
+    finally:
+        gpupool.torch.detach()
+
+
+# ---- 7. GradScaler --------------------------------------------------------------------------------
+
+
+def _scaled_training(device: str, scaler: Any) -> tuple[list[float], list[float]]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 4).to(device)
+    scales = []
+    for step in range(4):
+        loss = model(x).square().mean()
+        if step == 1:
+            loss = loss * float("inf")  # an overflow: the step is skipped, the scale halves
+        opt.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(float(scaler.get_scale()))
+    return scales, model.weight.detach().cpu().flatten().tolist()
+
+
+def test_grad_scaler_skips_overflowing_steps_as_locally(attach: Callable[..., Any]) -> None:
+    attach()
+    remote = _scaled_training("cuda", torch.amp.GradScaler("cuda", init_scale=1024.0))
+    local = _scaled_training("cpu", torch.amp.GradScaler("cpu", init_scale=1024.0))
+    assert remote[0] == local[0] == [1024.0, 512.0, 512.0, 512.0]
+    torch.testing.assert_close(remote[1], local[1])
+    with pytest.warns(FutureWarning):
+        legacy = torch.cuda.amp.GradScaler(init_scale=256.0)
+    assert _scaled_training("cuda", legacy)[0][:2] == [256.0, 128.0]
+
+
+# ---- 9. torch.compile -----------------------------------------------------------------------------
+
+
+def test_compiled_functions_and_modules_give_the_eager_results_on_the_pool(
+    attach: Callable[..., Any],
+) -> None:
+    from torch._dynamo.utils import counters
+
+    attach()
+    torch._dynamo.reset()
+
+    @torch.compile
+    def step(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return (a * b).sin().sum(dim=0) + b.cos()
+
+    a, b = torch.randn(4, 3, device="cuda"), torch.randn(3, device="cuda")
+    out = step(a, b)
+    assert out.device == torch.device("cuda", 0)
+    torch.testing.assert_close(out.cpu(), (a.cpu() * b.cpu()).sin().sum(dim=0) + b.cpu().cos())
+    model = nn.Sequential(nn.Linear(3, 5), nn.GELU(), nn.Linear(5, 1)).cuda()
+    compiled = torch.compile(model)
+    x = torch.randn(6, 3, device="cuda")
+    torch.testing.assert_close(compiled(x).cpu(), model(x).cpu())
+    compiled(x).sum().backward()
+    assert model[0].weight.grad is not None and model[0].weight.grad.device.type == "cuda"
+    counters.clear()
+    host = torch.compile(lambda t: (t * 2).relu(), backend="eager")
+    assert host(torch.tensor([-1.0, 3.0])).tolist() == [0.0, 6.0]
+    assert counters["stats"]["unique_graphs"] == 1, "host graphs go to the backend asked for"
+
+
+# ---- 10. DLPack -----------------------------------------------------------------------------------
+
+
+def test_dlpack_of_a_remote_tensor_fails_naming_it(attach: Callable[..., Any]) -> None:
+    attach()
+    remote = torch.ones(3, device="cuda")
+    with pytest.raises(BufferError, match="gpupool remote tensor"):
+        torch.utils.dlpack.to_dlpack(remote)
+    with pytest.raises(BufferError, match="gpupool remote tensor"):
+        torch.from_dlpack(remote)
+    host = torch.arange(3.0)
+    assert torch.equal(torch.from_dlpack(host), host)
+    assert remote.sum().item() == 3.0
+
+
+# ---- 8. quiet stderr ------------------------------------------------------------------------------
+
+_PROGRAM = """
+import torch, gpupool.torch
+from torch import nn
+gpupool.torch.attach(workers=[{address!r}], token={token!r}, lease="lease-t")
+device = torch.accelerator.current_accelerator()
+torch.use_deterministic_algorithms(True)
+torch.backends.cudnn.benchmark = False
+model = nn.Linear(8, 1).to(device)
+opt = torch.optim.SGD(model.parameters(), lr=0.01)
+scaler = torch.amp.GradScaler("cuda")
+data = torch.utils.data.TensorDataset(torch.randn(16, 8), torch.randn(16, 1))
+loader = torch.utils.data.DataLoader(data, batch_size=4, num_workers=2, pin_memory=True)
+start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+start.record()
+for x, y in loader:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = nn.functional.mse_loss(model(x.to(device, non_blocking=True)), y.to(device))
+    opt.zero_grad()
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+end.record()
+torch.accelerator.synchronize()
+print(round(start.elapsed_time(end) >= 0), torch.compile(lambda t: t * 2)(loss).item() > 0)
+"""
+
+
+def test_a_remote_program_prints_nothing_on_stderr(workers: list[Any], tmp_path: Path) -> None:
+    from torch_workers import TOKEN
+
+    script = tmp_path / "program.py"
+    script.write_text(textwrap.dedent(_PROGRAM.format(address=workers[0].address, token=TOKEN)))
+    src = str(Path(gpupool.torch.__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    env.pop("PYTHONWARNINGS", None)
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1", "True"]
+    assert done.stderr == "", f"stderr after {time.monotonic() - started:.0f} s: {done.stderr}"
