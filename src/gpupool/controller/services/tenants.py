@@ -12,7 +12,8 @@ from gpupool.controller.services.leases import persist_grants
 from gpupool.controller.store import Store, quota_of
 from gpupool.controller.views import tenant_out
 from gpupool.core import Conflict, LeaseState, NotFound
-from gpupool.core.units import parse_memory_mib
+from gpupool.core.model import quota_text
+from gpupool.core.units import format_size, parse_memory_mib
 from gpupool.protocol.v1.api import QuotaIn, TenantCreate, TenantOut, TenantUpdate
 
 DEFAULT_TENANT = "default"
@@ -72,10 +73,20 @@ def _row_of(body: TenantCreate) -> TenantRow:
 
 def _differences(existing: TenantRow, asked: TenantRow) -> list[str]:
     return [
-        f"{name} is {getattr(existing, name)} (asked {getattr(asked, name)})"
+        f"{name.removesuffix('_mib')} is {_setting(name, getattr(existing, name))} "
+        f"(asked {_setting(name, getattr(asked, name))})"
         for name in SETTINGS
         if getattr(existing, name) != getattr(asked, name)
     ]
+
+
+def _setting(name: str, value: object) -> str:
+    """A tenant setting in words: 'no limit' for None, sizes in GiB."""
+    if value is None:
+        return "no limit" if name.startswith("max_") else "not set"
+    if name == "max_memory_mib" and isinstance(value, int):
+        return format_size(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def create(
@@ -99,7 +110,9 @@ def create(
     session.add(asked)
     store.pool.quotas[asked.name] = quota_of(asked)
     store.idle_timeouts[asked.name] = asked.idle_timeout_s
-    record(session, actor, "tenant.created", asked.name, f"quota {quota_of(asked)}")
+    record(
+        session, actor, "tenant.created", asked.name, f"quota: {quota_text(quota_of(asked))}"
+    )
     return _out(store, asked), True
 
 
@@ -115,7 +128,13 @@ def update(store: Store, session: Session, name: str, body: TenantUpdate, actor:
         row.idle_timeout_s = body.idle_timeout_s
         store.idle_timeouts[name] = row.idle_timeout_s
     store.pool.quotas[name] = quota_of(row)
-    record(session, actor, "tenant.updated", name, f"quota {quota_of(row)}, weight {row.weight}")
+    record(
+        session,
+        actor,
+        "tenant.updated",
+        name,
+        f"quota: {quota_text(quota_of(row))}; weight {row.weight:g}",
+    )
     # A raised quota may let queued requests of this tenant through.
     persist_grants(store, session, store.pool.serve_queue(), utcnow())
     return _out(store, row)
