@@ -20,7 +20,7 @@ from gpupool.cli.output import (
     stderr_console,
 )
 from gpupool.client.sdk import ApiError, PoolClient
-from gpupool.protocol.v1.api import GpuOut
+from gpupool.protocol.v1.api import GpuOut, LeaseOut
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -176,7 +176,30 @@ def isolate(
     """Take a faulty GPU out of service at once."""
     with cli_context(ctx).client() as client:
         gpu = client.isolate_gpu(find_gpu(client, ref).uuid, reason)
-    _report(output, gpu, "isolated")
+        held = client.leases(gpu=gpu.uuid)
+    if output is OutputFormat.JSON:
+        print_json(gpu)
+        return
+    typer.echo(f"GPU {gpu.uuid} isolated: it takes no new leases. {isolation_effect(held)}")
+
+
+def isolation_effect(leases: list[LeaseOut]) -> str:
+    """What isolating a GPU does to the leases on it: remote ones move away while their
+    programs run; direct ones run on the GPU itself and keep running there until released."""
+    moving = [lease.id for lease in leases if lease.access == "remote"]
+    staying = [lease.id for lease in leases if lease.access != "remote"]
+    if not moving and not staying:
+        return "No lease was on it."
+    said = []
+    if moving:
+        said.append(f"{len(moving)} remote lease(s) move to other GPUs while they run")
+    if staying:
+        said.append(
+            f"{len(staying)} direct lease(s) keep running on it until released "
+            f"({', '.join(staying[:5])}{', ...' if len(staying) > 5 else ''}; "
+            "`gpupool lease release --operator ID` ends one)"
+        )
+    return "; ".join(said) + "."
 
 
 @app.command("clear")

@@ -147,8 +147,20 @@ def resolve_token(url: str, token: str | None = None) -> str | None:
     return None
 
 
+SEGMENT_MAX = 256
+"""No id or name of the API is longer (lease ids 32, names 128): a longer one names nothing."""
+
+
 def _q(segment: str) -> str:
-    """Quote one path segment: names and ids are user input."""
+    """Quote one path segment: names and ids are user input (of any length: a 120 kB id
+    would make a URL no HTTP client sends, so it is answered here as what it is, not found)."""
+    if len(segment) > SEGMENT_MAX:
+        raise ApiError(
+            404,
+            "not_found",
+            f"no such id or name: {segment[:20]}... is {len(segment)} characters long, and "
+            f"none is longer than {SEGMENT_MAX}",
+        )
     return quote(segment, safe="")
 
 
@@ -261,6 +273,8 @@ class PoolClient:
             )
         except httpx.TransportError as exc:
             raise ControllerUnreachable(self.url, _unreachable_reason(exc)) from exc
+        except httpx.InvalidURL as exc:
+            raise ApiError(400, "invalid_request", f"cannot send this request: {exc}") from None
         return self._answer(response)
 
     @staticmethod

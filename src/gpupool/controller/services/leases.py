@@ -33,7 +33,12 @@ from gpupool.core import (
     transition,
 )
 from gpupool.core.migrate import end_move
-from gpupool.core.units import compute_for_memory, parse_cpu_milli, parse_memory_mib
+from gpupool.core.units import (
+    compute_for_memory,
+    format_size,
+    parse_cpu_milli,
+    parse_memory_mib,
+)
 from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
 
 
@@ -197,8 +202,12 @@ def made_by(session: Session, request_id: str, tenant: str) -> LeaseRow | None:
 def describe(request: LeaseRequest) -> str:
     if request.physical:
         return f"{request.gpus} whole physical GPU(s)"
-    memory = "proportional memory" if request.memory_mib is None else f"{request.memory_mib}MiB"
-    return f"{request.gpus} slice(s) of {request.compute_pct}% and {memory}"
+    memory = (
+        "memory in proportion"
+        if request.memory_mib is None
+        else f"{format_size(request.memory_mib)} of memory"
+    )
+    return f"{request.gpus} slice(s) of {request.compute_pct} % compute and {memory}"
 
 
 def _where(store: Store, grant: Grant) -> str:
