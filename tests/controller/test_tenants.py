@@ -36,7 +36,7 @@ def test_a_resent_create_answers_with_the_tenant_and_a_different_one_says_why(
         assert refused.status_code == 409, refused.text
         assert refused.json()["detail"] == (
             "tenant 'team-a' exists already with other settings: "
-            "weight is 2.5 (asked 1.0); max_compute_pct is 400 (asked 300)"
+            "weight is 2.5 (asked 1); max_compute_pct is 400 (asked 300)"
         )
         # Leaving a limit out asks for none: that differs from the tenant's limit too.
         unlimited = client.post("/tenants", json={**BODY, "quota": {"max_leases": 8}})

@@ -20,6 +20,7 @@ from gpupool.cli.output import (
     stderr_console,
 )
 from gpupool.client.sdk import ApiError, PoolClient
+from gpupool.core.errors import quoted
 from gpupool.protocol.v1.api import GpuOut, LeaseOut
 
 app = typer.Typer(no_args_is_help=True)
@@ -58,10 +59,12 @@ def find_gpu(client: PoolClient, ref: str) -> GpuOut:
     if not matches:
         matches = [g for g in every if g.uuid.lower().startswith(ref.lower())]
     if not matches:
-        raise CommandFailed(f"no GPU {ref!r} in the pool (see `gpupool gpus`)", EXIT_BAD_INPUT)
+        raise CommandFailed(
+            f"no GPU {quoted(ref)} in the pool (see `gpupool gpus`)", EXIT_BAD_INPUT
+        )
     if len(matches) > 1:
         names = ", ".join(g.uuid for g in matches[:4])
-        raise CommandFailed(f"{ref!r} matches {len(matches)} GPUs: {names}", EXIT_BAD_INPUT)
+        raise CommandFailed(f"{quoted(ref)} matches {len(matches)} GPUs: {names}", EXIT_BAD_INPUT)
     return matches[0]
 
 

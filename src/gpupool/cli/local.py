@@ -196,4 +196,3 @@ def log_tail(path: Path, lines: int = 5) -> str:
         return ""
     kept = [line.strip() for line in text.splitlines() if line.strip()]
     return " | ".join(kept[-lines:])
-

@@ -128,9 +128,7 @@ app.command(
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )(run.run)
 app.command("up", help="Start a pool on this machine: the controller and a local agent.")(pool.up)
-app.command("down", help="Stop a pool `gpupool up` started: controller, agent, workers.")(
-    pool.down
-)
+app.command("down", help="Stop a pool `gpupool up` started: controller, agent, workers.")(pool.down)
 app.add_typer(
     contexts.app,
     name="context",

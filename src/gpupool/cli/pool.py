@@ -37,6 +37,7 @@ from gpupool.client.sdk import (
     resolve_token,
     resolve_url,
 )
+from gpupool.core.errors import quoted
 from gpupool.startup import imports_without_gc
 
 DEFAULT_FAKE_SPEC = "4xH100-80GB"
@@ -508,9 +509,7 @@ def start_in_background(options: UpOptions, context: Any, admin: str | None) -> 
         else:
             child.wait()
         tail = local.log_tail(log_path)
-        raise CommandFailed(
-            f"the pool did not start (log {log_path}): {tail or 'no output'}"
-        )
+        raise CommandFailed(f"the pool did not start (log {log_path}): {tail or 'no output'}")
     note(f"gpupool pool running in the background at {context.url} (dashboard {context.url}/)")
     note(f"logs: {log_path}; stop it with `gpupool down`")
     note(ready_text(context))
@@ -532,7 +531,7 @@ def down(
     context = loaded.contexts.get(name)
     if context is None:
         known = ", ".join(sorted(loaded.contexts)) or "none"
-        raise BadInput(f"no context named {name!r}; contexts: {known}")
+        raise BadInput(f"no context named {quoted(name)}; contexts: {known}")
     if context.data_dir is None:
         raise BadInput(
             f"context '{name}' ({context.url}) was not started by `gpupool up` on this "

@@ -98,7 +98,7 @@ def _parse(data: dict[str, object], path: Path) -> Config:
         raise ConfigError(f"{path}: 'contexts' must be a table of [contexts.NAME]")
     for name, entry in table.items():
         if not isinstance(entry, dict) or not isinstance(entry.get("url"), str):
-            raise ConfigError(f"{path}: context {name!r} needs a url = \"http://...\"")
+            raise ConfigError(f'{path}: context {name!r} needs a url = "http://..."')
         token_file = entry.get("token-file")
         data_dir = entry.get("data-dir")
         if token_file is not None and not isinstance(token_file, str):

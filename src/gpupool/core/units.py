@@ -6,7 +6,7 @@ import math
 import re
 from fractions import Fraction
 
-from gpupool.core.errors import InvalidRequest
+from gpupool.core.errors import InvalidRequest, quoted
 
 MIB = 1 << 20
 _BYTES_PER_PREFIX: dict[str, int] = {
@@ -42,15 +42,10 @@ def _bytes_per_unit(unit: str, text: str) -> int:
     prefix = folded[:-1] if folded.endswith("b") else folded
     if prefix not in _BYTES_PER_PREFIX:
         raise InvalidRequest(
-            f"unknown memory unit {_shown(unit)} in {_shown(text)}: use Mi/MiB, Gi/GiB "
+            f"unknown memory unit {quoted(unit)} in {quoted(text)}: use Mi/MiB, Gi/GiB "
             "(binary) or M/MB, G/GB (decimal)"
         )
     return _BYTES_PER_PREFIX[prefix]
-
-
-def _shown(text: str, limit: int = 40) -> str:
-    """User input in a message: quoted, and cut, since it may be a megabyte long."""
-    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def parse_memory_bytes(text: str) -> Fraction:
@@ -59,14 +54,14 @@ def parse_memory_bytes(text: str) -> Fraction:
     match = _SIZE.match(text)
     if match is None:
         if re.match(r"^\s*-", text):
-            raise InvalidRequest(f"memory must be positive, got {_shown(text)}")
+            raise InvalidRequest(f"memory must be positive, got {quoted(text)}")
         if re.match(r"^\s*[0-9.]+\s*$", text):
             raise InvalidRequest(
-                f"memory {_shown(text)} has no unit: write it as e.g. '512Mi' or '20Gi'"
+                f"memory {quoted(text)} has no unit: write it as e.g. '512Mi' or '20Gi'"
             )
-        raise InvalidRequest(f"cannot read memory size {_shown(text)}: write it as e.g. '512Mi'")
+        raise InvalidRequest(f"cannot read memory size {quoted(text)}: write it as e.g. '512Mi'")
     if len(match.group(1)) > 24:
-        raise InvalidRequest(f"memory {_shown(text)} is more than any pool holds")
+        raise InvalidRequest(f"memory {quoted(text)} is more than any pool holds")
     number, unit = Fraction(match.group(1)), match.group(2)
     return number * _bytes_per_unit(unit, text)
 
@@ -76,7 +71,7 @@ def parse_memory_mib(text: str) -> int:
     up never gives less than was asked for (`1G` = 953.67 MiB gives 954 MiB)."""
     size = parse_memory_bytes(text)
     if size < MIB:
-        raise InvalidRequest(f"memory must be at least 1MiB, got {_shown(text)}")
+        raise InvalidRequest(f"memory must be at least 1MiB, got {quoted(text)}")
     return math.ceil(size / MIB)
 
 
