@@ -41,7 +41,7 @@ def test_a_resent_create_answers_with_the_tenant_and_a_different_one_says_why(
         # Leaving a limit out asks for none: that differs from the tenant's limit too.
         unlimited = client.post("/tenants", json={**BODY, "quota": {"max_leases": 8}})
         assert unlimited.status_code == 409
-        assert "max_memory_mib is 163840 (asked None)" in unlimited.json()["detail"]
+        assert "max_memory is 160 GiB (asked no limit)" in unlimited.json()["detail"]
         assert client.get("/tenants/team-a").json() == first.json()
 
 
@@ -53,4 +53,4 @@ def test_the_sdk_creating_a_tenant_twice_gets_the_same_tenant(start_controller, 
         with pytest.raises(ApiError) as refused:
             sdk.create_tenant(TenantCreate(name="team-b"))
         assert (refused.value.status, refused.value.code) == (409, "conflict")
-        assert refused.value.detail.endswith("max_gpus is 2 (asked None)")
+        assert refused.value.detail.endswith("max_gpus is 2 (asked no limit)")

@@ -241,7 +241,7 @@ def stated_request(
     shown before anything is granted: a default the user did not see is a surprise."""
     count = f"{request.gpus} slice{'s' if request.gpus > 1 else ''}"
     if request.physical:
-        return request, f"asking for {request.gpus} whole physical GPU(s)"
+        return request, f"asked for {request.gpus} whole physical GPU(s)"
     memory_mib = request.memory_mib()
     memory = ""
     if memory_mib is not None and memory_given is not None:
@@ -253,14 +253,14 @@ def stated_request(
         )
     if request.compute_pct is None and memory_mib is None:
         return request, (
-            f"asking for {count}, each all of a GPU: 100 % compute and all its memory "
+            f"asked for {count}, each all of a GPU: 100 % compute and all its memory "
             "(give --compute and/or --memory for less)"
         )
     if request.compute_pct is None and memory_mib is not None:
         memories = _candidate_memories(client, request)
         if not memories:
             return request, (
-                f"asking for {count}: {memory}; compute in proportion to the memory, "
+                f"asked for {count}: {memory}; compute in proportion to the memory, "
                 "decided by the controller (--compute to choose)"
             )
         pct = compute_for_memory(memory_mib, memories)
@@ -268,10 +268,10 @@ def stated_request(
         of = f" of a GPU of {format_size(min(holding))}" if holding else ""
         request = request.model_copy(update={"compute_pct": pct})
         return request, (
-            f"asking for {count}: {memory}, compute {pct} % (the memory's part{of}, rounded up; "
+            f"asked for {count}: {memory}, compute {pct} % (the memory's part{of}, rounded up; "
             "--compute to choose)"
         )
-    return request, f"asking for {count}: compute {request.compute_pct} %, {memory}"
+    return request, f"asked for {count}: compute {request.compute_pct} %, {memory}"
 
 
 def _share_example(client: PoolClient, request: LeaseCreate, pct: int) -> str:
@@ -385,8 +385,10 @@ def create(
     )
     with cli_context(ctx).client() as client:
         request, asking = stated_request(client, request, memory)
-        note(escape(f"{asking}; kept {ttl_text(request.ttl_s or ttl)} without a renewal"))
         lease = client.create_lease(request)
+        # Said once the controller has taken the request (a refusal stays one line), and
+        # before a queued request waits for its grant.
+        note(escape(f"{asking}; kept {ttl_text(request.ttl_s or ttl)} without a renewal"))
         if wait:
             lease = await_grant(client, lease)
     show(output, lease, lease_detail(lease))
