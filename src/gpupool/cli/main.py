@@ -127,7 +127,11 @@ app.command(
     help=run.HELP,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )(run.run)
-app.command("up", help="Start a pool on this machine: the controller and a local agent.")(pool.up)
+app.command(
+    "up",
+    help="Start a pool on this machine: the controller and a local agent; it becomes the "
+    "current context, so every command finds it (`gpupool down` stops it).",
+)(pool.up)
 app.command("down", help="Stop a pool `gpupool up` started: controller, agent, workers.")(pool.down)
 app.add_typer(
     contexts.app,
