@@ -30,6 +30,7 @@ from gpupool.cli.output import (
     stderr_console,
 )
 from gpupool.cli.signals import exit_status_of, raise_interrupted, signals_to
+from gpupool.client import config
 from gpupool.client.sdk import (
     ApiError,
     ControllerUnreachable,
@@ -367,8 +368,6 @@ def up(
     context_name: ContextOption = None,
 ) -> None:
     """Controller in the foreground, plus an agent for this machine's GPUs as a child."""
-    from gpupool.client import config
-
     name = context_name or default_context_name(port)
     try:
         config.check_name(name)
@@ -443,7 +442,7 @@ def up(
     raise typer.Exit(status)
 
 
-def ready_text(context: Any) -> str:
+def ready_text(context: config.Context) -> str:
     token = (
         f"its admin token is in {context.token_file}"
         if context.token_file is not None
@@ -484,7 +483,7 @@ class UpOptions:
         self.data_dir = data_dir
 
 
-def start_in_background(options: UpOptions, context: Any, admin: str | None) -> None:
+def start_in_background(options: UpOptions, context: config.Context, admin: str | None) -> None:
     """Start `gpupool up` detached (its own session: the terminal's Ctrl-C and hang-up do not
     reach it), its output in the data dir, and return once its agent's GPUs are in the pool."""
     options.data_dir.mkdir(parents=True, exist_ok=True)
@@ -522,8 +521,6 @@ def down(
     ] = None,
 ) -> None:
     """Stop a pool `gpupool up` started on this machine: controller, agent and workers."""
-    from gpupool.client import config
-
     loaded = config.load()
     name = context_name or loaded.current
     if name is None:
