@@ -195,3 +195,12 @@ def test_proportional_compute_is_the_same_part_of_the_gpu_rounded_up(
 
 def test_one_gib_of_an_80_gib_gpu_takes_2_percent_of_its_compute() -> None:
     assert proportional_compute_pct(1024, 80 * 1024) == 2
+
+
+def test_a_quota_is_said_in_words_never_as_a_repr() -> None:
+    from gpupool.core.model import Quota, quota_text
+
+    assert quota_text(Quota()) == "no limits"
+    said = quota_text(Quota(max_gpus=1, max_memory_mib=40 * 1024, max_leases=3))
+    assert said == "at most 1 GPU, 40 GiB of memory, 3 leases"
+    assert "None" not in quota_text(Quota(max_compute_pct=150, guaranteed_gpus=0.5))

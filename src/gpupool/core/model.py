@@ -235,13 +235,13 @@ def quota_text(quota: Quota) -> str:
     """A quota in words ('at most 2 GPUs, 40 GiB of memory'), never a Python repr."""
     limits = []
     if quota.max_gpus is not None:
-        limits.append(f"{quota.max_gpus} GPUs")
+        limits.append(f"{quota.max_gpus} GPU{'' if quota.max_gpus == 1 else 's'}")
     if quota.max_memory_mib is not None:
         limits.append(f"{format_size(quota.max_memory_mib)} of memory")
     if quota.max_compute_pct is not None:
         limits.append(f"{quota.max_compute_pct} % compute")
     if quota.max_leases is not None:
-        limits.append(f"{quota.max_leases} leases")
+        limits.append(f"{quota.max_leases} lease{'' if quota.max_leases == 1 else 's'}")
     if quota.max_priority is not None:
         limits.append(f"priority {quota.max_priority}")
     text = f"at most {', '.join(limits)}" if limits else "no limits"
