@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,6 +28,11 @@ PG_ADMIN = os.environ.get("GPUPOOL_TEST_PG", "postgresql://postgres@127.0.0.1:54
 ADMIN_TOKEN = os.environ.setdefault("GPUPOOL_ADMIN_TOKEN", new_token()[2])
 os.environ.setdefault("GPUPOOL_TOKEN", ADMIN_TOKEN)
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+# No test reads or changes the user's own contexts (`gpupool up` records one): every test
+# process, and what it starts, uses a config file of its own.
+os.environ["GPUPOOL_CONFIG"] = str(
+    Path(tempfile.mkdtemp(prefix="gpupool-test-config-")) / "config.toml"
+)
 
 
 def free_port() -> int:

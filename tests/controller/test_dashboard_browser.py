@@ -355,3 +355,45 @@ def test_a_viewer_sees_the_pool_but_cannot_change_it(pool: LivePool, anonymous_p
     )
     assert answer[0] == 403 and "viewer" in answer[1]
     assert pool.api.get(f"/gpus/{gpu['uuid']}").json()["mode"] == "virtual"
+
+
+def test_the_sign_in_form_shows_no_error_before_anything_is_typed(
+    pool: LivePool, anonymous_page: Page
+) -> None:
+    page = anonymous_page
+    page.goto(pool.url + "/")
+    expect(page.locator("#signin")).to_be_visible()
+    expect(page.locator("[data-testid=signin-token]")).to_be_focused()
+    expect(page.locator("#signin-error")).to_be_hidden()
+
+
+def test_the_rules_table_fits_a_1400_px_window(pool: LivePool, page: Page) -> None:
+    page.goto(pool.url + "/#/alerts")
+    table = page.locator("[data-testid=rules-table]")
+    expect(table.locator("tbody tr").first).to_be_visible()
+    wrap = page.locator("#rules")
+    overflow = wrap.evaluate("el => el.scrollWidth - el.clientWidth")
+    assert overflow <= 0, f"the rules table is {overflow} px wider than its panel"
+
+
+def test_stranded_room_is_no_warning_while_nothing_waits_and_cards_keep_one_unit(
+    pool: LivePool, page: Page
+) -> None:
+    for earlier in pool.api.get("/leases").json():  # this module's pool: start from empty
+        pool.api.post(f"/leases/{earlier['id']}/release")
+    # Two slices of 60 %: one on each GPU, so all the free compute sits beside a slice.
+    made = [pool.lease(compute_pct=60, memory="1GiB", holder=f"frag-{i}") for i in range(2)]
+    try:
+        overview = pool.api.get("/dashboard/overview").json()
+        assert overview["fragmentation"] > 0.5 and overview["queue_length"] == 0
+        page.goto(pool.url + "/")
+        frag = page.locator("[data-testid=kpi-frag]")
+        expect(frag.locator(".note")).to_contain_text("nothing waits")
+        assert "warn" not in (frag.get_attribute("class") or "")
+        compute = page.locator("[data-testid=kpi-compute]")
+        expect(compute.locator(".note")).to_contain_text("GPUs' compute")
+        note = compute.locator(".note").inner_text()
+        assert "% of" not in note, f"one unit per card: {note}"
+    finally:
+        for lease in made:
+            pool.api.post(f"/leases/{lease['id']}/release")

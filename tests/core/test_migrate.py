@@ -106,7 +106,7 @@ def test_a_resize_past_the_quota_is_refused_and_changes_nothing() -> None:
     bigger = migration_targets(pool, old, compute_pct=60, stay=True)
     with pytest.raises(QuotaExceeded, match="tenant team: compute % would be 60, quota is 50"):
         begin_move(pool, "L1", bigger)
-    with pytest.raises(QuotaExceeded, match="memory MiB would be 21504, quota is 20480"):
+    with pytest.raises(QuotaExceeded, match="memory would be 21 GiB, quota is 20 GiB"):
         resize_in_place(pool, "L1", (Slice("n0-g0", 50, 21 * GIB),))
     assert (pool.holdings, pool.tenant_usage, pool.usage) == (
         before.holdings,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from gpupool.client.config import ConfigError
 from gpupool.client.sdk import ApiError, ControllerUnreachable
 from gpupool.core.errors import PoolError
 
@@ -40,6 +41,8 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
     """The message and exit code for a failure we know, or None for a real bug."""
     if isinstance(exc, CommandFailed):
         return exc.message, exc.exit_code
+    if isinstance(exc, ConfigError):
+        return str(exc), EXIT_BAD_INPUT
     if isinstance(exc, ControllerUnreachable):
         return str(exc), EXIT_UNREACHABLE
     if isinstance(exc, ApiError):

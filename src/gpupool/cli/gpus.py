@@ -20,7 +20,8 @@ from gpupool.cli.output import (
     stderr_console,
 )
 from gpupool.client.sdk import ApiError, PoolClient
-from gpupool.protocol.v1.api import GpuOut
+from gpupool.core.errors import quoted
+from gpupool.protocol.v1.api import GpuOut, LeaseOut
 
 app = typer.Typer(no_args_is_help=True)
 
@@ -58,10 +59,12 @@ def find_gpu(client: PoolClient, ref: str) -> GpuOut:
     if not matches:
         matches = [g for g in every if g.uuid.lower().startswith(ref.lower())]
     if not matches:
-        raise CommandFailed(f"no GPU {ref!r} in the pool (see `gpupool gpus`)", EXIT_BAD_INPUT)
+        raise CommandFailed(
+            f"no GPU {quoted(ref)} in the pool (see `gpupool gpus`)", EXIT_BAD_INPUT
+        )
     if len(matches) > 1:
         names = ", ".join(g.uuid for g in matches[:4])
-        raise CommandFailed(f"{ref!r} matches {len(matches)} GPUs: {names}", EXIT_BAD_INPUT)
+        raise CommandFailed(f"{quoted(ref)} matches {len(matches)} GPUs: {names}", EXIT_BAD_INPUT)
     return matches[0]
 
 
@@ -176,7 +179,30 @@ def isolate(
     """Take a faulty GPU out of service at once."""
     with cli_context(ctx).client() as client:
         gpu = client.isolate_gpu(find_gpu(client, ref).uuid, reason)
-    _report(output, gpu, "isolated")
+        held = client.leases(gpu=gpu.uuid)
+    if output is OutputFormat.JSON:
+        print_json(gpu)
+        return
+    typer.echo(f"GPU {gpu.uuid} isolated: it takes no new leases. {isolation_effect(held)}")
+
+
+def isolation_effect(leases: list[LeaseOut]) -> str:
+    """What isolating a GPU does to the leases on it: remote ones move away while their
+    programs run; direct ones run on the GPU itself and keep running there until released."""
+    moving = [lease.id for lease in leases if lease.access == "remote"]
+    staying = [lease.id for lease in leases if lease.access != "remote"]
+    if not moving and not staying:
+        return "No lease was on it."
+    said = []
+    if moving:
+        said.append(f"{len(moving)} remote lease(s) move to other GPUs while they run")
+    if staying:
+        said.append(
+            f"{len(staying)} direct lease(s) keep running on it until released "
+            f"({', '.join(staying[:5])}{', ...' if len(staying) > 5 else ''}; "
+            "`gpupool lease release --operator ID` ends one)"
+        )
+    return "; ".join(said) + "."
 
 
 @app.command("clear")

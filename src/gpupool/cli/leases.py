@@ -25,12 +25,23 @@ from gpupool.cli.output import (
 )
 from gpupool.cli.signals import exit_status_of, terminate_interrupts
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
-from gpupool.core.units import format_mib, parse_compute_pct, parse_cpu_milli, parse_memory_mib
+from gpupool.core.units import (
+    compute_for_memory,
+    describe_memory,
+    format_mib,
+    format_size,
+    parse_compute_pct,
+    parse_cpu_milli,
+    parse_memory_mib,
+)
 from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
 
 app = typer.Typer(no_args_is_help=True)
 
 LEASE_TTL_S = 3600.0
+"""`lease create`'s ttl: a person renews it by hand, so an hour, not the API's 30 s."""
+HOLDER_MAX = 256
+"""LeaseCreate.holder's max_length."""
 
 
 def build_request(
@@ -69,6 +80,8 @@ def build_request(
         raise BadInput(f"--priority must be 0..1000, got {priority}")
     if not 0 < ttl_s <= 86400:
         raise BadInput(f"--ttl must be more than 0 and at most 86400 s, got {ttl_s:g}")
+    if len(holder) > HOLDER_MAX:
+        raise BadInput(f"--holder may be at most {HOLDER_MAX} characters, got {len(holder)}")
     if physical and (compute is not None or memory is not None):
         raise BadInput("a physical lease takes whole GPUs: give no --compute or --memory")
     compute_pct = None if compute is None else parse_compute_pct(compute)
@@ -88,7 +101,7 @@ def build_request(
             node=node,
             prefer_node=prefer_node,
             gpu_models=models,
-            holder=holder[:256],
+            holder=holder,
             ttl_s=ttl_s,
             wait=wait,
             max_wait_s=max_wait_s,
@@ -206,10 +219,88 @@ def granted_text(lease: LeaseOut) -> str:
     return f"lease {lease.id} granted: " + ("; ".join(pieces) or "no slices")
 
 
+def _candidate_memories(client: PoolClient, request: LeaseCreate) -> list[int] | None:
+    """Memory of the GPUs the request could land on (None: this token may not list GPUs)."""
+    try:
+        gpus = client.gpus()
+    except ApiError:
+        return None
+    models = [m.lower() for m in request.gpu_models]
+    return [
+        g.memory_mib
+        for g in gpus
+        if (request.node is None or g.node == request.node)
+        and (not models or any(want in g.model.lower() for want in models))
+    ]
+
+
+def stated_request(
+    client: PoolClient, request: LeaseCreate, memory_given: str | None
+) -> tuple[LeaseCreate, str]:
+    """The request with its defaults made explicit, and one line saying what will be asked,
+    shown before anything is granted: a default the user did not see is a surprise."""
+    count = f"{request.gpus} slice{'s' if request.gpus > 1 else ''}"
+    if request.physical:
+        return request, f"asked for {request.gpus} whole physical GPU(s)"
+    memory_mib = request.memory_mib()
+    memory = ""
+    if memory_mib is not None and memory_given is not None:
+        memory = f"memory {describe_memory(memory_given)}"
+    if request.compute_pct is not None and memory_mib is None:
+        memory = (
+            f"memory in proportion: {request.compute_pct} % of the GPU's "
+            f"({_share_example(client, request, request.compute_pct)}; --memory to choose)"
+        )
+    if request.compute_pct is None and memory_mib is None:
+        return request, (
+            f"asked for {count}, each all of a GPU: 100 % compute and all its memory "
+            "(give --compute and/or --memory for less)"
+        )
+    if request.compute_pct is None and memory_mib is not None:
+        memories = _candidate_memories(client, request)
+        if not memories:
+            return request, (
+                f"asked for {count}: {memory}; compute in proportion to the memory, "
+                "decided by the controller (--compute to choose)"
+            )
+        pct = compute_for_memory(memory_mib, memories)
+        holding = [m for m in memories if m >= memory_mib]
+        of = f" of a GPU of {format_size(min(holding))}" if holding else ""
+        request = request.model_copy(update={"compute_pct": pct})
+        return request, (
+            f"asked for {count}: {memory}, compute {pct} % (the memory's part{of}, rounded up; "
+            "--compute to choose)"
+        )
+    return request, f"asked for {count}: compute {request.compute_pct} %, {memory}"
+
+
+def _share_example(client: PoolClient, request: LeaseCreate, pct: int) -> str:
+    memories = _candidate_memories(client, request)
+    if not memories:
+        return "the memory follows the GPU it lands on"
+    gpu = max(memories)
+    return f"{format_size(max(1, -(-gpu * pct // 100)))} of a GPU of {format_size(gpu)}"
+
+
+def ttl_text(ttl_s: float) -> str:
+    """A ttl as people read it: '1 h (3600 s)', '30 s'."""
+    if ttl_s >= 3600 and ttl_s % 3600 == 0:
+        return f"{ttl_s / 3600:g} h ({ttl_s:g} s)"
+    if ttl_s >= 60 and ttl_s % 60 == 0:
+        return f"{ttl_s / 60:g} min ({ttl_s:g} s)"
+    return f"{ttl_s:g} s"
+
+
 CREATE_HELP = (
     "Ask for GPUs: slices (--compute, --memory) or whole GPUs (--physical).\n\n"
-    "The lease outlives this command: renew it within its ttl (--ttl, default 3600 s) with "
-    "`gpupool lease renew ID`, and give it back with `gpupool lease release ID`."
+    "Memory: 20Gi = 20 GiB (binary), 20G = 20 GB = 18.6 GiB (decimal), as Kubernetes writes "
+    "them. Given alone, memory takes the same part of the GPU's compute (1Gi of an 80 GiB "
+    "GPU: 2 %), and compute the same part of its memory; what will be asked is printed first."
+    "\n\n"
+    "The lease outlives this command: renew it within its ttl (--ttl, default 1 h here, since "
+    "a person renews it; programs using the SDK or `gpupool run` heartbeat on their own and "
+    "get the controller's --lease-ttl, 30 s) with `gpupool lease renew ID`, and give it back "
+    "with `gpupool lease release ID`."
 )
 
 
@@ -293,18 +384,22 @@ def create(
         host_memory=host_memory,
     )
     with cli_context(ctx).client() as client:
+        request, asking = stated_request(client, request, memory)
         lease = client.create_lease(request)
+        # Said once the controller has taken the request (a refusal stays one line), and
+        # before a queued request waits for its grant.
+        note(escape(f"{asking}; kept {ttl_text(request.ttl_s or ttl)} without a renewal"))
         if wait:
             lease = await_grant(client, lease)
     show(output, lease, lease_detail(lease))
     if lease.state == "queued":
         note(
             f"lease {lease.id} is queued at position {lease.queue_position}; "
-            f"it is kept for {lease.ttl_s:g} s without `gpupool lease renew {lease.id}`"
+            f"it is kept for {ttl_text(lease.ttl_s)} without `gpupool lease renew {lease.id}`"
         )
     else:
         note(
-            f"renew within {lease.ttl_s:g} s with `gpupool lease renew {lease.id}`, "
+            f"renew within {ttl_text(lease.ttl_s)} with `gpupool lease renew {lease.id}`, "
             f"give it back with `gpupool lease release {lease.id}`"
         )
 

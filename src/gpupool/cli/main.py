@@ -9,9 +9,10 @@ import typer
 from typer.core import TyperGroup
 
 from gpupool import __version__
-from gpupool.cli import events, gpus, k8s, leases, nodes, pool, run, sim, tenants, tokens
+from gpupool.cli import contexts, events, gpus, k8s, leases, nodes, pool, run, sim, tenants, tokens
 from gpupool.cli.context import CliContext, default_actor
 from gpupool.cli.errors import BadInput, describe
+from gpupool.client.config import ConfigError
 from gpupool.client.sdk import TOKEN_ENV, URL_ENV, resolve_url
 
 DEBUG_ENV = "GPUPOOL_DEBUG"
@@ -74,8 +75,9 @@ def root(
         typer.Option(
             "--url",
             envvar=URL_ENV,
-            help="Controller URL (default http://127.0.0.1:8900); several controllers of one "
-            "pool comma-separated, tried in turn.",
+            help="Controller URL (default: the current context's, `gpupool context`, else "
+            "http://127.0.0.1:8900); several controllers of one pool comma-separated, tried "
+            "in turn.",
             show_default=False,
         ),
     ] = None,
@@ -84,8 +86,8 @@ def root(
         typer.Option(
             "--token",
             envvar=TOKEN_ENV,
-            help="API token (gpp_...); default: ~/.config/gpupool/token, or ./.gpupool/admin.token "
-            "for a controller on this machine.",
+            help="API token (gpp_...); default: the current context's token file (`gpupool "
+            "context`), else ~/.config/gpupool/token.",
             show_default=False,
         ),
     ] = None,
@@ -96,6 +98,8 @@ def root(
 ) -> None:
     try:
         chosen = resolve_url(url)
+    except ConfigError as exc:
+        raise BadInput(str(exc)) from None
     except ValueError as exc:
         raise BadInput(f"--url / {URL_ENV}: {exc}") from None
     if token is not None:
@@ -123,7 +127,17 @@ app.command(
     help=run.HELP,
     context_settings={"allow_interspersed_args": False, "ignore_unknown_options": True},
 )(run.run)
-app.command("up", help="Start a pool on this machine: the controller and a local agent.")(pool.up)
+app.command(
+    "up",
+    help="Start a pool on this machine: the controller and a local agent; it becomes the "
+    "current context, so every command finds it (`gpupool down` stops it).",
+)(pool.up)
+app.command("down", help="Stop a pool `gpupool up` started: controller, agent, workers.")(pool.down)
+app.add_typer(
+    contexts.app,
+    name="context",
+    help="Which pool the commands talk to: show (no argument), ls, use NAME.",
+)
 app.command("controller", help="Run the controller in the foreground.")(pool.controller)
 app.command("agent", help="Run the agent of this GPU server in the foreground.")(pool.agent)
 app.command("demo", help="Start a throw-away pool and run two jobs sharing one GPU.")(pool.demo)

@@ -16,7 +16,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from gpupool.core.units import format_mib
+from gpupool.core.units import format_mib, format_size
 from gpupool.protocol.v1.api import (
     EventOut,
     GpuOut,
@@ -154,9 +154,28 @@ def styled(word: str) -> Text:
 # ---- tables -----------------------------------------------------------------------------
 
 
+def cpu_text(node: NodeOut) -> str:
+    """'16 cores, 23 % busy': what the server has and how loaded it is (its agent's report)."""
+    cores = f"{node.cpu_count} cores" if node.cpu_count else "-"
+    busy = node.host.get("cpu_pct")
+    return f"{cores}, {busy:.0f} % busy" if isinstance(busy, int | float) else cores
+
+
+def host_memory_text(node: NodeOut) -> str:
+    """'12.3 / 64 GiB used' (programs' memory, page cache excluded)."""
+    used, total = node.host.get("memory_used_mib"), node.host.get("memory_total_mib")
+    total = total if isinstance(total, int) else node.memory_mib
+    if not isinstance(total, int):
+        return "-"
+    if not isinstance(used, int):
+        return format_size(total)
+    return f"{format_size(used).removesuffix(' GiB')} / {format_size(total)} used"
+
+
 def nodes_table(nodes: Iterable[NodeOut]) -> Table:
     table = Table(title="nodes", title_justify="left")
-    for column in ("NAME", "STATE", "BACKEND", "GPUS", "ADDRESS", "DRIVER", "LAST SEEN"):
+    columns = ("NAME", "STATE", "BACKEND", "GPUS", "CPU", "MEMORY", "ADDRESS", "DRIVER")
+    for column in (*columns, "LAST SEEN"):
         table.add_column(column, justify="right" if column == "GPUS" else "left")
     for node in nodes:
         table.add_row(
@@ -164,6 +183,8 @@ def nodes_table(nodes: Iterable[NodeOut]) -> Table:
             styled(node.state),
             node.backend,
             str(node.gpu_count),
+            cpu_text(node),
+            host_memory_text(node),
             node.address or "-",
             node.driver_version or "-",
             f"{duration(seconds_since(node.last_seen_at))} ago",

@@ -4,20 +4,33 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
 
+import psutil
 import typer
 from rich.panel import Panel
 
+from gpupool.cli import local
 from gpupool.cli.context import cli_context
 from gpupool.cli.errors import BadInput, CommandFailed
-from gpupool.cli.output import OutputFormat, OutputOption, pool_panel, show, stderr_console
+from gpupool.cli.output import (
+    OutputFormat,
+    OutputOption,
+    note,
+    pool_panel,
+    show,
+    stderr_console,
+)
+from gpupool.cli.signals import exit_status_of, raise_interrupted, signals_to
+from gpupool.client import config
 from gpupool.client.sdk import (
     ApiError,
     ControllerUnreachable,
@@ -25,6 +38,7 @@ from gpupool.client.sdk import (
     resolve_token,
     resolve_url,
 )
+from gpupool.core.errors import quoted
 from gpupool.startup import imports_without_gc
 
 DEFAULT_FAKE_SPEC = "4xH100-80GB"
@@ -217,11 +231,19 @@ class LocalAgent:
     """The agent `gpupool up` starts as a child, once the controller answers, with an agent
     token of its own (kept in its data dir, made with the admin token on the first start)."""
 
-    def __init__(self, url: str, cmd: list[str], data_dir: Path, admin: str | None) -> None:
+    def __init__(
+        self,
+        url: str,
+        cmd: list[str],
+        data_dir: Path,
+        admin: str | None,
+        on_ready: Callable[[], None] | None = None,
+    ) -> None:
         self.url = url
         self.cmd = cmd
         self.data_dir = data_dir
         self.admin = admin
+        self.on_ready = on_ready
         self.proc: subprocess.Popen[bytes] | None = None
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._start_when_ready, daemon=True)
@@ -240,8 +262,23 @@ class LocalAgent:
                         stderr_console().print(f"[red]cannot start the local agent: {exc}[/red]")
                         return
                     self.proc = subprocess.Popen(self.cmd, env=env)
+                    self._announce_when_registered()
                 return
             self._stopping.wait(0.2)
+
+    def _announce_when_registered(self) -> None:
+        token = self.admin or self._admin_file_token()
+        while not self._stopping.is_set():
+            if self.proc is not None and self.proc.poll() is not None:
+                return  # the agent says why in its own log lines
+            if node_registered(self.url, token, local_node_name()):
+                if self.on_ready is not None:
+                    self.on_ready()
+                return
+            self._stopping.wait(0.2)
+
+    def _admin_file_token(self) -> str:
+        return (self.data_dir / "admin.token").read_text().strip()
 
     def _agent_token(self) -> str:
         from gpupool.protocol.v1.api import TokenCreate
@@ -257,7 +294,7 @@ class LocalAgent:
                         return token
                 except ApiError:
                     pass  # revoked, another database, or an unbound token: make a new one
-        admin = self.admin or (self.data_dir / "admin.token").read_text().strip()
+        admin = self.admin or self._admin_file_token()
         with PoolClient(self.url, token=admin, timeout=5) as client:
             made = client.create_token(
                 TokenCreate(name=f"agent-{node}"[:128], role="agent", node=node)
@@ -269,10 +306,53 @@ class LocalAgent:
         return made.token
 
     def stop(self) -> None:
+        """Stop the agent and, should any outlive it, its workers (the tree is taken before the
+        agent is asked to stop, so workers it leaves behind are still found)."""
         self._stopping.set()
         self._thread.join(timeout=5)
-        if self.proc is not None:
-            stop_process(self.proc)
+        if self.proc is None:
+            return
+        try:
+            tree = local.descendants(psutil.Process(self.proc.pid))
+        except psutil.Error:
+            tree = []
+        stop_process(self.proc)
+        local.stop_tree([p for p in tree if p.is_running()])
+
+
+def node_registered(url: str, token: str | None, node: str) -> bool:
+    """Whether `node` is up in the pool with its GPUs: the pool is ready to use."""
+    try:
+        with PoolClient(url, token=token, timeout=2) as client:
+            return any(
+                n.name == node and n.state == "up" and n.gpu_count > 0 for n in client.nodes()
+            )
+    except (ApiError, ControllerUnreachable):
+        return False
+
+
+ContextOption = Annotated[
+    str | None,
+    typer.Option(
+        "--context",
+        help="Name of the context recorded for this pool (default: local, or local-PORT "
+        "for another --port).",
+    ),
+]
+BackgroundOption = Annotated[
+    bool,
+    typer.Option(
+        "--background",
+        "-d",
+        help="Detach: run the pool in the background (logs in <data-dir>/up.log) and return "
+        "once it answers; stop it with `gpupool down`.",
+    ),
+]
+UP_READY_TIMEOUT_S = 180.0
+
+
+def default_context_name(port: int) -> str:
+    return "local" if port == DEFAULT_PORT else f"local-{port}"
 
 
 def up(
@@ -284,44 +364,186 @@ def up(
     admin_token_file: AdminTokenFileOption = None,
     tls_cert: TlsCertOption = None,
     tls_key: TlsKeyOption = None,
+    background: BackgroundOption = False,
+    context_name: ContextOption = None,
 ) -> None:
     """Controller in the foreground, plus an agent for this machine's GPUs as a child."""
+    name = context_name or default_context_name(port)
+    try:
+        config.check_name(name)
+    except config.ConfigError as exc:
+        raise BadInput(f"--context: {exc}") from None
+    admin = admin_token(admin_token_file)
+    cert, key = tls_files(tls_cert, tls_key)
+    fake_spec, why = choose_fake_spec(fake)
+    data_dir = data_dir.expanduser().absolute()
+    # Nothing is made (data dir, database, token, process) before these two checks pass.
+    local.refuse_second_pool(data_dir)
+    local.check_port_free(host, port)
+    url = local_url(host, port, tls=cert is not None)
+    token_file = (
+        admin_token_file.expanduser().absolute()
+        if admin_token_file is not None
+        else (None if admin is not None else data_dir / "admin.token")
+    )
+    context = config.Context(name=name, url=url, token_file=token_file, data_dir=data_dir)
+    options = UpOptions(host, port, data_dir, db, fake_spec, admin_token_file, cert, key, name)
+    if background:
+        start_in_background(options, context, admin)
+        return
     with imports_without_gc():
         from gpupool.controller.server import serve
         from gpupool.controller.settings import ControllerSettings
 
-    admin = admin_token(admin_token_file)
-    cert, key = tls_files(tls_cert, tls_key)
-    fake_spec, why = choose_fake_spec(fake)
     console = stderr_console()
     if fake_spec is not None:
         console.print(simulated_banner(fake_spec, why))
-    url = local_url(host, port, tls=cert is not None)
-    agent = LocalAgent(url, agent_command(url, data_dir / "agent", fake_spec), data_dir, admin)
-    agent.start()
-    console.print(
-        f"gpupool controller on {url} (dashboard {url}/); Ctrl-C stops the pool", soft_wrap=True
+
+    def ready() -> None:
+        config.record(context)
+        console.print(ready_text(context), soft_wrap=True)
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    local.write_pid_file(data_dir)
+    agent = LocalAgent(
+        url, agent_command(url, data_dir / "agent", fake_spec), data_dir, admin, on_ready=ready
     )
-    if admin is None:
-        console.print(
-            f"API token: {data_dir / 'admin.token'} (the CLI here finds it by itself)",
-            soft_wrap=True,
-        )
+    console.print(
+        f"gpupool controller on {url} (dashboard {url}/); Ctrl-C or `gpupool down` stops the pool",
+        soft_wrap=True,
+    )
     quiet_http_logs()
-    try:
-        serve(
-            ControllerSettings(
-                host=host,
-                port=port,
-                data_dir=data_dir,
-                db_url=db,
-                admin_token=admin,
-                tls_cert=cert,
-                tls_key=key,
+    # uvicorn stops on SIGTERM, then raises it again: with the default action the process
+    # would die there, leaving its agent and workers; as an exception the cleanup below runs.
+    with signals_to(raise_interrupted, (signal.SIGTERM, signal.SIGHUP)):
+        try:
+            agent.start()
+            serve(
+                ControllerSettings(
+                    host=host,
+                    port=port,
+                    data_dir=data_dir,
+                    db_url=db,
+                    admin_token=admin,
+                    tls_cert=cert,
+                    tls_key=key,
+                )
             )
+        except KeyboardInterrupt as interrupt:
+            status = exit_status_of(interrupt)
+        else:
+            status = 0
+        finally:
+            # A second Ctrl-C must not cut the cleanup short and leave processes behind.
+            with signals_to(signal.SIG_IGN, (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)):
+                agent.stop()
+                local.remove_pid_file(data_dir)
+    console.print("gpupool pool stopped (controller, agent and its workers)")
+    raise typer.Exit(status)
+
+
+def ready_text(context: config.Context) -> str:
+    token = (
+        f"its admin token is in {context.token_file}"
+        if context.token_file is not None
+        else f"its admin token is the one in ${ADMIN_TOKEN_ENV}"
+    )
+    return (
+        f"pool ready at {context.url}; context '{context.name}' is current, so gpupool "
+        f"commands find it from any directory ({token})"
+    )
+
+
+class UpOptions:
+    """What a background `gpupool up` is started again with, in its own session."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        data_dir: Path,
+        db: str | None,
+        fake_spec: str | None,
+        admin_token_file: Path | None,
+        cert: Path | None,
+        key: Path | None,
+        context_name: str,
+    ) -> None:
+        self.argv = [sys.executable, "-m", "gpupool.cli", "up", "--host", host]
+        self.argv += ["--port", str(port), "--data-dir", str(data_dir)]
+        self.argv += ["--context", context_name]
+        if db is not None:
+            self.argv += ["--db", db]
+        if fake_spec is not None:
+            self.argv += ["--fake", fake_spec]
+        if admin_token_file is not None:
+            self.argv += ["--admin-token-file", str(admin_token_file.expanduser().absolute())]
+        if cert is not None and key is not None:
+            self.argv += ["--tls-cert", str(cert.absolute()), "--tls-key", str(key.absolute())]
+        self.data_dir = data_dir
+
+
+def start_in_background(options: UpOptions, context: config.Context, admin: str | None) -> None:
+    """Start `gpupool up` detached (its own session: the terminal's Ctrl-C and hang-up do not
+    reach it), its output in the data dir, and return once its agent's GPUs are in the pool."""
+    options.data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = options.data_dir / local.LOG_FILE
+    with log_path.open("ab") as log:
+        child = subprocess.Popen(
+            options.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
-    finally:
-        agent.stop()
+    proc = psutil.Process(child.pid)
+
+    def answers() -> bool:
+        token = admin or context.token()
+        return token is not None and node_registered(context.url, token, local_node_name())
+
+    if not local.wait_for(answers, UP_READY_TIMEOUT_S, alive=proc):
+        if child.poll() is None:
+            local.stop_up(proc)
+        else:
+            child.wait()
+        tail = local.log_tail(log_path)
+        raise CommandFailed(f"the pool did not start (log {log_path}): {tail or 'no output'}")
+    note(f"gpupool pool running in the background at {context.url} (dashboard {context.url}/)")
+    note(f"logs: {log_path}; stop it with `gpupool down`")
+    note(ready_text(context))
+
+
+def down(
+    context_name: Annotated[
+        str | None,
+        typer.Option("--context", help="The pool of this context (default: the current one)."),
+    ] = None,
+) -> None:
+    """Stop a pool `gpupool up` started on this machine: controller, agent and workers."""
+    loaded = config.load()
+    name = context_name or loaded.current
+    if name is None:
+        raise BadInput("no current context: give --context NAME (`gpupool context ls`)")
+    context = loaded.contexts.get(name)
+    if context is None:
+        known = ", ".join(sorted(loaded.contexts)) or "none"
+        raise BadInput(f"no context named {quoted(name)}; contexts: {known}")
+    if context.data_dir is None:
+        raise BadInput(
+            f"context '{name}' ({context.url}) was not started by `gpupool up` on this "
+            "machine: nothing here to stop"
+        )
+    proc = local.running_up(context.data_dir)
+    if proc is None:
+        note(f"the pool of context '{name}' is not running (nothing to stop)")
+        return
+    stopped = local.stop_up(proc)
+    forced = "; what did not stop in time was killed" if stopped.killed else ""
+    note(
+        f"stopped the pool of context '{name}' ({context.url}): gpupool up (pid "
+        f"{stopped.up_pid}) and {stopped.others} processes it started{forced}"
+    )
 
 
 def controller(

@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import FrameType
 
-Handler = Callable[[int, FrameType | None], None]
+Handler = Callable[[int, FrameType | None], None] | signal.Handlers
 
 
 @contextmanager
@@ -37,12 +37,13 @@ def exit_status_of(interrupt: KeyboardInterrupt) -> int:
     return 128 + (interrupt.signum if isinstance(interrupt, Interrupted) else signal.SIGINT)
 
 
-def _interrupt(signum: int, _frame: FrameType | None) -> None:
+def raise_interrupted(signum: int, _frame: FrameType | None) -> None:
+    """A signal handler: the signal as an `Interrupted`, so that cleanup code runs."""
     raise Interrupted(signum)
 
 
 @contextmanager
 def terminate_interrupts() -> Iterator[None]:
     """SIGTERM (a batch system, `kill`) raises KeyboardInterrupt, so cleanup code runs."""
-    with signals_to(_interrupt, (signal.SIGTERM,)):
+    with signals_to(raise_interrupted, (signal.SIGTERM,)):
         yield

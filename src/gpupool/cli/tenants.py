@@ -219,7 +219,8 @@ def set_tenant(
 
 @app.command("delete")
 def delete_tenant(ctx: typer.Context, name: NameArgument) -> None:
-    """Delete a tenant."""
+    """Delete a tenant that holds nothing (no live or queued lease) and its tokens; the history
+    of its leases stays readable (`gpupool lease ls --all --tenant NAME`, `gpupool events`)."""
     with cli_context(ctx).client() as client:
         client.delete_tenant(name)
-    typer.echo(f"deleted tenant {name}")
+    typer.echo(f"deleted tenant {name} (its lease history is kept)")

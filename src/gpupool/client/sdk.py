@@ -15,6 +15,7 @@ from uuid import uuid4
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
+from gpupool.client import config
 from gpupool.protocol.failover import DEFAULT_BUDGET_S as DEFAULT_FAILOVER_S
 from gpupool.protocol.failover import FailoverTransport, split_urls
 from gpupool.protocol.tls import CA_ENV, tls_verify
@@ -101,19 +102,25 @@ class ControllerUnreachable(Exception):
 
 
 def resolve_url(url: str | None = None) -> str:
-    """The controller's base URL: the argument, else $GPUPOOL_URL, else the local default.
+    """The controller's base URL: the argument, else $GPUPOOL_URL, else the current context's
+    (`gpupool context`), else the local default.
 
     Several controllers of one pool (high availability) are given comma-separated; each is
     normalised and the list comes back comma-joined, ready for `PoolClient` or a child's
-    environment. Raises ValueError for a value that names no controller (`,`).
+    environment. Raises ValueError for a value that names no controller (`,`), and
+    `ConfigError` (a ValueError) for a config file that cannot be read.
     """
-    chosen = url or os.environ.get(URL_ENV) or DEFAULT_URL
+    chosen = url or os.environ.get(URL_ENV)
+    if not chosen:
+        context = config.current()
+        chosen = context.url if context is not None else DEFAULT_URL
     return ",".join(split_urls(chosen))
 
 
 def resolve_token(url: str, token: str | None = None) -> str | None:
     """The API token to send: the argument, else $GPUPOOL_TOKEN, else the file named by
-    $GPUPOOL_TOKEN_FILE, else ~/.config/gpupool/token, else, for a controller on this
+    $GPUPOOL_TOKEN_FILE, else the token file of the context of `url` (`gpupool up` records
+    its admin token there), else ~/.config/gpupool/token, else, for a controller on this
     machine, the admin token `gpupool up` wrote to ./.gpupool/admin.token."""
     if token:
         return token.strip()
@@ -122,6 +129,12 @@ def resolve_token(url: str, token: str | None = None) -> str | None:
     candidates = []
     if os.environ.get(TOKEN_FILE_ENV):
         candidates.append(Path(os.environ[TOKEN_FILE_ENV]))
+    try:
+        context = config.context_for(url)
+    except config.ConfigError:
+        context = None  # resolve_url has said so already where the context mattered
+    if context is not None and context.token_file is not None:
+        candidates.append(context.token_file)
     candidates.append(USER_TOKEN.expanduser())
     host = urlsplit(url).hostname or ""
     if host in ("127.0.0.1", "localhost", "::1"):
@@ -136,8 +149,20 @@ def resolve_token(url: str, token: str | None = None) -> str | None:
     return None
 
 
+SEGMENT_MAX = 256
+"""No id or name of the API is longer (lease ids 32, names 128): a longer one names nothing."""
+
+
 def _q(segment: str) -> str:
-    """Quote one path segment: names and ids are user input."""
+    """Quote one path segment: names and ids are user input (of any length: a 120 kB id
+    would make a URL no HTTP client sends, so it is answered here as what it is, not found)."""
+    if len(segment) > SEGMENT_MAX:
+        raise ApiError(
+            404,
+            "not_found",
+            f"no such id or name: {segment[:20]}... is {len(segment)} characters long, and "
+            f"none is longer than {SEGMENT_MAX}",
+        )
     return quote(segment, safe="")
 
 
@@ -250,6 +275,8 @@ class PoolClient:
             )
         except httpx.TransportError as exc:
             raise ControllerUnreachable(self.url, _unreachable_reason(exc)) from exc
+        except httpx.InvalidURL as exc:
+            raise ApiError(400, "invalid_request", f"cannot send this request: {exc}") from None
         return self._answer(response)
 
     @staticmethod

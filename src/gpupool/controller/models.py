@@ -96,6 +96,9 @@ class TenantRow(Base):
     idle_timeout_s: Mapped[float | None] = mapped_column(Float)
     """Remote leases of the tenant are swapped out after this long without GPU work."""
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    deleted_at: Mapped[datetime | None] = mapped_column()
+    """Set when a tenant with lease history is deleted: the rows of its leases (the history)
+    point to it, so it stays, unlisted and taking no leases, until its name is created again."""
 
 
 class TokenRow(Base):

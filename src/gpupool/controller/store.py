@@ -159,7 +159,7 @@ class Store:
                 self.live = Liveness()
             pool = new_pool(self.settings)
             self.lease_rows, self.gpu_rows, self.node_rows = {}, {}, {}
-            for tenant in session.scalars(select(TenantRow)):
+            for tenant in session.scalars(select(TenantRow).where(TenantRow.deleted_at.is_(None))):
                 pool.quotas[tenant.name] = quota_of(tenant)
                 self.idle_timeouts[tenant.name] = tenant.idle_timeout_s
             for node in session.scalars(select(NodeRow)):

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 
+def quoted(text: str, limit: int = 40) -> str:
+    """User input inside a message: quoted, and cut, since it may be a megabyte long."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
+
+
 class PoolError(Exception):
     """Base of every domain error; `code` is stable for scripts and the API."""
 

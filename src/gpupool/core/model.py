@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from gpupool.core.errors import InvalidRequest
+from gpupool.core.units import format_size
 
 MAX_GPUS_PER_LEASE = 256
 MAX_PRIORITY = 1000
@@ -219,15 +220,34 @@ def usage_of(slices: tuple[Slice, ...]) -> Usage:
 def quota_violation(quota: Quota, held: Usage, extra: Usage) -> str | None:
     """Say which limit `held + extra` breaks, or None when the quota holds."""
     checks = (
-        ("GPUs", quota.max_gpus, held.gpus + extra.gpus),
-        ("memory MiB", quota.max_memory_mib, held.memory_mib + extra.memory_mib),
-        ("compute %", quota.max_compute_pct, held.compute_pct + extra.compute_pct),
-        ("leases", quota.max_leases, held.leases + extra.leases),
+        ("GPUs", quota.max_gpus, held.gpus + extra.gpus, str),
+        ("memory", quota.max_memory_mib, held.memory_mib + extra.memory_mib, format_size),
+        ("compute %", quota.max_compute_pct, held.compute_pct + extra.compute_pct, str),
+        ("leases", quota.max_leases, held.leases + extra.leases, str),
     )
-    for what, limit, total in checks:
+    for what, limit, total, shown in checks:
         if limit is not None and total > limit:
-            return f"{what} would be {total}, quota is {limit}"
+            return f"{what} would be {shown(total)}, quota is {shown(limit)}"
     return None
+
+
+def quota_text(quota: Quota) -> str:
+    """A quota in words ('at most 2 GPUs, 40 GiB of memory'), never a Python repr."""
+    limits = []
+    if quota.max_gpus is not None:
+        limits.append(f"{quota.max_gpus} GPU{'' if quota.max_gpus == 1 else 's'}")
+    if quota.max_memory_mib is not None:
+        limits.append(f"{format_size(quota.max_memory_mib)} of memory")
+    if quota.max_compute_pct is not None:
+        limits.append(f"{quota.max_compute_pct} % compute")
+    if quota.max_leases is not None:
+        limits.append(f"{quota.max_leases} lease{'' if quota.max_leases == 1 else 's'}")
+    if quota.max_priority is not None:
+        limits.append(f"priority {quota.max_priority}")
+    text = f"at most {', '.join(limits)}" if limits else "no limits"
+    if quota.guaranteed_gpus:
+        text += f", {quota.guaranteed_gpus:g} GPUs guaranteed"
+    return text
 
 
 @dataclass(frozen=True, slots=True)

@@ -32,6 +32,7 @@ from gpupool.core.placement.select import HeldBack, Memo, Placement, Selector
 from gpupool.core.placement.workload import Workload, WorkloadLearner
 from gpupool.core.preempt import Preemption, plan_preemption, reserve_room, withdrawn
 from gpupool.core.queue import Capacity, QueueOrder, QueuePolicy, overdue, priority_refusal
+from gpupool.core.units import format_size
 
 
 @dataclass(frozen=True, slots=True)
@@ -261,8 +262,9 @@ class Pool:
                 return f"no single server has {request.gpus} free GPUs for this request"
             if request.cpu_milli or request.host_memory_mib:
                 return (
-                    f"no server with {request.gpus} suitable GPUs has {request.cpu_milli} CPU "
-                    f"milli and {request.host_memory_mib}MiB of memory free"
+                    f"no server with {request.gpus} suitable GPUs has "
+                    f"{request.cpu_milli / 1000:g} CPU cores and "
+                    f"{format_size(request.host_memory_mib)} of memory free"
                 )
         if request.gpus == 0:
             return "no server has the CPU and memory free"
@@ -286,7 +288,11 @@ class Pool:
         if len(fit) < request.gpus:
             where = f" on node {request.node}" if request.node else ""
             models = f" of model {'|'.join(request.gpu_models)}" if request.gpu_models else ""
-            size = "" if request.physical else f" with {request.memory_mib or 'proportional'}MiB"
+            size = (
+                ""
+                if request.physical or request.memory_mib is None
+                else f" with {format_size(request.memory_mib)}"
+            )
             raise NoCapacity(
                 f"this pool has {len(fit)} GPUs{models}{where}{size}; "
                 f"the request needs {request.gpus}: it can never be granted"
@@ -339,7 +345,8 @@ class Pool:
                 return
         raise NoCapacity(
             f"no server with {request.gpus} suitable GPU(s) has {request.cpu_milli / 1000:g} CPU "
-            f"cores and {request.host_memory_mib}MiB of memory in all: it can never be granted"
+            f"cores and {format_size(request.host_memory_mib)} of memory in all: it can never be "
+            "granted"
         )
 
     # ---- quotas ----------------------------------------------------------------------

@@ -176,7 +176,7 @@ def _check_scope(session: Session, body: TokenCreate) -> None:
     if body.role == "tenant":
         if body.tenant is None:
             raise InvalidRequest("a tenant token needs --tenant: the tenant it acts for")
-        if session.get(TenantRow, body.tenant) is None:
+        if (found := session.get(TenantRow, body.tenant)) is None or found.deleted_at is not None:
             raise NotFound(f"no tenant {body.tenant!r}")
     elif body.tenant is not None:
         raise InvalidRequest(f"a {body.role} token acts for no one tenant: leave out the tenant")

@@ -27,12 +27,18 @@ from gpupool.core import (
     ModeChange,
     NoCapacity,
     NotFound,
+    Pool,
     QuotaExceeded,
     ReleaseReason,
     transition,
 )
 from gpupool.core.migrate import end_move
-from gpupool.core.units import parse_cpu_milli, parse_memory_mib
+from gpupool.core.units import (
+    compute_for_memory,
+    format_size,
+    parse_cpu_milli,
+    parse_memory_mib,
+)
 from gpupool.protocol.v1.api import LeaseCreate, LeaseOut
 
 
@@ -40,7 +46,25 @@ def new_lease_id() -> str:
     return "l-" + uuid.uuid4().hex[:12]
 
 
-def request_from(body: LeaseCreate) -> LeaseRequest:
+def stated_compute_pct(body: LeaseCreate, pool: Pool | None) -> int:
+    """Compute share of a slice: as asked; for a memory-only slice, the same part of the GPU
+    as its memory (1 GiB of an 80 GiB GPU: 2 %), not the whole GPU's compute."""
+    if body.compute_pct is not None:
+        return body.compute_pct
+    memory_mib = body.memory_mib()
+    if memory_mib is None or pool is None or body.physical:
+        return 100  # no size given: a whole GPU as a slice (memory follows the compute)
+    models = tuple(m.strip().lower() for m in body.gpu_models if m.strip())
+    candidates = [
+        gpu.memory_mib
+        for gpu in pool.gpus.values()
+        if (body.node is None or gpu.node == body.node)
+        and (not models or any(want in gpu.model.lower() for want in models))
+    ]
+    return compute_for_memory(memory_mib, candidates)
+
+
+def request_from(body: LeaseCreate, pool: Pool | None = None) -> LeaseRequest:
     if body.physical and (body.compute_pct is not None or body.memory is not None):
         raise InvalidRequest("a physical lease takes whole GPUs: give no compute or memory")
     if body.access != "remote" and body.idle_timeout_s is not None:
@@ -55,7 +79,7 @@ def request_from(body: LeaseCreate) -> LeaseRequest:
     return LeaseRequest(
         tenant=body.tenant,
         gpus=body.gpus,
-        compute_pct=100 if body.compute_pct is None else body.compute_pct,
+        compute_pct=stated_compute_pct(body, pool),
         memory_mib=body.memory_mib(),
         physical=body.physical,
         priority=body.priority,
@@ -78,7 +102,7 @@ def create(
     Only a `privileged` caller (an admin token) may ask a priority above the tenant's cap.
     """
     pool = store.pool
-    request = request_from(body)
+    request = request_from(body, pool)
     if body.request_id is not None:
         made = made_by(session, body.request_id, request.tenant)
         if made is not None:
@@ -178,8 +202,12 @@ def made_by(session: Session, request_id: str, tenant: str) -> LeaseRow | None:
 def describe(request: LeaseRequest) -> str:
     if request.physical:
         return f"{request.gpus} whole physical GPU(s)"
-    memory = "proportional memory" if request.memory_mib is None else f"{request.memory_mib}MiB"
-    return f"{request.gpus} slice(s) of {request.compute_pct}% and {memory}"
+    memory = (
+        "memory in proportion"
+        if request.memory_mib is None
+        else f"{format_size(request.memory_mib)} of memory"
+    )
+    return f"{request.gpus} slice(s) of {request.compute_pct} % compute and {memory}"
 
 
 def _where(store: Store, grant: Grant) -> str:
@@ -472,9 +500,7 @@ def list_leases(
         return [lease_out(r, store.pool, store.live.lease_activity.get(r.id)) for r in rows]
 
 
-def get(
-    store: Store, session: Session, lease_id: str, only_tenant: str | None = None
-) -> LeaseOut:
+def get(store: Store, session: Session, lease_id: str, only_tenant: str | None = None) -> LeaseOut:
     row = session.get(LeaseRow, lease_id)
     if row is None or (only_tenant is not None and row.tenant != only_tenant):
         raise NotFound(f"no lease {lease_id!r}")

@@ -12,7 +12,8 @@ from gpupool.controller.services.leases import persist_grants
 from gpupool.controller.store import Store, quota_of
 from gpupool.controller.views import tenant_out
 from gpupool.core import Conflict, LeaseState, NotFound
-from gpupool.core.units import parse_memory_mib
+from gpupool.core.model import quota_text
+from gpupool.core.units import format_size, parse_memory_mib
 from gpupool.protocol.v1.api import QuotaIn, TenantCreate, TenantOut, TenantUpdate
 
 DEFAULT_TENANT = "default"
@@ -72,10 +73,20 @@ def _row_of(body: TenantCreate) -> TenantRow:
 
 def _differences(existing: TenantRow, asked: TenantRow) -> list[str]:
     return [
-        f"{name} is {getattr(existing, name)} (asked {getattr(asked, name)})"
+        f"{name.removesuffix('_mib')} is {_setting(name, getattr(existing, name))} "
+        f"(asked {_setting(name, getattr(asked, name))})"
         for name in SETTINGS
         if getattr(existing, name) != getattr(asked, name)
     ]
+
+
+def _setting(name: str, value: object) -> str:
+    """A tenant setting in words: 'no limit' for None, sizes in GiB."""
+    if value is None:
+        return "no limit" if name.startswith("max_") else "not set"
+    if name == "max_memory_mib" and isinstance(value, int):
+        return format_size(value)
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def create(
@@ -89,6 +100,8 @@ def create(
     other settings are a Conflict that names each difference (PATCH changes a tenant)."""
     asked = _row_of(body)
     existing = session.get(TenantRow, body.name)
+    if existing is not None and existing.deleted_at is not None:
+        return _revive(store, session, existing, asked, actor), True
     if existing is not None:
         differ = _differences(existing, asked)
         if differ:
@@ -99,14 +112,39 @@ def create(
     session.add(asked)
     store.pool.quotas[asked.name] = quota_of(asked)
     store.idle_timeouts[asked.name] = asked.idle_timeout_s
-    record(session, actor, "tenant.created", asked.name, f"quota {quota_of(asked)}")
+    record(session, actor, "tenant.created", asked.name, f"quota: {quota_text(quota_of(asked))}")
     return _out(store, asked), True
 
 
-def update(store: Store, session: Session, name: str, body: TenantUpdate, actor: str) -> TenantOut:
+def _revive(
+    store: Store, session: Session, row: TenantRow, asked: TenantRow, actor: str
+) -> TenantOut:
+    """A deleted tenant's name created again: the new settings, the old history."""
+    for name in SETTINGS:
+        setattr(row, name, getattr(asked, name))
+    row.deleted_at = None
+    row.created_at = asked.created_at
+    store.pool.quotas[row.name] = quota_of(row)
+    store.idle_timeouts[row.name] = row.idle_timeout_s
+    record(
+        session,
+        actor,
+        "tenant.created",
+        row.name,
+        f"quota: {quota_text(quota_of(row))} (created again; its earlier leases stay in history)",
+    )
+    return _out(store, row)
+
+
+def _live_row(session: Session, name: str) -> TenantRow:
     row = session.get(TenantRow, name)
-    if row is None:
+    if row is None or row.deleted_at is not None:
         raise NotFound(f"no tenant {name!r}")
+    return row
+
+
+def update(store: Store, session: Session, name: str, body: TenantUpdate, actor: str) -> TenantOut:
+    row = _live_row(session, name)
     if body.weight is not None:
         row.weight = body.weight
     if body.quota is not None:
@@ -115,16 +153,21 @@ def update(store: Store, session: Session, name: str, body: TenantUpdate, actor:
         row.idle_timeout_s = body.idle_timeout_s
         store.idle_timeouts[name] = row.idle_timeout_s
     store.pool.quotas[name] = quota_of(row)
-    record(session, actor, "tenant.updated", name, f"quota {quota_of(row)}, weight {row.weight}")
+    record(
+        session,
+        actor,
+        "tenant.updated",
+        name,
+        f"quota: {quota_text(quota_of(row))}; weight {row.weight:g}",
+    )
     # A raised quota may let queued requests of this tenant through.
     persist_grants(store, session, store.pool.serve_queue(), utcnow())
     return _out(store, row)
 
 
 def delete(store: Store, session: Session, name: str, actor: str) -> None:
-    row = session.get(TenantRow, name)
-    if row is None:
-        raise NotFound(f"no tenant {name!r}")
+    """Delete a tenant that holds nothing; the history of its leases (rows, events) is kept."""
+    row = _live_row(session, name)
     if name == DEFAULT_TENANT:
         raise Conflict("the default tenant cannot be deleted")
     live = session.scalar(
@@ -133,30 +176,37 @@ def delete(store: Store, session: Session, name: str, actor: str) -> None:
         .where(LeaseRow.tenant == name, LeaseRow.state != LeaseState.RELEASED.value)
     )
     if live:
-        raise Conflict(f"tenant {name} has {live} live lease(s): release them first")
+        raise Conflict(
+            f"tenant {name} has {live} live or queued lease(s): release them first "
+            f"(`gpupool lease ls --tenant {name}`)"
+        )
     total = session.scalar(
         select(func.count()).select_from(LeaseRow).where(LeaseRow.tenant == name)
     )
-    if total:
-        raise Conflict(
-            f"tenant {name} has {total} lease(s) in its history; set its quota to 0 instead"
-        )
     auth.drop_tenant_tokens(session, name, actor)
     session.flush()
-    session.delete(row)
     store.pool.quotas.pop(name, None)
+    store.idle_timeouts.pop(name, None)
+    if total:
+        # Its leases' rows point to it: the row stays, marked, so their history stays readable.
+        row.deleted_at = utcnow()
+        record(session, actor, "tenant.deleted", name, f"deleted; its {total} lease(s) kept")
+        return
+    session.delete(row)
     record(session, actor, "tenant.deleted", name, "deleted")
 
 
 def list_tenants(store: Store, session: Session) -> list[TenantOut]:
-    rows = list(session.scalars(select(TenantRow).order_by(TenantRow.name)))
+    rows = list(
+        session.scalars(
+            select(TenantRow).where(TenantRow.deleted_at.is_(None)).order_by(TenantRow.name)
+        )
+    )
     with store.lock:
         return [_out(store, r) for r in rows]
 
 
 def get(store: Store, session: Session, name: str) -> TenantOut:
-    row = session.get(TenantRow, name)
-    if row is None:
-        raise NotFound(f"no tenant {name!r}")
+    row = _live_row(session, name)
     with store.lock:
         return _out(store, row)

@@ -23,6 +23,8 @@
   const fmt = {
     int: (v) => (isNum(v) ? Math.round(v).toLocaleString("en-US") : "–"),
     pct: (v, digits = 0) => (isNum(v) ? `${v.toFixed(digits)}%` : "–"),
+    // Compute in whole GPUs' worth: 175 (percent of one GPU) is 1.75 GPUs.
+    gpus: (pct) => (isNum(pct) ? String(Math.round(pct) / 100) : "–"),
     mib(v) {
       if (!isNum(v)) return "–";
       if (v >= 1024 * 1024) return `${(v / 1024 / 1024).toFixed(1)} TiB`;
@@ -114,7 +116,9 @@
     const res = await fetch(API + path, { method, headers, credentials: "same-origin", body: body === undefined ? undefined : JSON.stringify(body) });
     let data = null;
     try { data = await res.json(); } catch { data = null; }
-    if (res.status === 401 && path !== "/session") showSignIn((data && data.detail) || "Sign in again.");
+    // Before anyone signed in, a 401 only means "sign in": the form says so without a red
+    // API error; once signed in, a 401 means the session ended, and that is said.
+    if (res.status === 401 && path !== "/session") showSignIn(session.who ? "Your session has ended: sign in again." : "");
     if (!res.ok) throw new Error((data && (data.detail || data.error)) || `HTTP ${res.status}`);
     return data;
   }
@@ -522,22 +526,26 @@
         const ls = o.leases_by_state;
         const computeFrac = o.compute_capacity_pct ? o.compute_granted_pct / o.compute_capacity_pct : 0;
         const memFrac = o.memory_capacity_mib ? o.memory_granted_mib / o.memory_capacity_mib : 0;
+        // One unit per card: shares of the pool's capacity, the amounts in GPUs' worth.
+        const usedShare = o.compute_capacity_pct ? o.compute_used_pct / o.compute_capacity_pct : 0;
+        // Stranded room is a problem only while a request waits for room it cannot use.
+        const fragmented = o.fragmentation > 0.5 && o.queue_length > 0;
         $("#kpis").innerHTML = [
           kpi("GPUs", fmt.int(o.gpus_total), `${m.virtual} virtual · ${m.physical} physical · ${m.draining} draining · ${m.isolated} isolated`, m.isolated ? "warn" : "", "kpi-gpus"),
           kpi("Servers up", `${o.nodes_up}<small>/ ${o.nodes_up + o.nodes_down}</small>`, o.nodes_down ? `${o.nodes_down} down` : "all heartbeating", o.nodes_down ? "bad" : "", "kpi-nodes"),
           kpi("Leases holding", fmt.int(o.leases_holding), `${ls.active || 0} active · ${ls.idle || 0} idle · ${ls.granted || 0} granted`, "", "kpi-leases"),
           kpi("Queue", fmt.int(o.queue_length), o.queue_length ? `longest wait ${fmt.dur(o.queue_oldest_wait_s)}` : "nobody waiting", o.queue_oldest_wait_s > 600 ? "warn" : "", "kpi-queue"),
-          kpi("Compute granted", fmt.pct(computeFrac * 100), `${fmt.int(o.compute_granted_pct)}% of ${fmt.int(o.compute_capacity_pct)}% · used ${fmt.int(o.compute_used_pct)}%`, "", "kpi-compute"),
+          kpi("Compute granted", fmt.pct(computeFrac * 100), `${fmt.gpus(o.compute_granted_pct)} of ${fmt.gpus(o.compute_capacity_pct)} GPUs' compute · used ${fmt.pct(usedShare * 100)}`, "", "kpi-compute"),
           kpi("Memory granted", fmt.pct(memFrac * 100), `${fmt.mib(o.memory_granted_mib)} of ${fmt.mib(o.memory_capacity_mib)} · used ${fmt.mib(o.memory_used_mib)}`, "", "kpi-memory"),
           kpi("Utilisation", fmt.pct(o.utilization_pct), "mean of GPUs reporting", "", "kpi-util"),
-          kpi("Fragmentation", fmt.pct(o.fragmentation * 100), "free compute stranded beside slices", o.fragmentation > 0.5 ? "warn" : "", "kpi-frag"),
+          kpi("Fragmentation", fmt.pct(o.fragmentation * 100), fragmented ? "free compute stranded beside slices while requests wait" : "free compute beside slices; nothing waits for it", fragmented ? "warn" : "", "kpi-frag"),
           kpi("Alerts firing", fmt.int(o.alerts.length), o.alerts_pending ? `${o.alerts_pending} pending` : "rules evaluated every second", o.alerts.length ? "bad" : "", "kpi-alerts"),
         ].join("");
         const usedFrac = o.compute_capacity_pct ? o.compute_used_pct / o.compute_capacity_pct : 0;
         const memUsedFrac = o.memory_capacity_mib ? o.memory_used_mib / o.memory_capacity_mib : 0;
         $("#capacity").innerHTML = `
           <div class="row"><span class="what">Compute</span>${meter(computeFrac, { used: usedFrac, tall: true, warnAt: 2, fullAt: 2 })}
-            <span class="nums"><b>${fmt.int(o.compute_granted_pct)}%</b> granted · ${fmt.int(o.compute_used_pct)}% used</span></div>
+            <span class="nums"><b>${fmt.gpus(o.compute_granted_pct)}</b> of ${fmt.gpus(o.compute_capacity_pct)} GPUs granted · ${fmt.gpus(o.compute_used_pct)} used</span></div>
           <div class="row"><span class="what">Memory</span>${meter(memFrac, { used: memUsedFrac, tall: true, warnAt: 2, fullAt: 2 })}
             <span class="nums"><b>${fmt.mib(o.memory_granted_mib)}</b> granted · ${fmt.mib(o.memory_used_mib)} used</span></div>
           <div class="legend"><span><i style="background:var(--accent)"></i>granted to leases</span><span><i style="background:#0f766e"></i>in use (telemetry)</span>
@@ -998,7 +1006,7 @@
         $("#webhook").innerHTML = w.configured
           ? `<div class="notice${w.last_error ? " bad" : ""}">Alert webhook: ${w.sent} notification(s) sent, ${w.failed} failed${w.last_error ? ` · last error: ${esc(w.last_error)}` : ""}${w.last_sent_at ? ` · last sent ${fmt.ago(w.last_sent_at)}` : ""}</div>`
           : '<div class="notice">No alert webhook configured: alerts show here and in /metrics. Start the controller with <code>--alert-webhook URL</code> to be notified.</div>';
-        $("#rules").innerHTML = `<table><thead><tr><th>Rule</th><th>Severity</th><th>For</th><th>Expression (PromQL)</th><th>State</th></tr></thead><tbody>
+        $("#rules").innerHTML = `<table class="rules" data-testid="rules-table"><thead><tr><th>Rule</th><th>Severity</th><th>For</th><th>Expression (PromQL)</th><th>State</th></tr></thead><tbody>
           ${a.rules.map((r) => `<tr><td><b>${esc(r.name)}</b><div class="muted" style="font-size:12px">${esc(r.description)}</div></td><td>${chip(r.severity)}</td>
             <td>${r.for_s ? fmt.dur(r.for_s) : "at once"}</td><td class="wrap"><code>${esc(r.expr)}</code></td>
             <td>${r.firing ? chip(`${r.firing} firing`, "critical") : r.pending ? chip(`${r.pending} pending`, "pending") : chip("ok", "granted")}</td></tr>`).join("")}</tbody></table>`;
