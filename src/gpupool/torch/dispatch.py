@@ -35,14 +35,17 @@ from gpupool.torch.shapes import (
     OpInfo,
     Plan,
     infer_plan,
+    meta_like,
     op_info,
+    to_meta,
 )
 from gpupool.torch.stream import DeviceStream
 from gpupool.torch.tensor import (
     Handle,
     RemoteTensor,
     bind_dispatch,
-    refresh_signature,
+    is_remote_device,
+    restride,
     wrap,
     wrap_signature,
 )
@@ -110,7 +113,7 @@ def _encode(value: Any, keyed: bool, enc: _Encoding) -> Any:
         enc.key.append(value.type)
         if value.type == "cpu":
             return HOST_DEVICE_EXT
-        if value.type == "cuda" and value.index is not None and enc.device_index is None:
+        if value.index is not None and enc.device_index is None and is_remote_device(value):
             enc.device_index = value.index
         return REMOTE_DEVICE_EXT
     if isinstance(value, torch.Tensor):
@@ -150,9 +153,13 @@ def _encode_remote(value: RemoteTensor, enc: _Encoding) -> Any:
 def _encode_host_tensor(value: torch.Tensor, enc: _Encoding) -> Any:
     if value.device.type == "meta":
         raise NotImplementedError(
-            "a remote op received a tensor on the meta device; typically autograd filled an "
-            "unused gradient with zeros (custom autograd.Function with unused outputs: call "
-            "ctx.set_materialize_grads(False)), which gpupool remote devices do not support"
+            "a remote op received a tensor on the meta device: mixing meta and cuda tensors "
+            "in one op is an error on a local GPU too"
+        )
+    if value.layout != torch.strided:
+        raise NotImplementedError(
+            f"{value.layout} tensors are not supported on gpupool remote devices (only strided "
+            "ones): convert with .to_dense() first"
         )
     value = value.detach()
     enc.key.append(("host", value.shape, value.dtype))
@@ -296,9 +303,10 @@ def _metadata_inplace(
     own = stream.new_handle()
     stream.emit([_OP, stream.op_id(op_info(aten.alias.default)), [target._gp.ext], None, [own.id]])
     target._gp = own
-    with torch._C._DisableTorchDispatch():
-        info.func(*args, **kwargs)
-    refresh_signature(target)
+    # The new metadata is what the op does to a meta tensor of the same metadata.
+    meta = meta_like(target)
+    info.func(meta, *(to_meta(a) for a in args[1:]), **{k: to_meta(v) for k, v in kwargs.items()})
+    restride(target, tuple(meta.shape), meta.stride(), meta.storage_offset())
     enc = _Encoding()
     wire_args, wire_kwargs = _encode_call(info, args, kwargs, enc)
     stream.emit([_OP, stream.op_id(info), wire_args, wire_kwargs, None])
@@ -343,16 +351,12 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not isinstance(source, RemoteTensor):
         raise NotImplementedError("_to_copy of a host tensor reached the remote dispatcher")
     here = source._gp.stream
-    if (
-        device is None
-        or device.type == "meta"
-        or (device.type == "cuda" and device.index in (None, here.index))
-    ):
+    if device is None or (is_remote_device(device) and device.index in (None, here.index)):
         rest = {
             k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking")
         }
         return run(op_info(func), args, rest)
-    if device.type == "cuda":
+    if is_remote_device(device):
         target = runtime.stream(device.index)
         if direct_copy(here, target):
             return _transfer(source, target, kwargs.get("dtype") or source.dtype)
@@ -365,7 +369,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
             host = host.contiguous(memory_format=memory_format)
         return host
-    if device.type == "cuda":
+    if is_remote_device(device):
         return upload(host, runtime.stream(device.index))
     raise NotImplementedError(f"gpupool cannot copy a remote tensor to {device}")
 
@@ -451,6 +455,11 @@ def _false(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return False
 
 
+def _same_kind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`.data =` asks whether two tensors can swap metadata: two remote tensors can."""
+    return all(isinstance(t, RemoteTensor) for t in args[:2])
+
+
 def _unsupported(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     raise NotImplementedError(f"{func} is not supported on gpupool remote devices")
 
@@ -466,6 +475,7 @@ _SPECIAL: dict[int, Any] = {
         aten.lift_fresh.default: _identity,
         aten.record_stream.default: _nothing,
         aten.is_pinned.default: _false,
+        aten._has_compatible_shallow_copy_type.default: _same_kind,
         aten._pin_memory.default: _unsupported,
         aten.set_.source_Storage: _unsupported,
         aten.set_.source_Storage_storage_offset: _unsupported,
@@ -553,7 +563,6 @@ def _configure(module: Any, find_rule: Any) -> None:
             "true_key": _TRUE,
             "false_key": _FALSE,
             "make_wrapper": torch.Tensor._make_wrapper_subclass,
-            "meta": torch.device("meta"),
             "op_code": int(_OP),
             "free_code": int(Rec.FREE),
             "perf_counter": time.perf_counter,

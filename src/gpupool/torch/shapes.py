@@ -18,7 +18,8 @@ from gpupool.torch.tensor import (
     META,
     Handle,
     RemoteTensor,
-    refresh_signature,
+    is_remote_device,
+    restride,
     wrap,
     wrap_signature,
 )
@@ -240,7 +241,7 @@ def to_meta(value: Any) -> Any:
         return (
             type(value)(to_meta(v) for v in value) if not isinstance(value, torch.Size) else value
         )
-    if isinstance(value, torch.device) and value.type in ("cuda", "meta"):
+    if isinstance(value, torch.device) and (value.type == "meta" or is_remote_device(value)):
         return META
     return value
 
@@ -264,7 +265,4 @@ def set_metadata(tensor: RemoteTensor, spec: TensorSpec) -> None:
         spec.offset,
     ):
         return
-    with torch._C._DisableTorchDispatch():
-        torch.Tensor.resize_(tensor, spec.shape)
-        torch.Tensor.as_strided_(tensor, spec.shape, spec.stride, spec.offset)
-    refresh_signature(tensor)
+    restride(tensor, spec.shape, spec.stride, spec.offset)

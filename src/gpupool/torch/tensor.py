@@ -1,8 +1,19 @@
 """RemoteTensor: a tensor a worker holds, which PyTorch in this process sees as a cuda tensor.
 
-It is a `__torch_dispatch__` wrapper subclass whose C++ device is `meta` (so autograd, whose
-device guards need a linked backend, works in a CPU-only torch) while the Python `device`
-property reports the remote `cuda:N`. It carries no data, only its metadata and a `Handle`.
+It is a `__torch_dispatch__` wrapper subclass whose C++ device is `gpupool:N`, PyTorch's
+PrivateUse1 backend under gpupool's name, while the Python `device` property reports the
+remote `cuda:N`. It carries no data, only its metadata and a `Handle`.
+
+Why PrivateUse1 (bench/tensor_design.py tried the options; docs/remote.md has the numbers):
+PyTorch's C++ composites and autograd formulas make new tensors with their input's options
+(`x[0] = 5` wraps 5 with x's device, clamp's backward makes zeros like its input), and no
+tensor subclass sees those factory calls. With the C++ device `meta` they became plain meta
+tensors the worker cannot run. With a device of its own, every factory call with a remote
+tensor's options reaches the kernels gpupool registers for that backend (gpupool.torch.kernels),
+which make remote tensors on the same device. A C++ device `cuda` would do the same but aborts
+in autograd on a CPU-only torch (no CUDA device guard), and on a CUDA build initialises CUDA.
+The device guard here is PyTorch's Python one (torch._C._acc); the autograd engine runs a
+remote tensor's backward in the calling thread (gpupool.torch.kernels), as it does for meta.
 """
 
 from __future__ import annotations
@@ -19,6 +30,8 @@ if TYPE_CHECKING:
     from gpupool.torch.stream import DeviceStream
 
 META = torch.device("meta")
+BACKEND = "gpupool"
+"""The name PyTorch's PrivateUse1 backend takes once gpupool has attached in this process."""
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _NO_KWARGS: dict[str, Any] = {}
 _DATA: Any = torch._C.TensorBase.__dict__["data"]
@@ -35,6 +48,75 @@ def bind_dispatch(fn: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> 
     """The dispatcher lives in its own module; it registers itself here when imported."""
     global _dispatch
     _dispatch = fn
+
+
+class BackendTaken(RuntimeError):
+    """Another library holds PyTorch's PrivateUse1 backend, which remote tensors need."""
+
+
+class _DeviceGuard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
+    """PyTorch's Python device guard for PrivateUse1: autograd and the dispatcher ask it which
+    device is current; a remote op never switches devices on the worker, so none is tracked."""
+
+    def type_(self) -> Any:
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+
+class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
+    """What PyTorch asks of a backend before it runs autograd on its tensors."""
+
+    def is_available(self) -> bool:
+        return True
+
+    def is_built(self) -> bool:
+        return True
+
+    def has_primary_context(self, device_index: int) -> bool:
+        return True
+
+
+_GUARD: _DeviceGuard | None = None
+_HOOKS: _Hooks | None = None
+_CXX_DEVICES: dict[int, torch.device] = {}
+
+
+def ensure_backend() -> None:
+    """Name PyTorch's PrivateUse1 backend `gpupool` and give it a device guard: once per
+    process (neither can be undone; both are harmless while nothing is attached)."""
+    global _GUARD, _HOOKS
+    if _GUARD is not None:
+        return
+    name = torch._C._get_privateuse1_backend_name()
+    if name not in ("privateuseone", BACKEND):
+        raise BackendTaken(
+            f"gpupool remote devices need PyTorch's PrivateUse1 backend, which {name!r} holds "
+            "in this process"
+        )
+    if name != BACKEND:
+        torch.utils.rename_privateuse1_backend(BACKEND)
+    guard = _DeviceGuard()
+    if not torch._C._acc.register_python_privateuseone_device_guard(guard):
+        raise BackendTaken(
+            "gpupool remote devices need PyTorch's PrivateUse1 backend, whose device guard "
+            "another library registered in this process"
+        )
+    hooks = _Hooks()
+    torch._C._acc.register_python_privateuseone_hook(hooks)
+    _GUARD, _HOOKS = guard, hooks
+
+
+def cxx_device(index: int) -> torch.device:
+    """The C++ device of remote tensors on cuda:`index` (what C++ composites see)."""
+    device = _CXX_DEVICES.get(index)
+    if device is None:
+        ensure_backend()
+        device = _CXX_DEVICES[index] = torch.device(BACKEND, index)
+    return device
+
+
+def is_remote_device(device: torch.device) -> bool:
+    """cuda, or gpupool (the C++ device a composite passes on from a remote tensor)."""
+    return device.type == "cuda" or device.type == BACKEND
 
 
 class Handle:
@@ -145,8 +227,9 @@ class RemoteTensor(torch.Tensor):
 
 def wrap(shape: Any, stride: Any, offset: int, dtype: torch.dtype, handle: Handle) -> RemoteTensor:
     tensor: RemoteTensor = _make_wrapper(
-        RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=META
-    )
+        RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype,
+        device=handle.stream.cxx_device,
+    )  # fmt: skip
     tensor._gp = handle
     tensor._sig = (tuple(shape), tuple(stride), offset, dtype)
     return tensor
@@ -156,11 +239,24 @@ def wrap_signature(sig: tuple[Any, ...], handle: Handle) -> RemoteTensor:
     """wrap() from a signature already made (a cached plan's, another wrapper's): shared as is."""
     shape, stride, offset, dtype = sig
     tensor: RemoteTensor = _make_wrapper(
-        RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype, device=META
-    )
+        RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype,
+        device=handle.stream.cxx_device,
+    )  # fmt: skip
     tensor._gp = handle
     tensor._sig = sig
     return tensor
+
+
+def restride(tensor: RemoteTensor, shape: Any, stride: Any, offset: int) -> None:
+    """Give a wrapper other sizes, strides and offset in place (in-place view ops such as
+    unsqueeze_, out= arguments the op resized), keeping its identity, autograd state and
+    handle: its C++ metadata is swapped for that of a fresh wrapper, as `.data =` does."""
+    fresh = _make_wrapper(
+        RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=tensor.dtype,
+        device=tensor._gp.stream.cxx_device,
+    )  # fmt: skip
+    _DATA.__set__(tensor, fresh)
+    refresh_signature(tensor)
 
 
 def refresh_signature(tensor: RemoteTensor) -> None:
