@@ -51,6 +51,7 @@ typedef struct {
     PyObject *true_key;      /* dispatch._TRUE / _FALSE: keyed bools in plan keys */
     PyObject *false_key;
     PyObject *make_wrapper;  /* torch.Tensor._make_wrapper_subclass */
+    PyObject *wrap_bits;     /* tensor.wrap_signature, for signatures with math bits */
     PyObject *op_code;       /* Rec.OP as int */
     PyObject *free_code;     /* Rec.FREE as int */
     PyObject *perf_counter;  /* time.perf_counter: the flusher compares _first_at with it */
@@ -307,6 +308,8 @@ new_handle(PyObject *stream, PyObject **handle_id)
 static PyObject *
 wrap_signature(PyObject *sig, PyObject *handle)
 {
+    if (PyTuple_Check(sig) && PyTuple_GET_SIZE(sig) == 5) /* math bits: the Python way */
+        return PyObject_CallFunctionObjArgs(S.wrap_bits, sig, handle, NULL);
     if (!PyTuple_Check(sig) || PyTuple_GET_SIZE(sig) != 4) {
         PyErr_SetString(PyExc_RuntimeError, "gpupool: malformed tensor signature in a plan");
         return NULL;
@@ -1473,6 +1476,7 @@ configure(PyObject *module, PyObject *config)
         take(config, "dtype_ext", &S.dtype_ext) < 0 ||
         take(config, "true_key", &S.true_key) < 0 || take(config, "false_key", &S.false_key) < 0 ||
         take(config, "make_wrapper", &S.make_wrapper) < 0 ||
+        take(config, "wrap_bits", &S.wrap_bits) < 0 ||
         take(config, "op_code", &S.op_code) < 0 ||
         take(config, "free_code", &S.free_code) < 0 ||
         take(config, "perf_counter", &S.perf_counter) < 0 ||

@@ -41,10 +41,13 @@ from gpupool.torch.shapes import (
 )
 from gpupool.torch.stream import DeviceStream
 from gpupool.torch.tensor import (
+    CONJ,
+    NEG,
     Handle,
     RemoteTensor,
     bind_dispatch,
     is_remote_device,
+    read_values,
     restride,
     wrap,
     wrap_signature,
@@ -52,6 +55,7 @@ from gpupool.torch.tensor import (
 
 aten = torch.ops.aten
 _OP = Rec.OP
+_NO_KWARGS: dict[str, Any] = {}
 _PLANS: dict[tuple[Any, ...], Plan] = {}
 
 CALL_BLOCK = 1 << 16
@@ -249,16 +253,40 @@ def run(
     key = (info, *enc.key)
     plan = _PLANS.get(key)
     if plan is None:
+        if not info.is_view and (_has_bits(args) or _has_bits(kwargs.values())):
+            return _run_resolved(info, args, kwargs, device_index)
         try:
             plan = autocast.infer_with_reconciliation(info, args, kwargs, infer_plan)
         except NeedsWorker:
             return _call(info, stream, wire_args, wire_kwargs)
         if len(_PLANS) >= PLAN_CACHE_MAX:
             _PLANS.clear()
-        _PLANS[key] = plan
+        # Ops on tensors with math bits stay off the cache, so the compiled path never sees
+        # them (their outputs' bits come from meta inference each time).
+        if not _has_bits(args) and not _has_bits(kwargs.values()):
+            _PLANS[key] = plan
     outs, result = plan.build(stream.new_handle, args, kwargs)
     stream.emit([_OP, op_id, wire_args, wire_kwargs, outs])
     return result
+
+
+def _run_resolved(
+    info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], device_index: int | None
+) -> Any:
+    """An op that reads values, given a tensor with math bits (PyTorch's fallbacks pass a few
+    through: clone, copy, the factories `*_like`): it gets the values, resolved on the worker."""
+    args = tuple(_resolve(a) for a in args)
+    kwargs = {k: _resolve(v) for k, v in kwargs.items()}
+    return run(info, args, kwargs, device_index)
+
+
+def _resolve(value: Any) -> Any:
+    if type(value) is RemoteTensor:
+        bits = _bits(value)
+        return _apply_bits(value, bits) if bits else value
+    if type(value) in (list, tuple):
+        return type(value)(_resolve(v) for v in value)
+    return value
 
 
 def _aliased_result(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -334,8 +362,54 @@ def upload(host: torch.Tensor, stream: DeviceStream) -> RemoteTensor:
 
 
 def download(tensor: RemoteTensor) -> torch.Tensor:
-    """The tensor's values in host memory (waits for everything queued before it)."""
-    return tensor._gp.stream.read(tensor._gp.ext)
+    """The tensor's values in host memory (waits for everything queued before it), with its
+    math bits as `.cpu()` of a local GPU tensor keeps them."""
+    return read_values(tensor)
+
+
+# ---- math bits (lazy conjugate and negative) --------------------------------------------------
+
+
+def _bits(tensor: RemoteTensor) -> int:
+    sig = tensor._sig
+    return sig[4] if len(sig) == 5 else 0
+
+
+def _raw(tensor: RemoteTensor) -> RemoteTensor:
+    """The worker's tensor as it is, without the wrapper's math bits (same handle)."""
+    return wrap_signature(tensor._sig[:4], tensor._gp)
+
+
+def _apply_bits(tensor: RemoteTensor, bits: int) -> RemoteTensor:
+    """A new remote tensor holding conj and/or neg of `tensor`'s raw values."""
+    result = _raw(tensor)
+    if bits & CONJ and result.is_complex():
+        result = run(op_info(aten.conj_physical.default), (result,), _NO_KWARGS)
+    if bits & NEG:
+        result = run(op_info(aten.neg.default), (result,), _NO_KWARGS)
+    return result
+
+
+def _toggle_bit(bit: int) -> Any:
+    def handler(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """_conj / _neg_view: the same worker tensor, the wrapper's bit flipped."""
+        source = args[0]
+        if bit == CONJ and not source.is_complex():
+            return wrap_signature(source._sig, source._gp)
+        bits = _bits(source) ^ bit
+        sig = source._sig[:4]
+        return wrap_signature((*sig, bits) if bits else sig, source._gp)
+
+    return handler
+
+
+def _has_bits(values: Any) -> bool:
+    for value in values:
+        if type(value) is RemoteTensor and len(value._sig) == 5:
+            return True
+        if type(value) in (list, tuple) and _has_bits(value):
+            return True
+    return False
 
 
 # ---- ops that are not plain ops -------------------------------------------------------------
@@ -420,21 +494,44 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """copy_ writes values: into a tensor with math bits it writes their inverse (both are
+    involutions), so the raw values the worker holds are the source's with the bits of
+    source and target applied."""
     target, source = args[0], args[1]
     if isinstance(target, RemoteTensor):
+        target_bits = _bits(target)
         if isinstance(source, RemoteTensor):
+            source_bits = _bits(source)
             if source._gp.stream is target._gp.stream:
-                return run(op_info(func), args, kwargs)
-            if direct_copy(source._gp.stream, target._gp.stream):
+                if not (source_bits or target_bits):
+                    return run(op_info(func), args, kwargs)
+                raw = _apply_bits(source, source_bits ^ target_bits)
+                run(op_info(func), (_raw(target), raw, *args[2:]), kwargs)
+                return target
+            if direct_copy(source._gp.stream, target._gp.stream) and not (
+                source_bits or target_bits
+            ):
                 _send(source, target._gp.stream, target._gp.id, None, into=True)
                 return target
             source = download(source)
         elif source.device.type == "meta":
             raise NotImplementedError("copy_ from a meta tensor into a remote tensor")
+        if target_bits or source.is_conj() or source.is_neg():
+            source = _host_raw(source, target_bits)
         target._gp.stream.put(target._gp, source)
         return target
     target.copy_(download(source))
     return target
+
+
+def _host_raw(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The raw values a tensor with math bits `bits` holds to show `values`."""
+    raw = values.resolve_conj().resolve_neg()
+    if bits & CONJ and raw.is_complex():
+        raw = raw.conj_physical()
+    if bits & NEG:
+        raw = raw.neg()
+    return raw
 
 
 def _share(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -471,6 +568,8 @@ _SPECIAL: dict[int, Any] = {
         aten._to_copy.default: _to_copy,
         aten.copy_.default: _copy_,
         aten.detach.default: _share,
+        aten._conj.default: _toggle_bit(CONJ),
+        aten._neg_view.default: _toggle_bit(NEG),
         aten.alias.default: _share,
         aten.lift_fresh.default: _identity,
         aten.record_stream.default: _nothing,
@@ -563,6 +662,7 @@ def _configure(module: Any, find_rule: Any) -> None:
             "true_key": _TRUE,
             "false_key": _FALSE,
             "make_wrapper": torch.Tensor._make_wrapper_subclass,
+            "wrap_bits": wrap_signature,
             "op_code": int(_OP),
             "free_code": int(Rec.FREE),
             "perf_counter": time.perf_counter,

@@ -140,7 +140,8 @@ class RemoteTensor(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     _gp: Handle
     _sig: tuple[Any, ...]
-    """(shape, stride, offset, dtype), kept at hand: every op's plan-cache key is made of these."""
+    """(shape, stride, offset, dtype), kept at hand: every op's plan-cache key is made of these.
+    A tensor with a math bit (lazy conjugate, lazy negative) has the bits as a fifth item."""
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -185,7 +186,7 @@ class RemoteTensor(torch.Tensor):
         return object.__format__(self, format_spec)
 
     def tolist(self) -> Any:
-        return self._gp.stream.read(self._gp.ext).tolist()
+        return read_values(self).tolist()
 
     def numpy(self, *args: Any, **kwargs: Any) -> Any:
         raise TypeError(
@@ -195,7 +196,7 @@ class RemoteTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         with torch.no_grad():
-            host = self._gp.stream.read(self._gp.ext).reshape(self.shape)
+            host = read_values(self).reshape(self.shape)
         text = repr(host)
         extras = [f"device='{self.device}'"]
         if self.grad_fn is not None:
@@ -225,25 +226,47 @@ class RemoteTensor(torch.Tensor):
         return reduce_remote(self, protocol)
 
 
-def wrap(shape: Any, stride: Any, offset: int, dtype: torch.dtype, handle: Handle) -> RemoteTensor:
+CONJ, NEG = 1, 2
+"""Math bits. The worker's tensor never has them: it holds the raw values, and the client's
+wrapper carries the bits, so PyTorch's conjugate and negative fallbacks (which run above the
+Python key, before an op reaches the remote dispatcher) see them as on any device."""
+
+
+def math_bits(tensor: torch.Tensor) -> int:
+    return (CONJ if tensor.is_conj() else 0) | (NEG if tensor.is_neg() else 0)
+
+
+def set_math_bits(tensor: torch.Tensor, bits: int) -> None:
+    torch._C._set_conj(tensor, bool(bits & CONJ))
+    torch._C._set_neg(tensor, bool(bits & NEG))
+
+
+def wrap(
+    shape: Any, stride: Any, offset: int, dtype: torch.dtype, handle: Handle, bits: int = 0
+) -> RemoteTensor:
     tensor: RemoteTensor = _make_wrapper(
         RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype,
         device=handle.stream.cxx_device,
     )  # fmt: skip
     tensor._gp = handle
-    tensor._sig = (tuple(shape), tuple(stride), offset, dtype)
+    if bits:
+        set_math_bits(tensor, bits)
+        tensor._sig = (tuple(shape), tuple(stride), offset, dtype, bits)
+    else:
+        tensor._sig = (tuple(shape), tuple(stride), offset, dtype)
     return tensor
 
 
 def wrap_signature(sig: tuple[Any, ...], handle: Handle) -> RemoteTensor:
     """wrap() from a signature already made (a cached plan's, another wrapper's): shared as is."""
-    shape, stride, offset, dtype = sig
     tensor: RemoteTensor = _make_wrapper(
-        RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=dtype,
+        RemoteTensor, sig[0], strides=sig[1], storage_offset=sig[2], dtype=sig[3],
         device=handle.stream.cxx_device,
     )  # fmt: skip
     tensor._gp = handle
     tensor._sig = sig
+    if len(sig) == 5:
+        set_math_bits(tensor, sig[4])
     return tensor
 
 
@@ -251,14 +274,27 @@ def restride(tensor: RemoteTensor, shape: Any, stride: Any, offset: int) -> None
     """Give a wrapper other sizes, strides and offset in place (in-place view ops such as
     unsqueeze_, out= arguments the op resized), keeping its identity, autograd state and
     handle: its C++ metadata is swapped for that of a fresh wrapper, as `.data =` does."""
+    bits = math_bits(tensor)
     fresh = _make_wrapper(
         RemoteTensor, shape, strides=stride, storage_offset=offset, dtype=tensor.dtype,
         device=tensor._gp.stream.cxx_device,
     )  # fmt: skip
     _DATA.__set__(tensor, fresh)
+    set_math_bits(tensor, bits)
     refresh_signature(tensor)
+
+
+def read_values(tensor: RemoteTensor) -> torch.Tensor:
+    """The tensor in host memory, with its math bits (as `.cpu()` of a local GPU tensor)."""
+    host = tensor._gp.stream.read(tensor._gp.ext)
+    bits = tensor._sig[4] if len(tensor._sig) == 5 else 0
+    if bits:
+        set_math_bits(host, bits)
+    return host
 
 
 def refresh_signature(tensor: RemoteTensor) -> None:
     """After the wrapper's own metadata changed (in-place shape ops, out=, `.data =`)."""
-    tensor._sig = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype)
+    sig = (tuple(tensor.shape), tensor.stride(), tensor.storage_offset(), tensor.dtype)
+    bits = math_bits(tensor)
+    tensor._sig = (*sig, bits) if bits else sig
