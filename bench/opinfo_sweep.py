@@ -39,6 +39,7 @@ def main() -> None:
     parser.add_argument("--ops", default="", help="comma-separated OpInfo names (default: all)")
     parser.add_argument("--label", default="after")
     parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--verbose", action="store_true", help="name each op on stderr first")
     options = parser.parse_args()
 
     import torch
@@ -78,6 +79,8 @@ def main() -> None:
                 if not applies(op, which):
                     continue
                 before = len(tally.outcomes)
+                if options.verbose:
+                    print(which, full_name(op), file=sys.stderr, flush=True)
                 run_op(op, which, options.per_op, tally, on_lost=reattach)
                 lost += sum("WorkerLost" in o.cause for o in tally.outcomes[before:])
             summary = tally.summary()

@@ -79,6 +79,7 @@ class Tally:
                 {"op": o.op, "sample": o.sample, "result": o.result, "cause": o.cause}
                 for o in self.failures()
             ],
+            "skips": sorted({f"{o.op}: {o.cause[:160]}" for o in self.outcomes if o.result == "skip"}),
         }
 
 
@@ -110,10 +111,12 @@ def applies(op: Any, which: str) -> bool:
 
 
 def samples(op: Any, which: str, per_op: int) -> Iterator[Any]:
+    """The op's samples made for `cuda`, as PyTorch's CUDA tests make them (the tensors an op
+    wants on the host, tensor_split's indices, stay there): the local run gets host copies."""
     dtype = torch.bfloat16 if which == "bf16_forward" else torch.float32
     backward = which == "fp32_backward"
     torch.manual_seed(0)
-    for i, sample in enumerate(op.sample_inputs("cpu", dtype, requires_grad=backward)):
+    for i, sample in enumerate(op.sample_inputs("cuda", dtype, requires_grad=backward)):
         if i >= per_op:
             return
         yield sample
@@ -123,19 +126,25 @@ def run_op(
     op: Any, which: str, per_op: int, tally: Tally, on_lost: Callable[[], None] | None = None
 ) -> None:
     name = full_name(op)
-    for index, sample in enumerate(samples(op, which, per_op)):
-        outcome = run_sample(op, sample, which == "fp32_backward")
-        outcome.op, outcome.sample = name, index
-        tally.outcomes.append(outcome)
-        if "WorkerLost" in outcome.cause and on_lost is not None:
+    index = 0
+    try:
+        for index, sample in enumerate(samples(op, which, per_op)):
+            outcome = run_sample(op, sample, which == "fp32_backward")
+            outcome.op, outcome.sample = name, index
+            tally.outcomes.append(outcome)
+            if "WorkerLost" in outcome.cause and on_lost is not None:
+                on_lost()
+    except Exception as exc:  # making the samples on the remote device failed
+        tally.outcomes.append(Outcome(name, index, "error", f"sample_inputs: {_describe(exc)}"))
+        if "WorkerLost" in type(exc).__name__ and on_lost is not None:
             on_lost()
 
 
 def run_sample(op: Any, sample: Any, backward: bool) -> Outcome:
     try:
         expected = _local(op, sample, backward)
-    except Exception:
-        return Outcome("", 0, "skip", "local op raised")
+    except Exception as exc:
+        return Outcome("", 0, "skip", f"local op raised {_describe(exc)}")
     if expected is None:
         return Outcome("", 0, "skip", "nothing to differentiate")
     random = _values_random(op, sample, backward, expected)
@@ -174,17 +183,8 @@ def _call(op: Any, sample: Any, convert: Callable[[Any], Any]) -> tuple[Any, Any
     inputs = convert_tree(sample.input, convert, memo)
     args = convert_tree(sample.args, convert, memo)
     kwargs = {k: convert_tree(v, convert, memo) for k, v in sample.kwargs.items()}
-    if "device" in kwargs:
-        kwargs["device"] = convert_device(kwargs["device"], convert)
     out = op(inputs, *args, **kwargs)
     return out, (inputs, args, kwargs)
-
-
-def convert_device(device: Any, convert: Callable[[Any], Any]) -> Any:
-    remote = convert is to_remote
-    if remote and (device == "cpu" or device == torch.device("cpu")):
-        return "cuda"
-    return device
 
 
 def convert_tree(value: Any, convert: Callable[[Any], Any], memo: dict[int, Any]) -> Any:
@@ -192,6 +192,8 @@ def convert_tree(value: Any, convert: Callable[[Any], Any], memo: dict[int, Any]
         if id(value) not in memo:
             memo[id(value)] = convert(value)
         return memo[id(value)]
+    if convert is to_local and (isinstance(value, torch.device) or value == "cuda"):
+        return _local_device(value)
     if isinstance(value, list):
         return [convert_tree(v, convert, memo) for v in value]
     if isinstance(value, tuple) and not isinstance(value, torch.Size):
@@ -201,16 +203,28 @@ def convert_tree(value: Any, convert: Callable[[Any], Any], memo: dict[int, Any]
     return value
 
 
+def _local_device(device: Any) -> Any:
+    if isinstance(device, str):
+        return "cpu" if device.startswith("cuda") else device
+    return torch.device("cpu") if device.type == "cuda" else device
+
+
 def to_local(tensor: torch.Tensor) -> torch.Tensor:
-    copy = tensor.detach().clone()
-    return copy.requires_grad_(tensor.requires_grad) if copy.is_floating_point() or copy.is_complex() else copy
+    """A host copy of a sample's tensor (a new leaf with the same requires_grad)."""
+    copy = tensor.detach().cpu().clone()
+    if tensor.requires_grad:
+        copy.requires_grad_(True)
+    return copy
 
 
 def to_remote(tensor: torch.Tensor) -> torch.Tensor:
-    moved = tensor.detach().to("cuda")
+    """The sample's own tensor (remote, or kept on the host on purpose), as a new leaf."""
+    fresh = tensor.detach()
+    if tensor.device.type != "cuda":
+        fresh = fresh.clone()
     if tensor.requires_grad:
-        moved.requires_grad_(True)
-    return moved
+        fresh.requires_grad_(True)
+    return fresh
 
 
 def _local(op: Any, sample: Any, backward: bool) -> Any:
@@ -242,8 +256,7 @@ def _run(op: Any, sample: Any, backward: bool, convert: Callable[[Any], Any]) ->
 def _like(host: torch.Tensor, target: torch.Tensor, convert: Callable[[Any], Any]) -> torch.Tensor:
     if target.is_complex():
         host = torch.complex(host, host.flip(-1) if host.dim() else host)
-    host = host.to(target.dtype)
-    return convert(host).detach()
+    return host.to(target.dtype).to(target.device)
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -313,8 +326,6 @@ def _compare_tensor(actual: _Read, expected: torch.Tensor, metadata_only: bool) 
         return f"shape {actual.shape} != {tuple(expected.shape)}"
     if actual.dtype != expected.dtype:
         return f"dtype {actual.dtype} != {expected.dtype}"
-    if actual.device.type not in ("cuda",) and expected.device.type == "cpu":
-        return f"device {actual.device} where a cuda tensor was expected"
     if actual.is_conj != expected.is_conj():
         return f"is_conj() {actual.is_conj} != {expected.is_conj()}"
     if actual.is_neg != expected.is_neg():

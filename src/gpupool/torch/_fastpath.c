@@ -730,7 +730,7 @@ signature_dtype(PyObject *tensor)
     if (sig == NULL)
         return NULL;
     PyObject *dtype = NULL;
-    if (PyTuple_Check(sig) && PyTuple_GET_SIZE(sig) == 4)
+    if (PyTuple_Check(sig) && (PyTuple_GET_SIZE(sig) == 4 || PyTuple_GET_SIZE(sig) == 5))
         dtype = PyTuple_GET_ITEM(sig, 3); /* the signature lives as long as the wrapper */
     else
         PyErr_SetString(PyExc_RuntimeError, "gpupool: malformed tensor signature");

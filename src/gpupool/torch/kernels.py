@@ -52,6 +52,7 @@ def install() -> None:
         backend.impl(name, _factory_kernel(op))
     for name, op in _BELOW_PYTHON.items():
         backend.impl(name, _op_kernel(op))
+    backend.impl("_efficientzerotensor", _zeros)
     autograd = torch.library.Library("aten", "IMPL", "AutogradPrivateUse1")
     autograd.impl("scaled_dot_product_attention", scaled_dot_product_attention)
     autograd.impl("batch_norm", batch_norm)
@@ -100,6 +101,23 @@ class _BackendModule:
     def manual_seed_all(seed: int) -> None:
         return None  # torch.manual_seed seeds the remote devices through torch.cuda
 
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.cuda.get_rng_state(_index(device))
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.cuda.set_rng_state(state, _index(device))
+
+
+def _index(device: Any) -> int:
+    if device is None:
+        return runtime.current_index()
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return runtime.current_index() if index is None else index
+
 
 _BELOW_PYTHON = {
     "copy_": aten.copy_.default,
@@ -111,6 +129,16 @@ _BELOW_PYTHON = {
 a device tensor (`torch.tensor(data, device=...)`, a list index, `x[[0, 2]]`) is copied with
 the Python key off. They go to the remote dispatcher all the same; any other op that gets
 there fails with PyTorch's own error naming the op and the `gpupool` backend."""
+
+
+def _zeros(
+    size: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None
+) -> torch.Tensor:
+    """Autograd's zero gradients (`_efficientzerotensor`): a tensor of zeros on the worker."""
+    index = device.index if isinstance(device, torch.device) else None
+    return dispatch.factory(
+        aten.zeros.default, (list(size),), {"dtype": dtype, "device": torch.device("cuda", index or 0)}
+    )
 
 
 def _op_kernel(op: Any) -> Any:
