@@ -9,7 +9,10 @@ sample ends as one of:
   default tolerance, with the same shapes, dtypes and conjugate / negative bits;
 - `mismatch`: the remote op ran and its result differs: a silent wrong value, the worst case;
 - `error`: the remote op raised (the local one did not);
-- `skip`: the local op raised, or (backward) the sample has nothing to differentiate.
+- `skip`: the local op raised, or (backward) the sample has nothing to differentiate;
+- `device_semantics`: the remote result has the metadata PyTorch's meta kernels give (the
+  contract of CUDA, the device a remote tensor is) where the CPU kernel's differs (batch norm's
+  saved statistics): listed apart, counted neither way.
 
 Ops whose values are random or uninitialised (`empty`, `bernoulli`, dropout, ...) are compared
 by metadata only: a run of the local op twice tells those apart, plus a list of the ones whose
@@ -38,7 +41,7 @@ UNINITIALISED = frozenset(
 class Outcome:
     op: str
     sample: int
-    result: str  # pass | mismatch | error | skip
+    result: str  # pass | mismatch | error | skip | device_semantics
     cause: str = ""
 
 
@@ -51,7 +54,7 @@ class Tally:
 
     @property
     def tried(self) -> int:
-        return sum(1 for o in self.outcomes if o.result != "skip")
+        return sum(1 for o in self.outcomes if o.result not in ("skip", "device_semantics"))
 
     @property
     def pass_pct(self) -> float:
@@ -73,6 +76,10 @@ class Tally:
             "mismatches": self.count("mismatch"),
             "errors": self.count("error"),
             "skipped": self.count("skip"),
+            "device_semantics": [
+                f"{o.op}[{o.sample}]: {o.cause}" for o in self.outcomes
+                if o.result == "device_semantics"
+            ],
             "pass_pct": round(self.pass_pct, 3),
             "causes": [{"cause": c, "samples": n} for c, n in self.causes()],
             "failures": [
@@ -153,9 +160,33 @@ def run_sample(op: Any, sample: Any, backward: bool) -> Outcome:
     except Exception as exc:
         return Outcome("", 0, "error", _describe(exc))
     problem = _compare(actual, expected, metadata_only=random)
+    if problem and not backward and _cuda_contract(op, sample, actual):
+        return Outcome("", 0, "device_semantics", problem)
     if problem:
         return Outcome("", 0, "mismatch", problem)
     return Outcome("", 0, "pass")
+
+
+def _cuda_contract(op: Any, sample: Any, actual: Any) -> bool:
+    """Whether the remote result has the metadata PyTorch's meta kernels (CUDA's contract)
+    give where the local CPU kernel differs: batch and layer norm's saved statistics are float32
+    on CUDA and bf16 on the CPU, empty in CPU eval mode. A CPU worker cannot be both."""
+    def meta(t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    try:
+        reference = _call(op, sample, meta)[0]
+    except Exception:
+        return False
+    got = [(r.shape, r.dtype) for r in _flat(actual) if isinstance(r, _Read)]
+    want = [(tuple(t.shape), t.dtype) for t in _tensors(reference)]
+    return bool(got) and got == want
+
+
+def _flat(value: Any) -> list[Any]:
+    if isinstance(value, list | tuple) and not isinstance(value, torch.Size):
+        return [x for v in value for x in _flat(v)]
+    return [value]
 
 
 def _describe(exc: BaseException) -> str:

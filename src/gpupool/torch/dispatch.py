@@ -124,7 +124,13 @@ def _encode(value: Any, keyed: bool, enc: _Encoding) -> Any:
         return _encode_host_tensor(value, enc)
     if kind is torch.layout:
         enc.key.append(value)
-        return LAYOUT_EXT[value]
+        layout = LAYOUT_EXT.get(value)
+        if layout is None:
+            raise NotImplementedError(
+                f"{value} tensors are not supported on gpupool remote devices (only strided "
+                "ones)"
+            )
+        return layout
     if kind is torch.memory_format:
         enc.key.append(value)
         return MEMORY_FORMAT_EXT[value]
@@ -216,6 +222,8 @@ overloads live as long as torch)."""
 
 def _route(func: Any) -> tuple[Any, OpInfo | None, int]:
     special = _SPECIAL.get(id(func))
+    if special is None:
+        special = _composite_route(func)
     if special is not None:
         route: tuple[Any, OpInfo | None, int] = (special, None, 0)
     else:
@@ -223,6 +231,29 @@ def _route(func: Any) -> tuple[Any, OpInfo | None, int]:
         route = (None, info, autocast.policy_bits(info.short_name))
     _ROUTES[id(func)] = route
     return route
+
+
+_COMPOSITE_KEYS = (
+    torch._C.DispatchKey.CompositeImplicitAutograd,
+    torch._C.DispatchKey.CompositeExplicitAutograd,
+)
+
+
+def _composite_route(func: Any) -> Any:
+    """Ops outside aten (library ops such as torch.nn's `torch_nn::` ones) never run on a
+    worker, which takes aten ops only; where one is a composite of other ops, those run."""
+    name = func.name()
+    if name.startswith("aten::"):
+        return None
+    keys = [k for k in _COMPOSITE_KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)]
+    if not keys:
+        return None
+    key = keys[0]
+
+    def composite(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return func._op_dk(key, *args, **kwargs)
+
+    return composite
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -588,6 +619,14 @@ def factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     through these, so all of them make RemoteTensors without a TorchFunctionMode."""
     device = kwargs.get("device")
     index = device.index if isinstance(device, torch.device) else None
+    layout = kwargs.get("layout")
+    if layout is not None and layout != torch.strided:
+        # A sparse tensor copied to the device allocates this way too: fail at that op,
+        # before anything is sent, so the session and every other tensor stay as they are.
+        raise NotImplementedError(
+            f"{func.name()}: {layout} tensors are not supported on gpupool remote devices "
+            "(only strided ones); use .to_dense() first"
+        )
     kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory" and v is not None}
     return run(op_info(func), args, kwargs, runtime.current_index() if index is None else index)
 

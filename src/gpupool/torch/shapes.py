@@ -219,6 +219,12 @@ def infer_plan(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> P
     except Exception as exc:
         raise NeedsWorker(f"{info.name}: {exc}") from exc
     returns = [out] if len(info.returns_alias) <= 1 else list(out)
+    for value in returns:
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            raise NotImplementedError(
+                f"{info.name}: {value.layout} tensors are not supported on gpupool remote "
+                "devices (only strided ones); use .to_dense() first"
+            )
     nodes: list[Any] = []
     for value, alias in zip(returns, info.returns_alias or (None,), strict=False):
         if alias is None:
