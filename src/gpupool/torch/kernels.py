@@ -75,7 +75,10 @@ class _BackendModule:
 
     @staticmethod
     def is_available() -> bool:
-        return runtime.attached()
+        """torch.accelerator.is_available() asks this module (PrivateUse1 is PyTorch's
+        accelerator once named): the program's devices are cuda, which torch.cuda answers for;
+        PrivateUse1 is how remote tensors look to C++ and nothing a program should pick."""
+        return False
 
     @staticmethod
     def is_initialized() -> bool:
