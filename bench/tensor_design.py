@@ -108,7 +108,9 @@ def build(option: str) -> tuple[Callable[[Any], Any], Callable[[Any], Any]]:
         __torch_function__ = torch._C._disabled_torch_function_impl
 
         @classmethod
-        def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        def __torch_dispatch__(
+            cls, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
             def unwrap(v: Any) -> Any:
                 if isinstance(v, Simulated):
                     return v.data_

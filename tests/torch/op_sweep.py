@@ -77,7 +77,8 @@ class Tally:
             "errors": self.count("error"),
             "skipped": self.count("skip"),
             "device_semantics": [
-                f"{o.op}[{o.sample}]: {o.cause}" for o in self.outcomes
+                f"{o.op}[{o.sample}]: {o.cause}"
+                for o in self.outcomes
                 if o.result == "device_semantics"
             ],
             "pass_pct": round(self.pass_pct, 3),
@@ -86,7 +87,9 @@ class Tally:
                 {"op": o.op, "sample": o.sample, "result": o.result, "cause": o.cause}
                 for o in self.failures()
             ],
-            "skips": sorted({f"{o.op}: {o.cause[:160]}" for o in self.outcomes if o.result == "skip"}),
+            "skips": sorted(
+                {f"{o.op}: {o.cause[:160]}" for o in self.outcomes if o.result == "skip"}
+            ),
         }
 
 
@@ -171,6 +174,7 @@ def _cuda_contract(op: Any, sample: Any, actual: Any) -> bool:
     """Whether the remote result has the metadata PyTorch's meta kernels (CUDA's contract)
     give where the local CPU kernel differs: batch and layer norm's saved statistics are float32
     on CUDA and bf16 on the CPU, empty in CPU eval mode. A CPU worker cannot be both."""
+
     def meta(t: torch.Tensor) -> torch.Tensor:
         return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
 
@@ -304,8 +308,10 @@ def to_host(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return _Read(value)
     if isinstance(value, list | tuple) and not isinstance(value, torch.Size):
-        return type(value)(to_host(v) for v in value) if isinstance(value, list) else tuple(
-            to_host(v) for v in value
+        return (
+            type(value)(to_host(v) for v in value)
+            if isinstance(value, list)
+            else tuple(to_host(v) for v in value)
         )
     return value
 
@@ -346,7 +352,11 @@ def _compare(actual: Any, expected: Any, metadata_only: bool) -> str:
     if isinstance(expected, float) and isinstance(actual, float):
         if expected != expected and actual != actual:
             return ""
-        return "" if abs(expected - actual) <= 1e-5 + 1e-5 * abs(expected) else f"{actual} != {expected}"
+        return (
+            ""
+            if abs(expected - actual) <= 1e-5 + 1e-5 * abs(expected)
+            else f"{actual} != {expected}"
+        )
     if metadata_only:
         return "" if type(actual) is type(expected) else f"{type(actual)} != {type(expected)}"
     return "" if actual == expected else f"{actual!r:.80} != {expected!r:.80}"

@@ -127,8 +127,7 @@ def _encode(value: Any, keyed: bool, enc: _Encoding) -> Any:
         layout = LAYOUT_EXT.get(value)
         if layout is None:
             raise NotImplementedError(
-                f"{value} tensors are not supported on gpupool remote devices (only strided "
-                "ones)"
+                f"{value} tensors are not supported on gpupool remote devices (only strided ones)"
             )
         return layout
     if kind is torch.memory_format:

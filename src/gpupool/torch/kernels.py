@@ -139,9 +139,8 @@ def _zeros(
 ) -> torch.Tensor:
     """Autograd's zero gradients (`_efficientzerotensor`): a tensor of zeros on the worker."""
     index = device.index if isinstance(device, torch.device) else None
-    return dispatch.factory(
-        aten.zeros.default, (list(size),), {"dtype": dtype, "device": torch.device("cuda", index or 0)}
-    )
+    on = torch.device("cuda", runtime.current_index() if index is None else index)
+    return dispatch.factory(aten.zeros.default, (list(size),), {"dtype": dtype, "device": on})
 
 
 def _op_kernel(op: Any) -> Any:
