@@ -168,3 +168,27 @@ def test_a_sparse_tensor_fails_at_its_op_and_the_session_lives_on(
         torch.zeros(2, 2, layout=torch.sparse_coo, device="cuda")
     assert kept.tolist() == [0.0, 2.0, 4.0, 6.0]
     assert (kept + 1).sum().item() == 16.0
+
+
+def test_an_error_inside_backward_reaches_the_caller_and_the_session_lives_on(
+    attach: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpupool.torch import dispatch
+
+    attach()
+    sgn = torch.ops.aten.sgn.default
+
+    def refused(func: Any, args: Any, kwargs: Any) -> Any:
+        raise NotImplementedError(f"{func} refused here")
+
+    monkeypatch.setitem(dispatch._SPECIAL, id(sgn), refused)
+    monkeypatch.delitem(dispatch._ROUTES, id(sgn), raising=False)
+    a = torch.ones(3, device="cuda", requires_grad=True)
+    with pytest.raises(NotImplementedError, match="refused here"):
+        a.abs().sum().backward()  # abs's backward formula calls sgn, in C++
+    monkeypatch.undo()
+    dispatch._ROUTES.pop(id(sgn), None)
+    b = torch.ones(3, device="cuda", requires_grad=True)
+    b.abs().sum().backward()
+    assert b.grad is not None and b.grad.tolist() == [1.0, 1.0, 1.0]
+    assert (a * 3).sum().item() == 9.0

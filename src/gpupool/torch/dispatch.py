@@ -224,6 +224,7 @@ def _route(func: Any) -> tuple[Any, OpInfo | None, int]:
     if special is None:
         special = _composite_route(func)
     if special is not None:
+        special = _guarded_special(special)
         route: tuple[Any, OpInfo | None, int] = (special, None, 0)
     else:
         info = op_info(func)
@@ -364,7 +365,7 @@ def _metadata_inplace(
     # The new metadata is what the op does to a meta tensor of the same metadata.
     meta = meta_like(target)
     info.func(meta, *(to_meta(a) for a in args[1:]), **{k: to_meta(v) for k, v in kwargs.items()})
-    restride(target, tuple(meta.shape), meta.stride(), meta.storage_offset())
+    restride(target, tuple(meta.shape), meta.stride(), int(meta.storage_offset()))
     enc = _Encoding()
     wire_args, wire_kwargs = _encode_call(info, args, kwargs, enc)
     stream.emit([_OP, stream.op_id(info), wire_args, wire_kwargs, None])
@@ -627,10 +628,114 @@ def factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             "(only strided ones); use .to_dense() first"
         )
     kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory" and v is not None}
-    return run(op_info(func), args, kwargs, runtime.current_index() if index is None else index)
+    on = runtime.current_index() if index is None else index
+    return guarded_run(op_info(func), args, kwargs, on)
 
 
-bind_dispatch(dispatch)
+# ---- errors inside backward -----------------------------------------------------------------
+
+_backward_depth = 0
+_deferred: list[BaseException] = []
+
+
+def begin_backward() -> None:
+    """The autograd engine runs (gpupool.torch.kernels wraps it)."""
+    global _backward_depth
+    _backward_depth += 1
+
+
+def end_backward() -> BaseException | None:
+    """The engine returned: the first error a remote op of that backward raised, if any."""
+    global _backward_depth
+    _backward_depth -= 1
+    if _backward_depth or not _deferred:
+        return None
+    error = _deferred[0]
+    _deferred.clear()
+    return error
+
+
+def guarded_dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """dispatch(), whose errors inside backward are raised when the engine returns.
+
+    An exception that leaves a remote op while the C++ autograd engine runs it unwinds
+    through the engine's stream guard, whose PrivateUse1 implementation (PyTorch's Python
+    one) calls into Python with the error still pending: the process aborts. So inside
+    backward the op's outputs are made as empty tensors of the shapes meta inference gives,
+    the error is kept, and the engine's caller raises it: the program gets the exception,
+    with its session and tensors."""
+    if not _backward_depth:
+        return dispatch(func, args, kwargs)
+    try:
+        return dispatch(func, args, kwargs)
+    except Exception as exc:
+        return _stand_in(exc, op_info(func), args, kwargs, None)
+
+
+def _guarded_special(handler: Any) -> Any:
+    def guarded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not _backward_depth:
+            return handler(func, args, kwargs)
+        try:
+            return handler(func, args, kwargs)
+        except Exception as exc:
+            return _stand_in(exc, op_info(func), args, kwargs, None)
+
+    return guarded
+
+
+def guarded_run(
+    info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], device_index: int | None = None
+) -> Any:
+    """run(), with guarded_dispatch()'s handling of errors inside backward."""
+    if not _backward_depth:
+        return run(info, args, kwargs, device_index)
+    try:
+        return run(info, args, kwargs, device_index)
+    except Exception as exc:
+        return _stand_in(exc, info, args, kwargs, device_index)
+
+
+def _stand_in(
+    exc: Exception,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device_index: int | None,
+) -> Any:
+    try:
+        plan = infer_plan(info, args, kwargs)
+    except Exception:
+        raise exc from None  # nothing to stand in with: as before
+    enc = _Encoding()
+    enc.device_index = device_index
+    try:
+        _encode_call(info, args, kwargs, enc)
+    except Exception:
+        raise exc from None
+    stream = enc.stream or runtime.stream(enc.device_index)
+    outs, result = plan.build(stream.new_handle, args, kwargs)
+    made = {id(t._gp): t for t in _remote_leaves(result)}
+    empty = stream.op_id(op_info(aten.empty_strided.default))
+    for tensor in made.values():
+        if tensor._gp.id in outs:
+            kwargs_wire = {"dtype": DTYPE_EXT[tensor.dtype], "device": REMOTE_DEVICE_EXT}
+            shape, stride = list(tensor.shape), list(tensor.stride())
+            stream.emit([_OP, empty, [shape, stride], kwargs_wire, [tensor._gp.id]])
+    if not _deferred:
+        _deferred.append(exc)
+    return result
+
+
+def _remote_leaves(value: Any) -> list[RemoteTensor]:
+    if isinstance(value, RemoteTensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _remote_leaves(v)]
+    return []
+
+
+bind_dispatch(guarded_dispatch)
 
 
 # ---- the compiled hot path ----------------------------------------------------------------
@@ -690,8 +795,8 @@ def _configure(module: Any, find_rule: Any) -> None:
             "dtype_type": torch.dtype,
             "routes": _ROUTES,
             "plans": _PLANS,
-            "slow_dispatch": dispatch,
-            "slow_run": run,
+            "slow_dispatch": guarded_dispatch,
+            "slow_run": guarded_run,
             "adjust": autocast.adjust,
             "handle_ids": stream_module.HANDLE_IDS,
             "ext_type": msgpack.ExtType,

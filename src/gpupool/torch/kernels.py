@@ -145,31 +145,40 @@ def _zeros(
 
 def _op_kernel(op: Any) -> Any:
     def kernel(*args: Any, **kwargs: Any) -> Any:
-        return dispatch.dispatch(op, args, kwargs)
+        return dispatch.guarded_dispatch(op, args, kwargs)
 
     return kernel
 
 
 _ORIGINAL_RUN_BACKWARD: Any = None
+_AUTOGRAD: Any = torch.autograd
+"""torch.autograd.backward and grad call the engine through this module-level name."""
 
 
 def _install_engine_thread() -> None:
     global _ORIGINAL_RUN_BACKWARD
     if _ORIGINAL_RUN_BACKWARD is not None:
         return
-    original = _ORIGINAL_RUN_BACKWARD = torch.autograd._engine_run_backward
+    original = _ORIGINAL_RUN_BACKWARD = _AUTOGRAD._engine_run_backward
 
     def run_backward(*args: Any, **kwargs: Any) -> Any:
-        with torch.autograd.set_multithreading_enabled(False):
-            return original(*args, **kwargs)
+        dispatch.begin_backward()
+        try:
+            with torch.autograd.set_multithreading_enabled(False):
+                result = original(*args, **kwargs)
+        finally:
+            error = dispatch.end_backward()
+        if error is not None:
+            raise error
+        return result
 
-    torch.autograd._engine_run_backward = run_backward
+    _AUTOGRAD._engine_run_backward = run_backward
 
 
 def _uninstall_engine_thread() -> None:
     global _ORIGINAL_RUN_BACKWARD
     if _ORIGINAL_RUN_BACKWARD is not None:
-        torch.autograd._engine_run_backward = _ORIGINAL_RUN_BACKWARD
+        _AUTOGRAD._engine_run_backward = _ORIGINAL_RUN_BACKWARD
         _ORIGINAL_RUN_BACKWARD = None
 
 

@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils.backend_registration import rename_privateuse1_backend
 
 from gpupool.protocol.v1.tensors import handle_ext
 
@@ -54,7 +55,10 @@ class BackendTaken(RuntimeError):
     """Another library holds PyTorch's PrivateUse1 backend, which remote tensors need."""
 
 
-class _DeviceGuard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
+_ACC: Any = torch._C._acc  # PyTorch's Python backend hooks (untyped)
+
+
+class _DeviceGuard(_ACC.DeviceGuard):  # type: ignore[misc]
     """PyTorch's Python device guard for PrivateUse1: autograd and the dispatcher ask it which
     device is current; a remote op never switches devices on the worker, so none is tracked."""
 
@@ -62,7 +66,7 @@ class _DeviceGuard(torch._C._acc.DeviceGuard):  # type: ignore[misc]
         return torch._C._autograd.DeviceType.PrivateUse1
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
+class _Hooks(_ACC.PrivateUse1Hooks):  # type: ignore[misc]
     """What PyTorch asks of a backend before it runs autograd on its tensors."""
 
     def is_available(self) -> bool:
@@ -93,15 +97,15 @@ def ensure_backend() -> None:
             "in this process"
         )
     if name != BACKEND:
-        torch.utils.rename_privateuse1_backend(BACKEND)
+        rename_privateuse1_backend(BACKEND)
     guard = _DeviceGuard()
-    if not torch._C._acc.register_python_privateuseone_device_guard(guard):
+    if not _ACC.register_python_privateuseone_device_guard(guard):
         raise BackendTaken(
             "gpupool remote devices need PyTorch's PrivateUse1 backend, whose device guard "
             "another library registered in this process"
         )
     hooks = _Hooks()
-    torch._C._acc.register_python_privateuseone_hook(hooks)
+    _ACC.register_python_privateuseone_hook(hooks)
     _GUARD, _HOOKS = guard, hooks
 
 
