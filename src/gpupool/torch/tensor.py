@@ -52,44 +52,54 @@ def bind_dispatch(fn: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> 
 
 
 class BackendTaken(RuntimeError):
-    """Another library holds PyTorch's PrivateUse1 backend, which remote tensors need."""
+    """PyTorch's PrivateUse1 backend, which remote tensors need, is not to be had: another
+    library holds it, or this torch cannot give it a Python device guard."""
 
 
-_ACC: Any = torch._C._acc  # PyTorch's Python backend hooks (untyped)
+_ACC: Any = vars(torch._C).get("_acc")
+"""PyTorch's Python backend hooks (torch._C._acc, untyped), None in a torch without them."""
 
 
-class _DeviceGuard(_ACC.DeviceGuard):  # type: ignore[misc]
-    """PyTorch's Python device guard for PrivateUse1: autograd and the dispatcher ask it which
-    device is current; a remote op never switches devices on the worker, so none is tracked."""
+def _backend_objects() -> tuple[Any, Any]:
+    """A device guard and hooks for PrivateUse1, made of PyTorch's Python base classes."""
 
-    def type_(self) -> Any:
-        return torch._C._autograd.DeviceType.PrivateUse1
+    class DeviceGuard(_ACC.DeviceGuard):  # type: ignore[misc]
+        """Autograd and the dispatcher ask it which device is current; a remote op never
+        switches devices on the worker, so none is tracked."""
+
+        def type_(self) -> Any:
+            return torch._C._autograd.DeviceType.PrivateUse1
+
+    class Hooks(_ACC.PrivateUse1Hooks):  # type: ignore[misc]
+        """What PyTorch asks of a backend before it runs autograd on its tensors."""
+
+        def is_available(self) -> bool:
+            return True
+
+        def is_built(self) -> bool:
+            return True
+
+        def has_primary_context(self, device_index: int) -> bool:
+            return True
+
+    return DeviceGuard(), Hooks()
 
 
-class _Hooks(_ACC.PrivateUse1Hooks):  # type: ignore[misc]
-    """What PyTorch asks of a backend before it runs autograd on its tensors."""
-
-    def is_available(self) -> bool:
-        return True
-
-    def is_built(self) -> bool:
-        return True
-
-    def has_primary_context(self, device_index: int) -> bool:
-        return True
-
-
-_GUARD: _DeviceGuard | None = None
-_HOOKS: _Hooks | None = None
+_BACKEND: tuple[Any, Any] | None = None
 _CXX_DEVICES: dict[int, torch.device] = {}
 
 
 def ensure_backend() -> None:
     """Name PyTorch's PrivateUse1 backend `gpupool` and give it a device guard: once per
     process (neither can be undone; both are harmless while nothing is attached)."""
-    global _GUARD, _HOOKS
-    if _GUARD is not None:
+    global _BACKEND
+    if _BACKEND is not None:
         return
+    if _ACC is None:
+        raise BackendTaken(
+            f"gpupool remote devices need PyTorch's Python backend hooks (torch._C._acc), "
+            f"which torch {torch.__version__} does not have"
+        )
     name = torch._C._get_privateuse1_backend_name()
     if name not in ("privateuseone", BACKEND):
         raise BackendTaken(
@@ -98,15 +108,14 @@ def ensure_backend() -> None:
         )
     if name != BACKEND:
         rename_privateuse1_backend(BACKEND)
-    guard = _DeviceGuard()
+    guard, hooks = _backend_objects()
     if not _ACC.register_python_privateuseone_device_guard(guard):
         raise BackendTaken(
             "gpupool remote devices need PyTorch's PrivateUse1 backend, whose device guard "
             "another library registered in this process"
         )
-    hooks = _Hooks()
     _ACC.register_python_privateuseone_hook(hooks)
-    _GUARD, _HOOKS = guard, hooks
+    _BACKEND = (guard, hooks)  # PyTorch holds them by pointer: they must live on
 
 
 def cxx_device(index: int) -> torch.device:
