@@ -51,7 +51,7 @@ typedef struct {
     PyObject *true_key;      /* dispatch._TRUE / _FALSE: keyed bools in plan keys */
     PyObject *false_key;
     PyObject *make_wrapper;  /* torch.Tensor._make_wrapper_subclass */
-    PyObject *meta;          /* torch.device("meta") */
+    PyObject *wrap_bits;     /* tensor.wrap_signature, for signatures with math bits */
     PyObject *op_code;       /* Rec.OP as int */
     PyObject *free_code;     /* Rec.FREE as int */
     PyObject *perf_counter;  /* time.perf_counter: the flusher compares _first_at with it */
@@ -73,7 +73,7 @@ static PyObject *s_gp, *s_sig, *s_stream, *s_ext, *s_id, *s_recorder, *s_op_ids,
     *s_first_at, *s_flush, *s_single, *s_flat, *s_metadata_inplace, *s_values_only,
     *s_all_alias, *s_keyed_scalars, *s_returns_alias, *s_build, *s_new_handle, *s_op_id,
     *s_append, *s_device, *s_pin_memory, *s_non_blocking, *s_watched, *s_release, *s_open,
-    *s_enabled, *s_dtype, *s_is_leaf, *s_requires_grad, *s_version, *s_data;
+    *s_enabled, *s_dtype, *s_is_leaf, *s_requires_grad, *s_version, *s_data, *s_cxx_device;
 
 #define FAST_OK 1
 #define FAST_NO 0 /* not on the fast path: the caller goes to Python, nothing was done */
@@ -304,14 +304,21 @@ new_handle(PyObject *stream, PyObject **handle_id)
     return handle;
 }
 
-/* tensor.wrap_signature. */
+/* tensor.wrap_signature: the wrapper's C++ device is its stream's (gpupool:N). */
 static PyObject *
 wrap_signature(PyObject *sig, PyObject *handle)
 {
+    if (PyTuple_Check(sig) && PyTuple_GET_SIZE(sig) == 5) /* math bits: the Python way */
+        return PyObject_CallFunctionObjArgs(S.wrap_bits, sig, handle, NULL);
     if (!PyTuple_Check(sig) || PyTuple_GET_SIZE(sig) != 4) {
         PyErr_SetString(PyExc_RuntimeError, "gpupool: malformed tensor signature in a plan");
         return NULL;
     }
+    PyObject *stream = PyObject_GetAttr(handle, s_stream);
+    PyObject *device = stream == NULL ? NULL : PyObject_GetAttr(stream, s_cxx_device);
+    Py_XDECREF(stream);
+    if (device == NULL)
+        return NULL;
     PyObject *call[7] = {
         NULL,
         S.remote_type,
@@ -319,10 +326,11 @@ wrap_signature(PyObject *sig, PyObject *handle)
         PyTuple_GET_ITEM(sig, 1),
         PyTuple_GET_ITEM(sig, 2),
         PyTuple_GET_ITEM(sig, 3),
-        S.meta,
+        device,
     };
     PyObject *tensor = PyObject_Vectorcall(S.make_wrapper, call + 1,
                                            2 | PY_VECTORCALL_ARGUMENTS_OFFSET, S.wrap_kwnames);
+    Py_DECREF(device);
     if (tensor == NULL)
         return NULL;
     if (PyObject_SetAttr(tensor, s_gp, handle) < 0 || PyObject_SetAttr(tensor, s_sig, sig) < 0) {
@@ -722,7 +730,7 @@ signature_dtype(PyObject *tensor)
     if (sig == NULL)
         return NULL;
     PyObject *dtype = NULL;
-    if (PyTuple_Check(sig) && PyTuple_GET_SIZE(sig) == 4)
+    if (PyTuple_Check(sig) && (PyTuple_GET_SIZE(sig) == 4 || PyTuple_GET_SIZE(sig) == 5))
         dtype = PyTuple_GET_ITEM(sig, 3); /* the signature lives as long as the wrapper */
     else
         PyErr_SetString(PyExc_RuntimeError, "gpupool: malformed tensor signature");
@@ -1467,7 +1475,8 @@ configure(PyObject *module, PyObject *config)
         take(config, "tensor_code", &S.tensor_code) < 0 ||
         take(config, "dtype_ext", &S.dtype_ext) < 0 ||
         take(config, "true_key", &S.true_key) < 0 || take(config, "false_key", &S.false_key) < 0 ||
-        take(config, "make_wrapper", &S.make_wrapper) < 0 || take(config, "meta", &S.meta) < 0 ||
+        take(config, "make_wrapper", &S.make_wrapper) < 0 ||
+        take(config, "wrap_bits", &S.wrap_bits) < 0 ||
         take(config, "op_code", &S.op_code) < 0 ||
         take(config, "free_code", &S.free_code) < 0 ||
         take(config, "perf_counter", &S.perf_counter) < 0 ||
@@ -1547,6 +1556,7 @@ PyInit__fastpath(void)
     INTERN(s_gp, "_gp");
     INTERN(s_sig, "_sig");
     INTERN(s_stream, "stream");
+    INTERN(s_cxx_device, "cxx_device");
     INTERN(s_ext, "ext");
     INTERN(s_id, "id");
     INTERN(s_recorder, "recorder");

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from gpupool.torch import runtime, streams
+from gpupool.torch.tensor import BACKEND
 
 _ORIGINALS: dict[str, Any] = {}
 
@@ -23,7 +24,7 @@ def _index(device: Any = None) -> int:
     if isinstance(device, str):
         device = torch.device(device)
     if isinstance(device, torch.device):
-        if device.type not in ("cuda", "meta"):
+        if device.type not in ("cuda", "meta", BACKEND):
             raise ValueError(f"expected a cuda device, got {device}")
         return runtime.current_index() if device.index is None else device.index
     raise TypeError(f"not a device: {device!r}")

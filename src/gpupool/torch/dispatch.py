@@ -35,20 +35,27 @@ from gpupool.torch.shapes import (
     OpInfo,
     Plan,
     infer_plan,
+    meta_like,
     op_info,
+    to_meta,
 )
 from gpupool.torch.stream import DeviceStream
 from gpupool.torch.tensor import (
+    CONJ,
+    NEG,
     Handle,
     RemoteTensor,
     bind_dispatch,
-    refresh_signature,
+    is_remote_device,
+    read_values,
+    restride,
     wrap,
     wrap_signature,
 )
 
 aten = torch.ops.aten
 _OP = Rec.OP
+_NO_KWARGS: dict[str, Any] = {}
 _PLANS: dict[tuple[Any, ...], Plan] = {}
 
 CALL_BLOCK = 1 << 16
@@ -110,14 +117,19 @@ def _encode(value: Any, keyed: bool, enc: _Encoding) -> Any:
         enc.key.append(value.type)
         if value.type == "cpu":
             return HOST_DEVICE_EXT
-        if value.type == "cuda" and value.index is not None and enc.device_index is None:
+        if value.index is not None and enc.device_index is None and is_remote_device(value):
             enc.device_index = value.index
         return REMOTE_DEVICE_EXT
     if isinstance(value, torch.Tensor):
         return _encode_host_tensor(value, enc)
     if kind is torch.layout:
         enc.key.append(value)
-        return LAYOUT_EXT[value]
+        layout = LAYOUT_EXT.get(value)
+        if layout is None:
+            raise NotImplementedError(
+                f"{value} tensors are not supported on gpupool remote devices (only strided ones)"
+            )
+        return layout
     if kind is torch.memory_format:
         enc.key.append(value)
         return MEMORY_FORMAT_EXT[value]
@@ -150,9 +162,13 @@ def _encode_remote(value: RemoteTensor, enc: _Encoding) -> Any:
 def _encode_host_tensor(value: torch.Tensor, enc: _Encoding) -> Any:
     if value.device.type == "meta":
         raise NotImplementedError(
-            "a remote op received a tensor on the meta device; typically autograd filled an "
-            "unused gradient with zeros (custom autograd.Function with unused outputs: call "
-            "ctx.set_materialize_grads(False)), which gpupool remote devices do not support"
+            "a remote op received a tensor on the meta device: mixing meta and cuda tensors "
+            "in one op is an error on a local GPU too"
+        )
+    if value.layout != torch.strided:
+        raise NotImplementedError(
+            f"{value.layout} tensors are not supported on gpupool remote devices (only strided "
+            "ones): convert with .to_dense() first"
         )
     value = value.detach()
     enc.key.append(("host", value.shape, value.dtype))
@@ -205,13 +221,39 @@ overloads live as long as torch)."""
 
 def _route(func: Any) -> tuple[Any, OpInfo | None, int]:
     special = _SPECIAL.get(id(func))
+    if special is None:
+        special = _composite_route(func)
     if special is not None:
+        special = _guarded_special(special)
         route: tuple[Any, OpInfo | None, int] = (special, None, 0)
     else:
         info = op_info(func)
         route = (None, info, autocast.policy_bits(info.short_name))
     _ROUTES[id(func)] = route
     return route
+
+
+_COMPOSITE_KEYS = (
+    torch._C.DispatchKey.CompositeImplicitAutograd,
+    torch._C.DispatchKey.CompositeExplicitAutograd,
+)
+
+
+def _composite_route(func: Any) -> Any:
+    """Ops outside aten (library ops such as torch.nn's `torch_nn::` ones) never run on a
+    worker, which takes aten ops only; where one is a composite of other ops, those run."""
+    name = func.name()
+    if name.startswith("aten::"):
+        return None
+    keys = [k for k in _COMPOSITE_KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)]
+    if not keys:
+        return None
+    key = keys[0]
+
+    def composite(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        return func._op_dk(key, *args, **kwargs)
+
+    return composite
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -242,16 +284,40 @@ def run(
     key = (info, *enc.key)
     plan = _PLANS.get(key)
     if plan is None:
+        if not info.is_view and (_has_bits(args) or _has_bits(kwargs.values())):
+            return _run_resolved(info, args, kwargs, device_index)
         try:
             plan = autocast.infer_with_reconciliation(info, args, kwargs, infer_plan)
         except NeedsWorker:
             return _call(info, stream, wire_args, wire_kwargs)
         if len(_PLANS) >= PLAN_CACHE_MAX:
             _PLANS.clear()
-        _PLANS[key] = plan
+        # Ops on tensors with math bits stay off the cache, so the compiled path never sees
+        # them (their outputs' bits come from meta inference each time).
+        if not _has_bits(args) and not _has_bits(kwargs.values()):
+            _PLANS[key] = plan
     outs, result = plan.build(stream.new_handle, args, kwargs)
     stream.emit([_OP, op_id, wire_args, wire_kwargs, outs])
     return result
+
+
+def _run_resolved(
+    info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], device_index: int | None
+) -> Any:
+    """An op that reads values, given a tensor with math bits (PyTorch's fallbacks pass a few
+    through: clone, copy, the factories `*_like`): it gets the values, resolved on the worker."""
+    args = tuple(_resolve(a) for a in args)
+    kwargs = {k: _resolve(v) for k, v in kwargs.items()}
+    return run(info, args, kwargs, device_index)
+
+
+def _resolve(value: Any) -> Any:
+    if type(value) is RemoteTensor:
+        bits = _bits(value)
+        return _apply_bits(value, bits) if bits else value
+    if type(value) in (list, tuple):
+        return type(value)(_resolve(v) for v in value)
+    return value
 
 
 def _aliased_result(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -296,9 +362,10 @@ def _metadata_inplace(
     own = stream.new_handle()
     stream.emit([_OP, stream.op_id(op_info(aten.alias.default)), [target._gp.ext], None, [own.id]])
     target._gp = own
-    with torch._C._DisableTorchDispatch():
-        info.func(*args, **kwargs)
-    refresh_signature(target)
+    # The new metadata is what the op does to a meta tensor of the same metadata.
+    meta = meta_like(target)
+    info.func(meta, *(to_meta(a) for a in args[1:]), **{k: to_meta(v) for k, v in kwargs.items()})
+    restride(target, tuple(meta.shape), meta.stride(), int(meta.storage_offset()))
     enc = _Encoding()
     wire_args, wire_kwargs = _encode_call(info, args, kwargs, enc)
     stream.emit([_OP, stream.op_id(info), wire_args, wire_kwargs, None])
@@ -327,8 +394,54 @@ def upload(host: torch.Tensor, stream: DeviceStream) -> RemoteTensor:
 
 
 def download(tensor: RemoteTensor) -> torch.Tensor:
-    """The tensor's values in host memory (waits for everything queued before it)."""
-    return tensor._gp.stream.read(tensor._gp.ext)
+    """The tensor's values in host memory (waits for everything queued before it), with its
+    math bits as `.cpu()` of a local GPU tensor keeps them."""
+    return read_values(tensor)
+
+
+# ---- math bits (lazy conjugate and negative) --------------------------------------------------
+
+
+def _bits(tensor: RemoteTensor) -> int:
+    sig = tensor._sig
+    return sig[4] if len(sig) == 5 else 0
+
+
+def _raw(tensor: RemoteTensor) -> RemoteTensor:
+    """The worker's tensor as it is, without the wrapper's math bits (same handle)."""
+    return wrap_signature(tensor._sig[:4], tensor._gp)
+
+
+def _apply_bits(tensor: RemoteTensor, bits: int) -> RemoteTensor:
+    """A new remote tensor holding conj and/or neg of `tensor`'s raw values."""
+    result = _raw(tensor)
+    if bits & CONJ and result.is_complex():
+        result = run(op_info(aten.conj_physical.default), (result,), _NO_KWARGS)
+    if bits & NEG:
+        result = run(op_info(aten.neg.default), (result,), _NO_KWARGS)
+    return result
+
+
+def _toggle_bit(bit: int) -> Any:
+    def handler(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """_conj / _neg_view: the same worker tensor, the wrapper's bit flipped."""
+        source = args[0]
+        if bit == CONJ and not source.is_complex():
+            return wrap_signature(source._sig, source._gp)
+        bits = _bits(source) ^ bit
+        sig = source._sig[:4]
+        return wrap_signature((*sig, bits) if bits else sig, source._gp)
+
+    return handler
+
+
+def _has_bits(values: Any) -> bool:
+    for value in values:
+        if type(value) is RemoteTensor and len(value._sig) == 5:
+            return True
+        if type(value) in (list, tuple) and _has_bits(value):
+            return True
+    return False
 
 
 # ---- ops that are not plain ops -------------------------------------------------------------
@@ -344,16 +457,12 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if not isinstance(source, RemoteTensor):
         raise NotImplementedError("_to_copy of a host tensor reached the remote dispatcher")
     here = source._gp.stream
-    if (
-        device is None
-        or device.type == "meta"
-        or (device.type == "cuda" and device.index in (None, here.index))
-    ):
+    if device is None or (is_remote_device(device) and device.index in (None, here.index)):
         rest = {
             k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking")
         }
         return run(op_info(func), args, rest)
-    if device.type == "cuda":
+    if is_remote_device(device):
         target = runtime.stream(device.index)
         if direct_copy(here, target):
             return _transfer(source, target, kwargs.get("dtype") or source.dtype)
@@ -366,7 +475,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
             host = host.contiguous(memory_format=memory_format)
         return host
-    if device.type == "cuda":
+    if is_remote_device(device):
         return upload(host, runtime.stream(device.index))
     raise NotImplementedError(f"gpupool cannot copy a remote tensor to {device}")
 
@@ -417,21 +526,44 @@ def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """copy_ writes values: into a tensor with math bits it writes their inverse (both are
+    involutions), so the raw values the worker holds are the source's with the bits of
+    source and target applied."""
     target, source = args[0], args[1]
     if isinstance(target, RemoteTensor):
+        target_bits = _bits(target)
         if isinstance(source, RemoteTensor):
+            source_bits = _bits(source)
             if source._gp.stream is target._gp.stream:
-                return run(op_info(func), args, kwargs)
-            if direct_copy(source._gp.stream, target._gp.stream):
+                if not (source_bits or target_bits):
+                    return run(op_info(func), args, kwargs)
+                raw = _apply_bits(source, source_bits ^ target_bits)
+                run(op_info(func), (_raw(target), raw, *args[2:]), kwargs)
+                return target
+            if direct_copy(source._gp.stream, target._gp.stream) and not (
+                source_bits or target_bits
+            ):
                 _send(source, target._gp.stream, target._gp.id, None, into=True)
                 return target
             source = download(source)
         elif source.device.type == "meta":
             raise NotImplementedError("copy_ from a meta tensor into a remote tensor")
+        if target_bits or source.is_conj() or source.is_neg():
+            source = _host_raw(source, target_bits)
         target._gp.stream.put(target._gp, source)
         return target
     target.copy_(download(source))
     return target
+
+
+def _host_raw(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """The raw values a tensor with math bits `bits` holds to show `values`."""
+    raw = values.resolve_conj().resolve_neg()
+    if bits & CONJ and raw.is_complex():
+        raw = raw.conj_physical()
+    if bits & NEG:
+        raw = raw.neg()
+    return raw
 
 
 def _share(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -452,6 +584,11 @@ def _false(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     return False
 
 
+def _same_kind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`.data =` asks whether two tensors can swap metadata: two remote tensors can."""
+    return all(isinstance(t, RemoteTensor) for t in args[:2])
+
+
 def _unsupported(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     raise NotImplementedError(f"{func} is not supported on gpupool remote devices")
 
@@ -463,10 +600,13 @@ _SPECIAL: dict[int, Any] = {
         aten._to_copy.default: _to_copy,
         aten.copy_.default: _copy_,
         aten.detach.default: _share,
+        aten._conj.default: _toggle_bit(CONJ),
+        aten._neg_view.default: _toggle_bit(NEG),
         aten.alias.default: _share,
         aten.lift_fresh.default: _identity,
         aten.record_stream.default: _nothing,
         aten.is_pinned.default: _false,
+        aten._has_compatible_shallow_copy_type.default: _same_kind,
         aten._pin_memory.default: _unsupported,
         aten.set_.source_Storage: _unsupported,
         aten.set_.source_Storage_storage_offset: _unsupported,
@@ -480,16 +620,127 @@ def factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     through these, so all of them make RemoteTensors without a TorchFunctionMode."""
     device = kwargs.get("device")
     index = device.index if isinstance(device, torch.device) else None
-    index = runtime.current_index() if index is None else index
+    layout = kwargs.get("layout")
+    if layout is not None and layout != torch.strided:
+        # A sparse tensor copied to the device allocates this way too: fail at that op,
+        # before anything is sent, so the session and every other tensor stay as they are.
+        raise NotImplementedError(
+            f"{func.name()}: {layout} tensors are not supported on gpupool remote devices "
+            "(only strided ones); use .to_dense() first"
+        )
+    on = runtime.current_index() if index is None else index
     stride = args[1] if func is aten.empty_strided.default else None
-    runtime.stream(index).admit(
+    runtime.stream(on).admit(
         stream_module.allocation_bytes(args[0], stride, kwargs.get("dtype")), func.name()
     )  # a lease too small for it raises here, at the allocating call
     kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory" and v is not None}
-    return run(op_info(func), args, kwargs, index)
+    return guarded_run(op_info(func), args, kwargs, on)
 
 
-bind_dispatch(dispatch)
+# ---- errors inside backward -----------------------------------------------------------------
+
+_backward_depth = 0
+_deferred: list[BaseException] = []
+
+
+def begin_backward() -> None:
+    """The autograd engine runs (gpupool.torch.kernels wraps it)."""
+    global _backward_depth
+    _backward_depth += 1
+
+
+def end_backward() -> BaseException | None:
+    """The engine returned: the first error a remote op of that backward raised, if any."""
+    global _backward_depth
+    _backward_depth -= 1
+    if _backward_depth or not _deferred:
+        return None
+    error = _deferred[0]
+    _deferred.clear()
+    return error
+
+
+def guarded_dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """dispatch(), whose errors inside backward are raised when the engine returns.
+
+    An exception that leaves a remote op while the C++ autograd engine runs it unwinds
+    through the engine's stream guard, whose PrivateUse1 implementation (PyTorch's Python
+    one) calls into Python with the error still pending: the process aborts. So inside
+    backward the op's outputs are made as empty tensors of the shapes meta inference gives,
+    the error is kept, and the engine's caller raises it: the program gets the exception,
+    with its session and tensors."""
+    if not _backward_depth:
+        return dispatch(func, args, kwargs)
+    try:
+        return dispatch(func, args, kwargs)
+    except Exception as exc:
+        return _stand_in(exc, op_info(func), args, kwargs, None)
+
+
+def _guarded_special(handler: Any) -> Any:
+    def guarded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not _backward_depth:
+            return handler(func, args, kwargs)
+        try:
+            return handler(func, args, kwargs)
+        except Exception as exc:
+            return _stand_in(exc, op_info(func), args, kwargs, None)
+
+    return guarded
+
+
+def guarded_run(
+    info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], device_index: int | None = None
+) -> Any:
+    """run(), with guarded_dispatch()'s handling of errors inside backward."""
+    if not _backward_depth:
+        return run(info, args, kwargs, device_index)
+    try:
+        return run(info, args, kwargs, device_index)
+    except Exception as exc:
+        return _stand_in(exc, info, args, kwargs, device_index)
+
+
+def _stand_in(
+    exc: Exception,
+    info: OpInfo,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    device_index: int | None,
+) -> Any:
+    try:
+        plan = infer_plan(info, args, kwargs)
+    except Exception:
+        raise exc from None  # nothing to stand in with: as before
+    enc = _Encoding()
+    enc.device_index = device_index
+    try:
+        _encode_call(info, args, kwargs, enc)
+    except Exception:
+        raise exc from None
+    stream = enc.stream or runtime.stream(enc.device_index)
+    outs, result = plan.build(stream.new_handle, args, kwargs)
+    made = {id(t._gp): t for t in _remote_leaves(result)}
+    empty = stream.op_id(op_info(aten.empty_strided.default))
+    for tensor in made.values():
+        if tensor._gp.id in outs:
+            kwargs_wire = {"dtype": DTYPE_EXT[tensor.dtype], "device": REMOTE_DEVICE_EXT}
+            shape, stride = list(tensor.shape), list(tensor.stride())
+            stream.emit([_OP, empty, [shape, stride], kwargs_wire, [tensor._gp.id]])
+    if not _deferred:
+        _deferred.append(exc)
+    return result
+
+
+def _remote_leaves(value: Any) -> list[RemoteTensor]:
+    if isinstance(value, RemoteTensor):
+        return [value]
+    if isinstance(value, list | tuple):
+        return [t for v in value for t in _remote_leaves(v)]
+    return []
+
+
+bind_dispatch(guarded_dispatch)
 
 
 # ---- the compiled hot path ----------------------------------------------------------------
@@ -549,8 +800,8 @@ def _configure(module: Any, find_rule: Any) -> None:
             "dtype_type": torch.dtype,
             "routes": _ROUTES,
             "plans": _PLANS,
-            "slow_dispatch": dispatch,
-            "slow_run": run,
+            "slow_dispatch": guarded_dispatch,
+            "slow_run": guarded_run,
             "adjust": autocast.adjust,
             "handle_ids": stream_module.HANDLE_IDS,
             "ext_type": msgpack.ExtType,
@@ -559,7 +810,7 @@ def _configure(module: Any, find_rule: Any) -> None:
             "true_key": _TRUE,
             "false_key": _FALSE,
             "make_wrapper": torch.Tensor._make_wrapper_subclass,
-            "meta": torch.device("meta"),
+            "wrap_bits": wrap_signature,
             "op_code": int(_OP),
             "free_code": int(Rec.FREE),
             "perf_counter": time.perf_counter,

@@ -3,11 +3,20 @@
 - CUDA dispatch key, `empty.memory_format` / `empty_strided`: every factory and every copy to
   `cuda:N` allocates through these two, so `torch.zeros(…, device="cuda")`, `.to("cuda:0")` and
   the factories inside library code all make RemoteTensors, at any call depth.
-- AutogradMeta dispatch key, three composite ops whose C++ picks its kernel by the tensor's
-  device (which is `meta` for a RemoteTensor, so they would decompose in the client):
+- PrivateUse1 (`gpupool`, a remote tensor's C++ device), the same two: what C++ composites and
+  autograd formulas allocate with a remote tensor's options (`x[0] = 5`, `x[mask] = 0`, the
+  zeros of clamp's backward) comes out as a remote tensor on the same device. Everything else
+  C++ runs on a remote tensor with the Python key excluded (host data turned into an index
+  tensor, `x[[0, 2]]`) reaches the backend's fallback, which is the remote dispatcher.
+- AutogradPrivateUse1, three composite ops whose C++ picks its kernel by the tensor's device
+  (which is not `cuda` in C++, so they would decompose in the client):
   `scaled_dot_product_attention` (the worker picks flash / efficient / cuDNN, the client calls
   that fused op), `batch_norm` (→ `_batch_norm_with_update`, cuDNN on a CUDA worker) and
-  `dropout` (→ the fused `native_dropout`). Plain meta tensors get the stock behaviour.
+  `dropout` (→ the fused `native_dropout`).
+
+The autograd engine would run a device's backward on a thread of its own, one per device that
+the device guard counts (PyTorch's Python guard counts one); remote ops need no such thread, so
+backward runs in the calling thread while attached, as it does for CPU and meta tensors.
 """
 
 from __future__ import annotations
@@ -17,9 +26,9 @@ from typing import Any
 
 import torch
 
-from gpupool.torch import dispatch
+from gpupool.torch import dispatch, runtime
 from gpupool.torch.shapes import op_info
-from gpupool.torch.tensor import RemoteTensor
+from gpupool.torch.tensor import BACKEND, RemoteTensor, ensure_backend
 
 aten = torch.ops.aten
 _LIBRARIES: list[Any] = []
@@ -39,19 +48,28 @@ here, so not printed (only this warning, only while registering them)."""
 def install() -> None:
     if _LIBRARIES:
         return
+    ensure_backend()
+    if not hasattr(torch, BACKEND):
+        torch._register_device_module(BACKEND, _BackendModule())
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=OVERRIDE_WARNING, category=UserWarning)
         cuda = torch.library.Library("aten", "IMPL", "CUDA")
+        backend = torch.library.Library("aten", "IMPL", "PrivateUse1")
         for name, op in (
             ("empty.memory_format", aten.empty.memory_format),
             ("empty_strided", aten.empty_strided.default),
         ):
             cuda.impl(name, _factory_kernel(op))
-        autograd_meta = torch.library.Library("aten", "IMPL", "AutogradMeta")
-        autograd_meta.impl("scaled_dot_product_attention", scaled_dot_product_attention)
-        autograd_meta.impl("batch_norm", batch_norm)
-        autograd_meta.impl("dropout", dropout)
-    _LIBRARIES.extend([cuda, autograd_meta])
+            backend.impl(name, _factory_kernel(op))
+        for name, op in _BELOW_PYTHON.items():
+            backend.impl(name, _op_kernel(op))
+        backend.impl("_efficientzerotensor", _zeros)
+        autograd = torch.library.Library("aten", "IMPL", "AutogradPrivateUse1")
+        autograd.impl("scaled_dot_product_attention", scaled_dot_product_attention)
+        autograd.impl("batch_norm", batch_norm)
+        autograd.impl("dropout", dropout)
+    _LIBRARIES.extend([cuda, backend, autograd])
+    _install_engine_thread()
 
 
 def uninstall() -> None:
@@ -59,6 +77,120 @@ def uninstall() -> None:
         library._destroy()
     _LIBRARIES.clear()
     _SDP_CHOICES.clear()
+    _uninstall_engine_thread()
+
+
+class _BackendModule:
+    """`torch.gpupool`: what PyTorch's Python asks of the module of a device type (lazy
+    initialisation, the current device) when C++ code names a remote tensor's C++ device."""
+
+    @staticmethod
+    def is_available() -> bool:
+        """torch.accelerator.is_available() asks this module (PrivateUse1 is PyTorch's
+        accelerator once named): the program's devices are cuda, which torch.cuda answers for;
+        PrivateUse1 is how remote tensors look to C++ and nothing a program should pick."""
+        return False
+
+    @staticmethod
+    def is_initialized() -> bool:
+        return True
+
+    @staticmethod
+    def _lazy_init() -> None:
+        return None
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def current_device() -> int:
+        return runtime.current_index()
+
+    @staticmethod
+    def device_count() -> int:
+        return runtime.device_count()
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        return None  # torch.manual_seed seeds the remote devices through torch.cuda
+
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        return torch.cuda.get_rng_state(_index(device))
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        torch.cuda.set_rng_state(state, _index(device))
+
+
+def _index(device: Any) -> int:
+    if device is None:
+        return runtime.current_index()
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return runtime.current_index() if index is None else index
+
+
+_BELOW_PYTHON = {
+    "copy_": aten.copy_.default,
+    "_copy_from": aten._copy_from.default,
+    "_copy_from_and_resize": aten._copy_from_and_resize.default,
+    "_local_scalar_dense": aten._local_scalar_dense.default,
+}
+"""Ops C++ runs on a remote tensor with the Python dispatch key excluded: host data turned into
+a device tensor (`torch.tensor(data, device=...)`, a list index, `x[[0, 2]]`) is copied with
+the Python key off. They go to the remote dispatcher all the same; any other op that gets
+there fails with PyTorch's own error naming the op and the `gpupool` backend."""
+
+
+def _zeros(
+    size: Any, *, dtype: Any = None, layout: Any = None, device: Any = None, pin_memory: Any = None
+) -> torch.Tensor:
+    """Autograd's zero gradients (`_efficientzerotensor`): a tensor of zeros on the worker."""
+    index = device.index if isinstance(device, torch.device) else None
+    on = torch.device("cuda", runtime.current_index() if index is None else index)
+    return dispatch.factory(aten.zeros.default, (list(size),), {"dtype": dtype, "device": on})
+
+
+def _op_kernel(op: Any) -> Any:
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        return dispatch.guarded_dispatch(op, args, kwargs)
+
+    return kernel
+
+
+_ORIGINAL_RUN_BACKWARD: Any = None
+_AUTOGRAD: Any = torch.autograd
+"""torch.autograd.backward and grad call the engine through this module-level name."""
+
+
+def _install_engine_thread() -> None:
+    global _ORIGINAL_RUN_BACKWARD
+    if _ORIGINAL_RUN_BACKWARD is not None:
+        return
+    original = _ORIGINAL_RUN_BACKWARD = _AUTOGRAD._engine_run_backward
+
+    def run_backward(*args: Any, **kwargs: Any) -> Any:
+        dispatch.begin_backward()
+        try:
+            with torch.autograd.set_multithreading_enabled(False):
+                result = original(*args, **kwargs)
+        finally:
+            error = dispatch.end_backward()
+        if error is not None:
+            raise error
+        return result
+
+    _AUTOGRAD._engine_run_backward = run_backward
+
+
+def _uninstall_engine_thread() -> None:
+    global _ORIGINAL_RUN_BACKWARD
+    if _ORIGINAL_RUN_BACKWARD is not None:
+        _AUTOGRAD._engine_run_backward = _ORIGINAL_RUN_BACKWARD
+        _ORIGINAL_RUN_BACKWARD = None
 
 
 def _factory_kernel(op: Any) -> Any:

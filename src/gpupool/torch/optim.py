@@ -1,8 +1,8 @@
 """The optimizers' fast paths (foreach, fused) for remote tensors.
 
-PyTorch takes them only for listed tensor types, and groups tensors by their C++ device,
-which is `meta` for every RemoteTensor: here the grouping is refined by remote device, so a
-step of a model spread over cuda:0 and cuda:1 sends one foreach op to each.
+PyTorch takes them only for listed tensor types, and groups tensors by their C++ device
+(`gpupool:N` for a RemoteTensor): here each group is keyed by the device the program sees
+(`cuda:N`), so a step of a model spread over cuda:0 and cuda:1 sends one foreach op to each.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ def _group_by_device_and_dtype(tensorlistlist: Any, with_indices: bool = False) 
     refined: dict[Any, Any] = {}
     for (device, dtype), (lists, indices) in groups.items():
         first = lists[0] if lists else []
-        if device.type != "meta" or not first or not isinstance(first[0], RemoteTensor):
+        if not first or not isinstance(first[0], RemoteTensor):
             refined[(device, dtype)] = (lists, indices)
             continue
         positions: dict[torch.device, list[int]] = {}

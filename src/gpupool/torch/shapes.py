@@ -18,7 +18,10 @@ from gpupool.torch.tensor import (
     META,
     Handle,
     RemoteTensor,
-    refresh_signature,
+    is_remote_device,
+    math_bits,
+    restride,
+    set_math_bits,
     wrap,
     wrap_signature,
 )
@@ -43,6 +46,8 @@ class TensorSpec:
     stride: tuple[int, ...]
     offset: int
     dtype: torch.dtype
+    bits: int = 0
+    """Math bits (tensor.CONJ, tensor.NEG) the wrapper carries; the worker's tensor has none."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +73,7 @@ class OpInfo:
     """Per-op facts read once from the schema."""
 
     __slots__ = (
-        "all_alias", "func", "has_out", "keyed_scalars", "metadata_inplace", "name",
+        "all_alias", "func", "has_out", "is_view", "keyed_scalars", "metadata_inplace", "name",
         "returns_alias", "short_name", "values_only", "wire_name",
     )  # fmt: skip
 
@@ -93,6 +98,10 @@ class OpInfo:
                 target = next((alias_sets[n] for n in info.before_set if n in alias_sets), None)
             returns_alias.append(target)
         self.returns_alias = tuple(returns_alias)
+        self.is_view = bool(schema.returns) and all(
+            r.alias_info is not None and not r.alias_info.is_write for r in schema.returns
+        )
+        """Its outputs are views of an input: math bits pass through it unresolved."""
         self.has_out = any(arg.is_out for arg in arguments)
         # In-place ops return their input unchanged in shape: no inference needed. out= ops may
         # resize their out tensors, so they are inferred like any other op.
@@ -167,6 +176,8 @@ class Plan:
 
 
 def _signature(spec: TensorSpec) -> tuple[Any, ...]:
+    if spec.bits:
+        return (spec.shape, spec.stride, spec.offset, spec.dtype, spec.bits)
     return (spec.shape, spec.stride, spec.offset, spec.dtype)
 
 
@@ -181,7 +192,7 @@ def _build(
     if kind is TensorSpec:
         handle = new_handle()
         outs.append(handle.id)
-        return wrap(node.shape, node.stride, node.offset, node.dtype, handle)
+        return wrap(node.shape, node.stride, node.offset, node.dtype, handle, node.bits)
     if kind is Seq:
         items = [_build(item, new_handle, args, kwargs, outs) for item in node.items]
         return items if node.kind is list else tuple(items)
@@ -208,6 +219,12 @@ def infer_plan(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> P
     except Exception as exc:
         raise NeedsWorker(f"{info.name}: {exc}") from exc
     returns = [out] if len(info.returns_alias) <= 1 else list(out)
+    for value in returns:
+        if isinstance(value, torch.Tensor) and value.layout != torch.strided:
+            raise NotImplementedError(
+                f"{info.name}: {value.layout} tensors are not supported on gpupool remote "
+                "devices (only strided ones); use .to_dense() first"
+            )
     nodes: list[Any] = []
     for value, alias in zip(returns, info.returns_alias or (None,), strict=False):
         if alias is None:
@@ -222,8 +239,9 @@ def infer_plan(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> P
 def describe(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return TensorSpec(
-            tuple(value.shape), tuple(value.stride()), int(value.storage_offset()), value.dtype
-        )
+            tuple(value.shape), tuple(value.stride()), int(value.storage_offset()), value.dtype,
+            math_bits(value),
+        )  # fmt: skip
     if isinstance(value, list | tuple):
         return Seq(list if isinstance(value, list) else tuple, tuple(describe(v) for v in value))
     return Value(value)
@@ -240,20 +258,26 @@ def to_meta(value: Any) -> Any:
         return (
             type(value)(to_meta(v) for v in value) if not isinstance(value, torch.Size) else value
         )
-    if isinstance(value, torch.device) and value.type in ("cuda", "meta"):
+    if isinstance(value, torch.device) and (value.type == "meta" or is_remote_device(value)):
         return META
     return value
 
 
 def meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    """A meta tensor with the tensor's metadata, math bits included."""
     shape, stride, offset = tuple(tensor.shape), tensor.stride(), tensor.storage_offset()
     if offset == 0:
-        return torch.empty_strided(shape, stride, dtype=tensor.dtype, device=META)
-    extent = 1 + sum((size - 1) * st for size, st in zip(shape, stride, strict=True) if size > 0)
-    if any(size == 0 for size in shape):
-        extent = 0
-    base = torch.empty(offset + extent, dtype=tensor.dtype, device=META)
-    return base.as_strided(shape, stride, offset)
+        meta = torch.empty_strided(shape, stride, dtype=tensor.dtype, device=META)
+    else:
+        extent = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True) if n > 0)
+        if any(size == 0 for size in shape):
+            extent = 0
+        base = torch.empty(offset + extent, dtype=tensor.dtype, device=META)
+        meta = base.as_strided(shape, stride, offset)
+    bits = math_bits(tensor)
+    if bits:
+        set_math_bits(meta, bits)
+    return meta
 
 
 def set_metadata(tensor: RemoteTensor, spec: TensorSpec) -> None:
@@ -264,7 +288,4 @@ def set_metadata(tensor: RemoteTensor, spec: TensorSpec) -> None:
         spec.offset,
     ):
         return
-    with torch._C._DisableTorchDispatch():
-        torch.Tensor.resize_(tensor, spec.shape)
-        torch.Tensor.as_strided_(tensor, spec.shape, spec.stride, spec.offset)
-    refresh_signature(tensor)
+    restride(tensor, spec.shape, spec.stride, spec.offset)

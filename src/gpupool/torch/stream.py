@@ -44,7 +44,7 @@ from gpupool.protocol.v1.tensors import (
     tensor_from_bytes,
 )
 from gpupool.torch import session
-from gpupool.torch.tensor import Handle
+from gpupool.torch.tensor import Handle, cxx_device
 
 if TYPE_CHECKING:
     from gpupool.torch.capture import Recorder
@@ -118,6 +118,8 @@ class DeviceStream:
         self.index = index
         self.address = address
         self.device = torch.device("cuda", index)
+        self.cxx_device = cxx_device(index)
+        """What PyTorch's C++ sees as the device of this stream's tensors (gpupool:N)."""
         self.conn = conn
         self.welcome = welcome
         self.records: deque[list[Any]] = deque()

@@ -17,7 +17,7 @@ from gpupool.protocol.v1.dataplane import Ext, ProtocolError
 DTYPES: dict[str, torch.dtype] = {
     name: dtype
     for name in (
-        "float32", "float64", "float16", "bfloat16", "complex64", "complex128",
+        "float32", "float64", "float16", "bfloat16", "complex32", "complex64", "complex128",
         "uint8", "int8", "int16", "int32", "int64", "bool",
         "uint16", "uint32", "uint64",
         "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",

@@ -1,0 +1,113 @@
+"""PyTorch's whole OpInfo database on a remote CPU worker against the same samples run locally.
+
+Up to 3 samples per OpInfo, three passes (fp32 forward, bf16 forward, fp32 backward), only the
+dtypes CUDA supports for each op (tests/torch/op_sweep.py says how samples are judged). Writes
+bench/results/opinfo_sweep.json: per pass the pass %, silent mismatches and errors apart, and
+the failures grouped by cause, under `--label` (default `after`).
+
+    python bench/opinfo_sweep.py [--per-op 3] [--every 1] [--passes fp32_forward,...]
+                                 [--label after] [--ops add,mul]
+
+On the GPU machine, `GPUPOOL_TEST_WORKER_DEVICE=cuda:0` runs the worker on the GPU while this
+process stays a client without a GPU (CUDA_VISIBLE_DEVICES=); the local side is then the CPU,
+and the tolerances are the dtype's defaults: see the note in the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests" / "torch"))
+RESULTS = ROOT / "bench" / "results" / "opinfo_sweep.json"
+LEASE = "lease-sweep"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-op", type=int, default=3)
+    parser.add_argument("--every", type=int, default=1, help="only ops whose name hash %% N == 0")
+    parser.add_argument("--passes", default="fp32_forward,bf16_forward,fp32_backward")
+    parser.add_argument("--ops", default="", help="comma-separated OpInfo names (default: all)")
+    parser.add_argument("--label", default="after")
+    parser.add_argument("--out", default=str(RESULTS))
+    parser.add_argument("--verbose", action="store_true", help="name each op on stderr first")
+    options = parser.parse_args()
+
+    import torch
+    from op_sweep import PASSES, Tally, applies, full_name, op_db, run_op, sampled
+    from torch_workers import TOKEN, WORKER_DEVICE, start_worker
+
+    import gpupool.torch
+
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    worker = start_worker(LEASE)
+    state = {"worker": worker}
+
+    def attach() -> None:
+        gpupool.torch.attach(workers=[state["worker"].address], token=TOKEN, lease=LEASE)
+
+    def reattach() -> None:
+        """A sample killed the session: count it, start a fresh worker, go on."""
+        gpupool.torch.detach()
+        state["worker"].stop()
+        state["worker"] = start_worker(LEASE)
+        attach()
+
+    attach()
+    ops = sampled(op_db(), options.every)
+    if options.ops:
+        wanted = set(options.ops.split(","))
+        ops = [op for op in ops if full_name(op) in wanted or op.name in wanted]
+    report: dict[str, Any] = {}
+    lost = 0
+    try:
+        for which in options.passes.split(","):
+            assert which in PASSES, which
+            tally = Tally()
+            started = time.perf_counter()
+            for op in ops:
+                if not applies(op, which):
+                    continue
+                before = len(tally.outcomes)
+                if options.verbose:
+                    print(which, full_name(op), file=sys.stderr, flush=True)
+                run_op(op, which, options.per_op, tally, on_lost=reattach)
+                lost += sum("WorkerLost" in o.cause for o in tally.outcomes[before:])
+            summary = tally.summary()
+            summary["seconds"] = round(time.perf_counter() - started, 1)
+            report[which] = summary
+            print(
+                f"{which}: {summary['pass_pct']:.2f} % of {summary['tried']} samples pass, "
+                f"{summary['mismatches']} mismatches, {summary['errors']} errors "
+                f"({summary['seconds']} s)",
+                flush=True,
+            )
+    finally:
+        gpupool.torch.detach()
+        state["worker"].stop()
+    report["sessions_lost"] = lost
+    report["machine"] = (
+        f"{platform.machine()} x{os.cpu_count()}; worker device {WORKER_DEVICE}; "
+        f"torch {torch.__version__}; python {platform.python_version()}"
+    )
+    report["settings"] = {"per_op": options.per_op, "every": options.every, "ops": len(ops)}
+    path = Path(options.out)
+    stored = json.loads(path.read_text()) if path.exists() else {}
+    stored[options.label] = report
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(stored, indent=1) + "\n")
+    print(f"written to {path} under {options.label!r}")
+
+
+if __name__ == "__main__":
+    main()
