@@ -169,9 +169,14 @@ def test_only_scheduler_and_admin_tokens_make_claims_and_agents_ask_for_their_no
         mine = client.get(f"{API}/k8s/nodes/node-a/pending", headers=agent)
         assert mine.status_code == 200 and mine.json()["claim"] == "c-auth00000001"
         # ...and cannot read or allocate another node's.
-        assert client.post(
-            f"{API}/k8s/claims", json=claim_body("c-auth00000002", node="node-b"), headers=scheduler
-        ).status_code == 201
+        assert (
+            client.post(
+                f"{API}/k8s/claims",
+                json=claim_body("c-auth00000002", node="node-b"),
+                headers=scheduler,
+            ).status_code
+            == 201
+        )
         other = client.get(f"{API}/k8s/nodes/node-b/pending", headers=agent)
         assert other.status_code == 403 and "node-a" in other.json()["detail"]
         take = client.post(
@@ -181,3 +186,24 @@ def test_only_scheduler_and_admin_tokens_make_claims_and_agents_ask_for_their_no
         )
         assert take.status_code == 403 and "node 'node-b'" in take.json()["detail"]
         assert client.get(f"{API}/k8s/claims/c-auth00000002").json()["state"] == "bound"
+
+
+def test_placement_leaves_out_a_node_that_is_admitting_a_claim(tmp_path: Path) -> None:
+    """The one-claim rule in filter: else the scheduler keeps choosing the node its bind refuses."""
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=2)
+        register(client, "node-b", gpus=2)
+        assert client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01")).status_code == 201
+        query = {"request": SLICE, "nodes": ["node-a", "node-b"]}
+        answer = client.post(f"{API}/k8s/placement", json=query).json()
+        fits = {f["node"]: f for f in answer["nodes"]}
+        assert fits["node-a"]["fits"] is False and fits["node-a"]["never"] is False
+        assert "admitting claim c-aaaaaaaa01" in fits["node-a"]["reason"]
+        assert fits["node-b"]["fits"] is True and answer["best"] == "node-b"
+
+        allocated = client.post(
+            f"{API}/k8s/nodes/node-a/allocate", json={"resource": "vgpu", "devices": 1}
+        )
+        assert allocated.status_code == 200
+        answer = client.post(f"{API}/k8s/placement", json=query).json()
+        assert all(f["fits"] for f in answer["nodes"])

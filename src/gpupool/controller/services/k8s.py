@@ -74,6 +74,7 @@ def placement(store: Store, _session: Session, query: PlacementQuery) -> Placeme
             return PlacementAnswer(
                 nodes=[NodeFit(node=n, fits=False, reason=exc.message) for n in nodes], best=None
             )
+        admitting = _admitting_nodes(store)
         best_plan = pool.plan(base)
         best_nodes = {_node_of(store, s.gpu_uuid) for s in best_plan.slices} if best_plan else set()
         for node in dict.fromkeys(query.nodes):
@@ -83,6 +84,17 @@ def placement(store: Store, _session: Session, query: PlacementQuery) -> Placeme
                 fits.append(NodeFit(node=node, fits=False, reason=never, never=True))
             elif node not in pool.nodes_up:
                 fits.append(NodeFit(node=node, fits=False, reason="its gpupool agent is down"))
+            elif node in admitting:
+                # The one-claim rule of create_claim, said before the bind: a node that fits
+                # but is admitting another claim would refuse the bind, and a scheduler told
+                # it fits (and scores best) picks it again and again while others have room.
+                fits.append(
+                    NodeFit(
+                        node=node,
+                        fits=False,
+                        reason=f"the node is admitting claim {admitting[node]} (one at a time)",
+                    )
+                )
             elif pool.plan(replace(base, node=node)) is None:
                 fits.append(NodeFit(node=node, fits=False, reason=_short_on(pool, base, gpus)))
             else:
@@ -247,6 +259,19 @@ def _claim_id(row: LeaseRow) -> str:
 def _live_claim_row(store: Store, claim_id: str) -> LeaseRow | None:
     holder = holder_of(claim_id)
     return next((r for r in list(store.lease_rows.values()) if r.holder == holder), None)
+
+
+def _admitting_nodes(store: Store) -> dict[str, str]:
+    """Nodes with a claim bound and no container yet, and that claim's id."""
+    admitting: dict[str, str] = {}
+    for row in sorted(store.lease_rows.values(), key=lambda r: r.created_at):
+        if (
+            row.holder.startswith(HOLDER_PREFIX)
+            and row.node
+            and row.state == LeaseState.GRANTED.value
+        ):
+            admitting.setdefault(row.node, _claim_id(row))
+    return admitting
 
 
 def _bound_rows(store: Store, node: str) -> list[LeaseRow]:
