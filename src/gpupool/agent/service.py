@@ -60,6 +60,8 @@ def write_secret(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as out:
         out.write(text + "\n")
     os.replace(tmp, path)
+
+
 MAX_DIRECT_EVENTS_PER_POST = 256
 
 
@@ -94,6 +96,9 @@ class AgentSettings:
     """Serve the kubelet device plugin (gpupool.k8s) in this directory; None: no plugin."""
     device_plugin_slots: int = 10
     """gpupool.io/vgpu devices per virtual GPU: how many pods may share one."""
+    device_plugin_pod_check: bool = True
+    """Allocate reads the node's pods from the API server (in-cluster service account), so
+    that a pod that got past the webhook is not given another pod's claim; False: not."""
     mps_shm_dir: Path | None = None
     """Host directory that is the MPS daemons' /dev/shm (the agent in a container): slices'
     containers get it as theirs, since an MPS client shares /dev/shm with its daemon."""
@@ -128,6 +133,7 @@ class AgentSettings:
     @property
     def attach_path(self) -> Path:
         return self.direct_socket or self.data_dir / "direct.sock"
+
     worker_user: str | None = None
     """The Unix user workers run as when the agent is root (made if missing); None or "": as
     the agent itself (`gpupool agent` defaults to gpupool-worker)."""
@@ -735,13 +741,25 @@ class Agent:
             actor=f"agent/{self.settings.node_name}",
             token=self.token,
         )
+        pods = None
+        if self.settings.device_plugin_pod_check:
+            from gpupool.k8s.deviceplugin.pods import NodePods
+            from gpupool.k8s.kube import KubeApi
+
+            pods = NodePods(KubeApi.in_cluster(), self.settings.node_name)
+        else:
+            log.warning(
+                "device plugin: Allocate does not read the node's pods (--insecure-no-pod-check)"
+            )
         self.device_plugins = DevicePlugins(
-            settings, view, ControllerClaims(client, self.settings.node_name)
+            settings, view, ControllerClaims(client, self.settings.node_name), pods
         )
         try:
             await self.device_plugins.run(done)
         finally:
             client.close()
+            if pods is not None:
+                await pods.close()
 
     # ---- what people see --------------------------------------------------------------------
 

@@ -545,6 +545,15 @@ def agent(
         int,
         typer.Option("--vgpu-slots", help="gpupool.io/vgpu devices per virtual GPU (1..100)."),
     ] = 10,
+    insecure_no_pod_check: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-no-pod-check",
+            help="INSECURE: let the device plugin give a claim without reading its node's "
+            "pods from the API server (then a pod that got past the webhook can be given "
+            "another pod's lease). By default it reads them with its pod's service account.",
+        ),
+    ] = False,
     mps_shm_dir: Annotated[
         Path | None,
         typer.Option(
@@ -600,6 +609,16 @@ def agent(
         raise BadInput(f"--vgpu-slots must be 1..100, got {vgpu_slots}")
     if device_plugin and not kubelet_dir.is_dir():
         raise BadInput(f"--kubelet-dir {kubelet_dir} is not a directory (is the kubelet here?)")
+    if (
+        device_plugin
+        and not insecure_no_pod_check
+        and not os.environ.get("KUBERNETES_SERVICE_HOST")
+    ):
+        raise BadInput(
+            "--device-plugin reads its node's pods from the API server with its pod's service "
+            "account, and this is no Kubernetes pod (no KUBERNETES_SERVICE_HOST); "
+            "--insecure-no-pod-check goes without (a pod past the webhook may get another's lease)"
+        )
     if not 0 <= api_port <= 65535:
         raise BadInput(f"--api-port must be 0..65535, got {api_port}")
     with imports_without_gc():
@@ -641,6 +660,7 @@ def agent(
             api_port=api_port,
             device_plugin_dir=kubelet_dir if device_plugin else None,
             device_plugin_slots=vgpu_slots,
+            device_plugin_pod_check=not insecure_no_pod_check,
             mps_shm_dir=mps_shm_dir,
             room_timeout_s=room_timeout,
             direct_watch=WatchMode(direct_watch) if direct_watch is not None else None,

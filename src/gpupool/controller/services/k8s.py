@@ -12,6 +12,7 @@ makes that answer exact instead of a guess between pods admitted together.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Literal
 
@@ -40,6 +41,7 @@ from gpupool.protocol.v1.k8s import (
     NodeFit,
     PlacementAnswer,
     PlacementQuery,
+    WaitingPod,
 )
 
 HOLDER_PREFIX = "k8s-claim:"
@@ -204,8 +206,46 @@ def allocate(store: Store, session: Session, node: str, body: ClaimAllocate) -> 
         ids = ", ".join(_claim_id(r) for r in candidates)
         raise Conflict(f"several claims wait on node {node} ({ids}): refusing to guess")
     row = candidates[0]
+    if body.waiting is not None:
+        _check_waiting(store, node, body.resource, _claim_id(row), body.waiting)
     leases.heartbeat(store, session, row.id, active=True)
     return _claim_out(row)
+
+
+def _check_waiting(
+    store: Store, node: str, resource: str, claim: str, waiting: list[WaitingPod]
+) -> None:
+    """Refuse unless the waiting pods leave no doubt that the kubelet is admitting `claim`'s.
+
+    The kubelet's Allocate names no pod. The one-claim rule makes "the claim bound on this
+    node" exact among pods the extender placed; a pod that never passed the webhook (a
+    namespace it skips, `spec.nodeName` set) has no claim of its own, yet the kubelet may
+    be admitting it now. So every waiting pod must hold a live claim of this node that no
+    other pod also carries (a copied label proves nothing), and one of them this claim.
+    """
+    live = {
+        _claim_id(r)
+        for r in list(store.lease_rows.values())
+        if r.holder.startswith(HOLDER_PREFIX) and r.node == node
+    }
+    carriers = Counter(w.claim for w in waiting if w.claim)
+    for pod in waiting:
+        if pod.claim is None or pod.claim not in live:
+            raise Conflict(
+                f"pod {pod.pod} on node {node} asks for gpupool.io/{resource} without a claim "
+                "of this node (it was not admitted through gpupool's webhook): the kubelet's "
+                "Allocate names no pod and may be for that one, so no claim is given"
+            )
+        if carriers[pod.claim] > 1:
+            raise Conflict(
+                f"{carriers[pod.claim]} pods on node {node} carry claim {pod.claim}: the "
+                "kubelet's Allocate names no pod, so no claim is given"
+            )
+    if carriers[claim] != 1:
+        raise Conflict(
+            f"the pod of claim {claim} is not among the pods waiting on node {node}: "
+            "the kubelet is admitting another pod, so no claim is given"
+        )
 
 
 def pending(store: Store, _session: Session, node: str) -> ClaimOut:
