@@ -1,9 +1,11 @@
 // Command fakecri serves the kubelet's own fake container runtime
 // (k8s.io/kubernetes/pkg/kubelet/cri/remote/fake) on a Unix socket, for gpupool's end-to-end
-// tests on a real control plane. No container process runs: pods reach Running on their
-// own. It records every container the kubelet creates (its pod, environment, mounts and
-// device nodes, which is where the device plugin's Allocate answer ends up) as one JSON file
-// in -record-dir, so the tests can read what a container would have started with.
+// tests on a real control plane. No container process runs (the containers are simulated):
+// pods reach Running on their own. It records every container the kubelet creates (its pod,
+// environment, mounts and device nodes, which is where the device plugin's Allocate answer
+// ends up) as one JSON file in -record-dir, so the tests can read what a container would
+// have started with. `kubectl exec` runs the command as a plain host process (no isolation
+// at all) with the container's environment, through the kubelet's own streaming server.
 package main
 
 import (
@@ -12,14 +14,20 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"io"
+	"os/exec"
 	"os/signal"
 	"path/filepath"
+	"sync"
 	"syscall"
 
 	"google.golang.org/grpc"
+	"k8s.io/client-go/tools/remotecommand"
 	kubeapi "k8s.io/cri-api/pkg/apis/runtime/v1alpha2"
 	"k8s.io/kubernetes/pkg/kubelet/cri/remote/fake"
 	"k8s.io/kubernetes/pkg/kubelet/cri/remote/util"
+	"k8s.io/kubernetes/pkg/kubelet/cri/streaming"
+	utilexec "k8s.io/utils/exec"
 )
 
 type mount struct {
@@ -48,7 +56,10 @@ type record struct {
 // recording is the fake runtime with CreateContainer writing down what it was given.
 type recording struct {
 	*fake.RemoteRuntime
-	dir string
+	dir    string
+	stream streaming.Server
+	mu     sync.Mutex
+	envs   map[string][]string // container id -> its environment, for exec
 }
 
 func (r *recording) CreateContainer(ctx context.Context, req *kubeapi.CreateContainerRequest) (*kubeapi.CreateContainerResponse, error) {
@@ -79,7 +90,53 @@ func (r *recording) CreateContainer(ctx context.Context, req *kubeapi.CreateCont
 	if err := r.write(rec); err != nil {
 		return nil, err
 	}
+	env := []string{}
+	for k, v := range rec.Env {
+		env = append(env, k+"="+v)
+	}
+	r.mu.Lock()
+	r.envs[resp.ContainerId] = env
+	r.mu.Unlock()
 	return resp, nil
+}
+
+// Exec hands the kubelet a URL of the streaming server, as a real runtime does.
+func (r *recording) Exec(ctx context.Context, req *kubeapi.ExecRequest) (*kubeapi.ExecResponse, error) {
+	return r.stream.GetExec(req)
+}
+
+// streamRuntime runs exec'd commands on the host with the container's environment.
+type streamRuntime struct{ rec *recording }
+
+func (s streamRuntime) Exec(containerID string, cmd []string, in io.Reader, out, errw io.WriteCloser, tty bool, resize <-chan remotecommand.TerminalSize) error {
+	if len(cmd) == 0 {
+		return fmt.Errorf("no command")
+	}
+	s.rec.mu.Lock()
+	env, ok := s.rec.envs[containerID]
+	s.rec.mu.Unlock()
+	if !ok {
+		return fmt.Errorf("container %s is not known", containerID)
+	}
+	c := exec.Command(cmd[0], cmd[1:]...)
+	c.Env = append([]string{"PATH=/usr/local/bin:/usr/bin:/bin"}, env...)
+	c.Dir = os.TempDir()
+	c.Stdin, c.Stdout, c.Stderr = in, out, errw
+	if err := c.Run(); err != nil {
+		if exit, ok := err.(*exec.ExitError); ok {
+			return &utilexec.CodeExitError{Err: err, Code: exit.ExitCode()}
+		}
+		return err
+	}
+	return nil
+}
+
+func (s streamRuntime) Attach(containerID string, in io.Reader, out, errw io.WriteCloser, tty bool, resize <-chan remotecommand.TerminalSize) error {
+	return fmt.Errorf("attach: simulated containers have no process")
+}
+
+func (s streamRuntime) PortForward(podSandboxID string, port int32, stream io.ReadWriteCloser) error {
+	return fmt.Errorf("port-forward: simulated containers listen on nothing")
 }
 
 // write puts the record in place atomically: a reader sees a whole file or none.
@@ -99,6 +156,7 @@ func (r *recording) write(rec record) error {
 func main() {
 	endpoint := flag.String("endpoint", "", "Unix socket to serve the CRI on (unix:///path)")
 	dir := flag.String("record-dir", "", "directory for one JSON file per created container")
+	streamAddr := flag.String("stream-addr", "127.0.0.1:10350", "address of the exec streaming server")
 	flag.Parse()
 	if *endpoint == "" || *dir == "" {
 		fmt.Fprintln(os.Stderr, "fakecri: -endpoint and -record-dir are required")
@@ -115,7 +173,21 @@ func main() {
 			{Type: kubeapi.NetworkReady, Status: true},
 		},
 	}
-	rec := &recording{RemoteRuntime: runtime, dir: *dir}
+	rec := &recording{RemoteRuntime: runtime, dir: *dir, envs: map[string][]string{}}
+	config := streaming.DefaultConfig
+	config.Addr = *streamAddr
+	stream, err := streaming.NewServer(config, streamRuntime{rec})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "fakecri:", err)
+		os.Exit(1)
+	}
+	rec.stream = stream
+	go func() {
+		if err := stream.Start(true); err != nil {
+			fmt.Fprintln(os.Stderr, "fakecri: streaming server:", err)
+			os.Exit(1)
+		}
+	}()
 	server := grpc.NewServer()
 	kubeapi.RegisterRuntimeServiceServer(server, rec)
 	kubeapi.RegisterImageServiceServer(server, rec)

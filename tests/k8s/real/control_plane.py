@@ -94,6 +94,8 @@ def binaries() -> Path:
             raise CannotRun(f"{tool} is not installed")
     done = subprocess.run(["bash", str(BUILD_SCRIPT), "bin"], capture_output=True, text=True)
     if done.returncode != 0:
+        if os.environ.get("GPUPOOL_K8S_NO_BUILD") == "1":
+            raise CannotRun(f"not built, and GPUPOOL_K8S_NO_BUILD=1 ({BUILD_SCRIPT} build)")
         done = subprocess.run(["bash", str(BUILD_SCRIPT), "build"], capture_output=True, text=True)
         if done.returncode != 0:
             tail = "\n".join((done.stdout + done.stderr).splitlines()[-15:])
