@@ -173,6 +173,8 @@ func main() {
 			{Type: kubeapi.NetworkReady, Status: true},
 		},
 	}
+	// A pulled image needs a size, or the kubelet refuses to start its containers.
+	runtime.ImageService.SetFakeImageSize(1 << 20)
 	rec := &recording{RemoteRuntime: runtime, dir: *dir, envs: map[string][]string{}}
 	config := streaming.DefaultConfig
 	config.Addr = *streamAddr

@@ -24,8 +24,10 @@ import contextlib
 import ctypes
 import json
 import os
+import re
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[3]
 BUILD_SCRIPT = REPO / "scripts" / "k8s-control-plane.sh"
+DOCS = REPO / "docs" / "kubernetes.md"
 NAMESPACE = "gpupool"
 NODE = "gpu-node-1"
 API_PORT = 6443
@@ -57,6 +60,7 @@ TOKENS = {
         f"system:serviceaccount:{NAMESPACE}:gpupool-scheduler",
         "system:serviceaccounts",
     ),
+    "agent": (f"system:serviceaccount:{NAMESPACE}:gpupool-agent", "system:serviceaccounts"),
     "node": (f"system:node:{NODE}", "system:nodes"),
 }
 
@@ -70,6 +74,17 @@ KUBELET_SYSCTLS = {
     "/proc/sys/kernel/keys/root_maxkeys": "1000000",
     "/proc/sys/kernel/keys/root_maxbytes": "25000000",
 }
+CLUSTER_SCOPED = frozenset(
+    {
+        "ClusterRole",
+        "ClusterRoleBinding",
+        "MutatingWebhookConfiguration",
+        "ValidatingWebhookConfiguration",
+        "Namespace",
+        "PriorityClass",
+        "RuntimeClass",
+    }
+)
 HOST_DIRS = ("/var/lib/kubelet", "/var/log/pods", "/var/log/containers")
 
 T = TypeVar("T")
@@ -249,7 +264,11 @@ class ControlPlane:
         )
 
     def kubectl(
-        self, *args: str, check: bool = True, input_text: str | None = None, timeout_s: float = 60.0
+        self,
+        *args: str,
+        check: bool = True,
+        input_text: str | None = None,
+        timeout_s: float = 180.0,
     ) -> subprocess.CompletedProcess[str]:
         done = self.run("kubectl", *args, input_text=input_text, timeout_s=timeout_s)
         if check and done.returncode != 0:
@@ -459,44 +478,31 @@ class ControlPlane:
         )
         self.wait_for("etcd", lambda: self._http_ok("http://127.0.0.1:2379/health"), watch=["etcd"])
 
+    def _webhook_admission_config(self) -> Path:
+        """The API server's credentials for the webhook, as docs/kubernetes.md writes them."""
+        doc = DOCS.read_text()
+        block = next(
+            b
+            for b in re.findall(r"```yaml\n(.*?)```", doc, flags=re.S)
+            if "AdmissionConfiguration" in b
+        )
+        admission, kubeconfig = list(yaml.safe_load_all(block))
+        kubeconfig_path = self.work / "webhook-kubeconfig.yaml"
+        plugin = admission["plugins"][0]["configuration"]
+        plugin["kubeConfigFile"] = str(kubeconfig_path)
+        # 1.20 serves WebhookAdmission as v1alpha1 only (v1 came with 1.21), as the doc says.
+        plugin["apiVersion"] = "apiserver.config.k8s.io/v1alpha1"
+        token = (self.secret_dir("gpupool-k8s-webhook-token") / "token").read_text().strip()
+        kubeconfig["users"][0]["user"]["token"] = token
+        kubeconfig_path.write_text(yaml.safe_dump(kubeconfig))
+        admission_path = self.work / "admission.yaml"
+        admission_path.write_text(yaml.safe_dump(admission))
+        return admission_path
+
     def start_apiserver(self) -> None:
         """kube-apiserver with TLS, static tokens, Node+RBAC, and the webhook's credentials."""
         pki = self.work / "pki"
-        webhook_token = self.secret_dir("gpupool-k8s-webhook-token") / "token"
-        webhook_kubeconfig = self.work / "webhook-kubeconfig.yaml"
-        webhook_kubeconfig.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "users": [
-                        {
-                            "name": f"gpupool-k8s.{NAMESPACE}.svc",
-                            "user": {"token": webhook_token.read_text().strip()},
-                        }
-                    ],
-                }
-            )
-        )
-        admission = self.work / "admission.yaml"
-        admission.write_text(
-            yaml.safe_dump(
-                {
-                    "apiVersion": "apiserver.config.k8s.io/v1",
-                    "kind": "AdmissionConfiguration",
-                    "plugins": [
-                        {
-                            "name": "MutatingAdmissionWebhook",
-                            "configuration": {
-                                "apiVersion": "apiserver.config.k8s.io/v1",
-                                "kind": "WebhookAdmission",
-                                "kubeConfigFile": str(webhook_kubeconfig),
-                            },
-                        }
-                    ],
-                }
-            )
-        )
+        admission = self._webhook_admission_config()
         self.spawn(
             "kube-apiserver",
             [
@@ -512,7 +518,9 @@ class ControlPlane:
                 f"--service-account-key-file={pki / 'sa.pub'}",
                 f"--service-account-signing-key-file={pki / 'sa.key'}",
                 "--service-account-issuer=https://kubernetes.default.svc",
-                "--service-cluster-ip-range=10.96.0.0/16",
+                # Services get loopback addresses, which the namespace reaches: the API
+                # server calls the webhook at its Service's cluster IP.
+                "--service-cluster-ip-range=127.96.0.0/16",
                 "--authorization-mode=Node,RBAC",
                 # No controller-manager makes service-account tokens, and hand-made nodes would
                 # stay tainted not-ready: both admission plugins off.
@@ -748,7 +756,13 @@ class ControlPlane:
                 "--worker-user",
                 "",
             ],
-            env={"GPUPOOL_TOKEN": self.admin_token},
+            # As the chart's agent pod: its service account lists the node's pods.
+            env={
+                "GPUPOOL_TOKEN": self.admin_token,
+                "KUBERNETES_SERVICE_HOST": "127.0.0.1",
+                "KUBERNETES_SERVICE_PORT": str(API_PORT),
+            },
+            mounts={"/var/run/secrets/kubernetes.io/serviceaccount": self.service_account("agent")},
         )
         self.wait_for(
             "the node's gpupool.io/vgpu",
@@ -766,9 +780,9 @@ class ControlPlane:
         import httpx
 
         def get() -> bool:
-            ca: bool | str = verify
+            ca: bool | ssl.SSLContext = bool(verify)
             if verify is True and url.startswith("https://"):
-                ca = str(self.work / "pki" / "ca.crt")
+                ca = ssl.create_default_context(cafile=str(self.work / "pki" / "ca.crt"))
             headers = {"Authorization": f"Bearer {token}"} if token else {}
             try:
                 return httpx.get(url, headers=headers, verify=ca, timeout=2).status_code == 200
@@ -829,6 +843,9 @@ def control_plane(render: Callable[[], list[dict[str, Any]]]) -> Iterator[Contro
         cp.start_scheduler()
         cp.start_kubelet()
         cp.start_agent()
+        # As docs/kubernetes.md's install does: the examples' priorities (10, 100) are above
+        # a new pool's default cap for its tenants (0).
+        cp.gpupool("tenant", "set", "default", "--max-priority", "100")
         yield cp
     finally:
         cp.stop()
@@ -836,14 +853,10 @@ def control_plane(render: Callable[[], list[dict[str, Any]]]) -> Iterator[Contro
 
 def apply_chart(cp: ControlPlane) -> None:
     """The rendered chart, applied with server-side apply (the API server validates it)."""
-    text = yaml.safe_dump_all(cp.chart_docs)
-    cp.kubectl(
-        "apply",
-        "--server-side",
-        "--field-manager=helm",
-        "-n",
-        NAMESPACE,
-        "-f",
-        "-",
-        input_text=text,
-    )
+    docs = []
+    for doc in cp.chart_docs:
+        if doc["kind"] not in CLUSTER_SCOPED:  # what `helm install -n gpupool` does
+            doc = {**doc, "metadata": {"namespace": NAMESPACE, **doc["metadata"]}}
+        docs.append(doc)
+    text = yaml.safe_dump_all(docs)
+    cp.kubectl("apply", "--server-side", "--field-manager=helm", "-f", "-", input_text=text)

@@ -104,7 +104,9 @@ def wait_claims_released(cluster: ControlPlane) -> None:
 
 
 def test_the_chart_is_applied_with_server_side_validation(cluster: ControlPlane) -> None:
-    webhook = cluster.kubectl_json("get", "mutatingwebhookconfiguration", "gpupool-k8s")
+    webhook = cluster.kubectl_json(
+        "get", "mutatingwebhookconfiguration", "gpupool-k8s", "--show-managed-fields"
+    )
     hook = webhook["webhooks"][0]
     assert hook["clientConfig"]["service"]["name"] == "gpupool-k8s"
     assert hook["reinvocationPolicy"] == "IfNeeded" and hook["failurePolicy"] == "Fail"
