@@ -214,8 +214,21 @@ class ControlPlane:
         path.mkdir(parents=True, exist_ok=True)
         self.made_dirs.extend(reversed(missing))
 
-    def nsenter(self, *argv: str) -> list[str]:
-        return ["nsenter", "-t", str(self.holder_pid), "--net", "--mount", "--", *argv]
+    def nsenter(self, *argv: str, wd: Path | None = None) -> list[str]:
+        """argv in the namespaces, in `wd` (nsenter would start it in / otherwise: the
+        kubelet's container cleanup deletes files in its working directory)."""
+        where = wd or self.work / "cwd"
+        where.mkdir(exist_ok=True)
+        return [
+            "nsenter",
+            "-t",
+            str(self.holder_pid),
+            "--net",
+            "--mount",
+            f"--wd={where}",
+            "--",
+            *argv,
+        ]
 
     def spawn(
         self,
@@ -239,17 +252,21 @@ class ControlPlane:
         log = self.work / f"{name}.log"
         with log.open("ab") as out:
             proc = subprocess.Popen(
-                self.nsenter(*command),
+                self.nsenter(*command, wd=cwd or self._empty_dir(name)),
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env={**os.environ, **(env or {})},
-                cwd=cwd,
                 preexec_fn=_die_with_parent,
             )
         process = Process(name, proc, log)
         self.processes[name] = process
         return process
+
+    def _empty_dir(self, name: str) -> Path:
+        directory = self.work / "cwd" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        return directory
 
     def run(
         self, *argv: str, timeout_s: float = 60.0, input_text: str | None = None
@@ -712,6 +729,14 @@ class ControlPlane:
             mounts=mounts,
             cwd=cwd,
         )
+        kubelet = self.processes["kubelet"].proc.pid
+        # Its cleanup of simulated containers deletes files in its working directory.
+        self.wait_for(
+            "the kubelet to start",
+            lambda: os.readlink(f"/proc/{kubelet}/exe").endswith("/kubelet"),
+            watch=["kubelet"],
+        )
+        assert Path(os.readlink(f"/proc/{kubelet}/cwd")) == cwd, "kubelet not in its empty dir"
         self.wait_for(
             "the kubelet's node to be Ready", self._node_ready, watch=["kubelet", "fakecri"]
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -56,7 +57,7 @@ def test_the_doc_names_every_command_it_does_not_run() -> None:
 
 def test_the_install_walk_through_runs_as_written(cluster: ControlPlane) -> None:
     commands = [c for c in shell_commands(DOC.read_text()) if not c.startswith(tuple(NOT_HERE))]
-    script = ["set -euo pipefail"]
+    script = ["set -euo pipefail", f"cd {shlex.quote(str(DOC.parents[1]))}"]
     for i, command in enumerate(commands):
         script += [f"echo '{MARK} {i}'", command]
     env = {
@@ -73,7 +74,6 @@ def test_the_install_walk_through_runs_as_written(cluster: ControlPlane) -> None
             text=True,
             timeout=600,
             env=env,
-            cwd=DOC.parents[1],
         )
         assert done.returncode == 0, f"{done.stdout}\n{done.stderr}\n{cluster.logs()}"
     finally:
