@@ -467,6 +467,7 @@ def test_a_pod_past_the_webhook_is_not_given_another_pods_claim(cluster: Control
         {"gpupool.io/vgpu": 1, "gpupool.io/vgpu-compute": 40, "gpupool.io/vgpu-memory": 4096},
         nodeSelector={"kubernetes.io/hostname": NODE},
     )
+    wait_claims_released(cluster)  # a test before may have left one to the sweep
     # The kubelet, held still, then takes both pods at once, the older (the thief) first.
     kubelet.send_signal(signal.SIGSTOP)
     try:
