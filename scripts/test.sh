@@ -17,4 +17,11 @@ workers=${GPUPOOL_TEST_WORKERS:-4}
 if [ "$workers" = 0 ]; then
   exec .venv/bin/python -m pytest --durations=15 "$@"
 fi
-exec .venv/bin/python -m pytest -n "$workers" --dist worksteal --durations=15 "$@"
+for arg in "$@"; do
+  case $arg in -*) ;; *) exec .venv/bin/python -m pytest -n "$workers" --dist worksteal --durations=15 "$@" ;; esac
+done
+# The whole suite. tests/k8s/real shares one real Kubernetes control plane (a minute to
+# start) among its tests: it runs in one process of its own after the rest, not once per
+# xdist worker.
+.venv/bin/python -m pytest -n "$workers" --dist worksteal --durations=15 --ignore=tests/k8s/real "$@"
+exec .venv/bin/python -m pytest -p no:xdist --durations=10 tests/k8s/real "$@"

@@ -78,6 +78,10 @@ EXTRA_CA = ["--extra-client-ca", "{file}"]
             ["agent", "--fake", "1xH100-80GB", "--device-plugin", "--kubelet-dir", "{missing}"],
             "is not a directory",
         ),
+        (
+            ["agent", "--fake", "1xH100-80GB", "--device-plugin", "--kubelet-dir", "{dir}"],
+            "--insecure-no-pod-check",
+        ),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(
@@ -85,7 +89,10 @@ def test_bad_input_is_one_line_and_exit_2(
 ) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     (tmp_path / "file.pem").write_text("x")
-    filled = [a.format(file=tmp_path / "file.pem", missing=tmp_path / "missing") for a in args]
+    filled = [
+        a.format(file=tmp_path / "file.pem", missing=tmp_path / "missing", dir=tmp_path)
+        for a in args
+    ]
     result = CliRunner().invoke(app, ["--url", "http://127.0.0.1:9", *filled])
     assert result.exit_code == 2, result.output
     lines = [line for line in result.output.splitlines() if line.strip()]

@@ -236,3 +236,53 @@ def test_preemption_names_the_cheapest_offered_claims_and_only_live_ones(tmp_pat
             f"{API}/k8s/preemption", json=query, headers={"Authorization": f"Bearer {agent}"}
         )
         assert denied.status_code == 403
+
+
+def test_placement_leaves_out_a_node_that_is_admitting_a_claim(tmp_path: Path) -> None:
+    """The one-claim rule in filter: else the scheduler keeps choosing the node its bind refuses."""
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=2)
+        register(client, "node-b", gpus=2)
+        assert client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01")).status_code == 201
+        query = {"request": SLICE, "nodes": ["node-a", "node-b"]}
+        answer = client.post(f"{API}/k8s/placement", json=query).json()
+        fits = {f["node"]: f for f in answer["nodes"]}
+        assert fits["node-a"]["fits"] is False and fits["node-a"]["never"] is False
+        assert "admitting claim c-aaaaaaaa01" in fits["node-a"]["reason"]
+        assert fits["node-b"]["fits"] is True and answer["best"] == "node-b"
+
+        allocated = client.post(
+            f"{API}/k8s/nodes/node-a/allocate", json={"resource": "vgpu", "devices": 1}
+        )
+        assert allocated.status_code == 200
+        answer = client.post(f"{API}/k8s/placement", json=query).json()
+        assert all(f["fits"] for f in answer["nodes"])
+
+
+def test_allocate_refuses_while_a_pod_without_a_claim_waits_on_the_node(tmp_path: Path) -> None:
+    """Claim theft: a pod the webhook skipped (kube-system, nodeName set) is admitted by the
+    kubelet, whose Allocate names no pod; it must not get the claim waiting on the node."""
+    allocate = f"{API}/k8s/nodes/node-a/allocate"
+    mine = {"pod": "default/train", "claim": "c-aaaaaaaa01"}
+    with controller(tmp_path) as client:
+        register(client, "node-a", gpus=2)
+        assert client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa01")).status_code == 201
+        for waiting, why in [
+            ([mine, {"pod": "kube-system/thief"}], "kube-system/thief on node node-a"),
+            ([mine, {"pod": "kube-system/thief", "claim": "c-aaaaaaaa01"}], "2 pods"),
+            ([mine, {"pod": "kube-system/thief", "claim": "c-forged0001"}], "without a claim"),
+            ([{"pod": "kube-system/thief"}], "without a claim"),
+            ([], "not among the pods waiting"),
+        ]:
+            body = {"resource": "vgpu", "devices": 1, "waiting": waiting}
+            refused = client.post(allocate, json=body)
+            assert refused.status_code == 409 and why in refused.json()["detail"], refused.text
+        assert client.get(f"{API}/k8s/nodes/node-a/pending").json()["claim"] == "c-aaaaaaaa01"
+
+        got = client.post(allocate, json={"resource": "vgpu", "devices": 1, "waiting": [mine]})
+        assert got.status_code == 200 and got.json()["state"] == "allocated"
+        # Its pod, still starting, does not block the next one.
+        assert client.post(f"{API}/k8s/claims", json=claim_body("c-aaaaaaaa02")).status_code == 201
+        both = [mine, {"pod": "default/second", "claim": "c-aaaaaaaa02"}]
+        got = client.post(allocate, json={"resource": "vgpu", "devices": 1, "waiting": both})
+        assert got.status_code == 200 and got.json()["claim"] == "c-aaaaaaaa02"

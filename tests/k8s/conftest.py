@@ -35,7 +35,9 @@ def k8s_node(start_controller: Any, tmp_path: Path) -> Iterator[K8sNode]:
         deadline = time.monotonic() + START_TIMEOUT_S
         args = ["agent", "--url", url, "--node", "k8s-node-1", "--fake", "2xH100-80GB"]
         args += ["--interval", "0.3", "--data-dir", str(tmp_path / "agent"), "--no-banner"]
+        # No API server here: the fake kubelet calls Allocate for pods it does not list.
         args += ["--device-plugin", "--kubelet-dir", str(kubelet_dir), "--vgpu-slots", "4"]
+        args += ["--insecure-no-pod-check"]
         with (tmp_path / "agent.log").open("wb") as log:
             agent = subprocess.Popen(gpupool_argv(*args), stdout=log, stderr=subprocess.STDOUT)
         while len(client.gpus()) < 2:

@@ -15,13 +15,15 @@ from fake_kubelet import FakeKubelet
 from gpupool.k8s.deviceplugin.server import ClaimError, DevicePlugins, PluginSettings
 from gpupool.k8s.devices import GpuView, NodeView
 from gpupool.k8s.resources import ResourceKind
-from gpupool.protocol.v1.k8s import ClaimOut
+from gpupool.protocol.v1.k8s import ClaimOut, WaitingPod
 
 
 class NoClaims:
     """No controller behind this plugin: registration and listing need none."""
 
-    async def allocate(self, kind: ResourceKind, devices: int) -> ClaimOut:
+    async def allocate(
+        self, kind: ResourceKind, devices: int, waiting: list[WaitingPod] | None
+    ) -> ClaimOut:
         raise ClaimError("no controller in this test")
 
     async def pending(self) -> ClaimOut | None:
@@ -45,6 +47,7 @@ def run_plugin(
         PluginSettings(kubelet_dir=directory, slots_per_gpu=2, watch_interval_s=0.1),
         lambda: view,
         NoClaims(),
+        None,
     )
     ready = threading.Event()
     holder: dict[str, object] = {}

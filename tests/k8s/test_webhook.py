@@ -211,3 +211,51 @@ def test_a_remote_pod_keeps_its_own_tenant_token() -> None:
     obj = pod(SLICE, annotations={"gpupool.io/access": "remote"}, command=["python"], env=[mine])
     container = apply_patch(obj, answer(obj))["spec"]["containers"][0]
     assert [e for e in container["env"] if e["name"] == "GPUPOOL_TOKEN"] == [mine]
+
+
+@pytest.mark.parametrize(
+    ("written", "mib"),
+    [("8000", 8000), ("8k", 8000), ("8e3", 8000), ("8E3", 8000), ("1M", 1000000), ("1.5k", 1500)],
+)
+def test_every_form_the_api_server_stores_a_whole_number_in_is_accepted(
+    written: str, mib: int
+) -> None:
+    """The API server stores `gpupool.io/vgpu-memory: 8000` as `8k` before the webhook sees it."""
+    obj = pod(
+        {**SLICE, "gpupool.io/vgpu-memory": written},
+        annotations={"gpupool.io/access": "remote"},
+        command=["python"],
+    )
+    command = apply_patch(obj, answer(obj))["spec"]["containers"][0]["command"]
+    assert command[command.index("--memory") + 1] == f"{mib}MiB"
+
+
+@pytest.mark.parametrize("written", ["8Gi", "1Ki", "1500m", "0.5", "-1", "8x", "1e99"])
+def test_memory_that_is_no_whole_number_of_mib_is_refused(written: str) -> None:
+    assert "vgpu-memory" in refused(pod({**SLICE, "gpupool.io/vgpu-memory": written}))
+
+
+def test_a_request_equal_to_its_limit_in_another_form_is_accepted() -> None:
+    obj = pod({**SLICE, "gpupool.io/vgpu-memory": "8k"})
+    obj["spec"]["containers"][0]["resources"]["requests"] = {"gpupool.io/vgpu-memory": "8000"}
+    assert answer(obj)["allowed"] is True
+
+
+def test_a_second_call_on_a_remote_pod_it_changed_is_idempotent() -> None:
+    """reinvocationPolicy IfNeeded: a later webhook changed the pod, the API server asks again."""
+    obj = pod(SLICE, annotations={"gpupool.io/access": "remote"}, command=["python", "train.py"])
+    first = apply_patch(obj, answer(obj))
+    first["spec"]["containers"][0]["env"].append({"name": "SIDECAR", "value": "1"})
+    again = answer(first)
+    assert again["allowed"] is True, again
+    assert apply_patch(first, again) == first
+
+
+def test_a_second_call_still_strips_what_a_later_webhook_added() -> None:
+    obj = pod(SLICE, annotations={"gpupool.io/access": "remote"}, command=["python"])
+    first = apply_patch(obj, answer(obj))
+    first["spec"]["containers"][0]["env"].append({"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"})
+    after = apply_patch(first, answer(first))
+    names = [e["name"] for e in after["spec"]["containers"][0]["env"]]
+    assert "NVIDIA_VISIBLE_DEVICES" not in names
+    assert after["spec"]["containers"][0]["command"] == first["spec"]["containers"][0]["command"]

@@ -101,6 +101,9 @@ class AgentSettings:
     simulated GPUs, which have none)."""
     device_plugin_cdi: str | None = None
     """Allocate names the GPUs as CDI devices nvidia.com/gpu=<uuid|index>; None: not."""
+    device_plugin_pod_check: bool = True
+    """Allocate reads the node's pods from the API server (in-cluster service account), so
+    that a pod that got past the webhook is not given another pod's claim; False: not."""
     mps_shm_dir: Path | None = None
     """Host directory that is the MPS daemons' /dev/shm (the agent in a container): slices'
     containers get it as theirs, since an MPS client shares /dev/shm with its daemon."""
@@ -752,13 +755,25 @@ class Agent:
             actor=f"agent/{self.settings.node_name}",
             token=self.token,
         )
+        pods = None
+        if self.settings.device_plugin_pod_check:
+            from gpupool.k8s.deviceplugin.pods import NodePods
+            from gpupool.k8s.kube import KubeApi
+
+            pods = NodePods(KubeApi.in_cluster(), self.settings.node_name)
+        else:
+            log.warning(
+                "device plugin: Allocate does not read the node's pods (--insecure-no-pod-check)"
+            )
         self.device_plugins = DevicePlugins(
-            settings, view, ControllerClaims(client, self.settings.node_name)
+            settings, view, ControllerClaims(client, self.settings.node_name), pods
         )
         try:
             await self.device_plugins.run(done)
         finally:
             client.close()
+            if pods is not None:
+                await pods.close()
 
     # ---- what people see --------------------------------------------------------------------
 

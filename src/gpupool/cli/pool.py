@@ -782,6 +782,15 @@ def agent(
             "(the node's CDI spec's naming), or none.",
         ),
     ] = "none",
+    insecure_no_pod_check: Annotated[
+        bool,
+        typer.Option(
+            "--insecure-no-pod-check",
+            help="INSECURE: let the device plugin give a claim without reading its node's "
+            "pods from the API server (then a pod that got past the webhook can be given "
+            "another pod's lease). By default it reads them with its pod's service account.",
+        ),
+    ] = False,
     mps_shm_dir: Annotated[
         Path | None,
         typer.Option(
@@ -839,6 +848,16 @@ def agent(
         raise BadInput(f"--cdi-devices must be none, uuid or index, got {cdi_devices!r}")
     if device_plugin and not kubelet_dir.is_dir():
         raise BadInput(f"--kubelet-dir {kubelet_dir} is not a directory (is the kubelet here?)")
+    if (
+        device_plugin
+        and not insecure_no_pod_check
+        and not os.environ.get("KUBERNETES_SERVICE_HOST")
+    ):
+        raise BadInput(
+            "--device-plugin reads its node's pods from the API server with its pod's service "
+            "account, and this is no Kubernetes pod (no KUBERNETES_SERVICE_HOST); "
+            "--insecure-no-pod-check goes without (a pod past the webhook may get another's lease)"
+        )
     if not 0 <= api_port <= 65535:
         raise BadInput(f"--api-port must be 0..65535, got {api_port}")
     with imports_without_gc():
@@ -882,6 +901,7 @@ def agent(
             device_plugin_slots=vgpu_slots,
             device_plugin_nodes=device_nodes,
             device_plugin_cdi=None if cdi_devices == "none" else cdi_devices,
+            device_plugin_pod_check=not insecure_no_pod_check,
             mps_shm_dir=mps_shm_dir,
             room_timeout_s=room_timeout,
             direct_watch=WatchMode(direct_watch) if direct_watch is not None else None,

@@ -293,6 +293,6 @@ def priority_refusal(
     )
     return (
         f"priority {priority} is above the highest priority tenant {tenant} may ask for: "
-        f"{cap} ({source}); an admin can raise it with `gpupool tenant update {tenant} "
+        f"{cap} ({source}); an admin can raise it with `gpupool tenant set {tenant} "
         f"--max-priority N`"
     )

@@ -1,4 +1,4 @@
-"""The few Kubernetes API calls the extender makes: read a pod, bind it, list claimed pods.
+"""The few Kubernetes API calls gpupool makes: read, bind and list pods.
 
 Credentials are a bearer token read from a file, as in-cluster clients do: the kubelet
 rotates a pod's projected service-account token (by default about every 48 minutes of its
@@ -176,6 +176,11 @@ class KubeApi:
         await self._call(
             "POST", f"/api/v1/namespaces/{quote(namespace)}/pods/{quote(name)}/binding", body
         )
+
+    async def pods_on_node(self, node: str) -> list[dict[str, Any]]:
+        """Every pod bound to `node` (the device plugin's view of its node)."""
+        answer = await self._call("GET", "/api/v1/pods", fieldSelector=f"spec.nodeName={node}")
+        return list((answer or {}).get("items") or [])
 
     async def pods_with_label(self, label: str) -> list[dict[str, Any]]:
         """Every pod, in any namespace, that carries `label`."""

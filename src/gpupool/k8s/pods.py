@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from gpupool.k8s.quantities import NotAQuantity, parse_quantity
 from gpupool.k8s.resources import (
     ACCESS_ANNOTATION,
     CLAIM_LABEL,
@@ -80,18 +81,33 @@ def _resources(container: dict[str, Any]) -> dict[str, str]:
                 f"container {name}: {key} must be set in resources.limits "
                 "(extended resources are limits; requests may repeat them)"
             )
-        if limits[key] != value:
+        if not _same_quantity(limits[key], value):
             raise PodRefused(f"container {name}: {key} request {value} differs from limit")
     return limits
 
 
+def _same_quantity(a: str, b: str) -> bool:
+    """Equal as quantities (`8k` and `8000` are one value); unreadable ones as text."""
+    try:
+        return parse_quantity(a).value == parse_quantity(b).value
+    except NotAQuantity:
+        return a == b
+
+
 def _int(container: str, key: str, value: str, low: int, high: int, unit: str = "") -> int:
-    if not _PLAIN_INT.match(value):
-        hint = " (a plain number of MiB: 8192, not 8Gi)" if key == VGPU_MEMORY else ""
+    """A whole number in any form the API server stores it (`8000` arrives as `8k`)."""
+    hint = " (a plain number of MiB: 8192, not 8Gi)" if key == VGPU_MEMORY else ""
+    try:
+        quantity = parse_quantity(value)
+    except NotAQuantity:
+        raise PodRefused(
+            f"container {container}: {key} must be a whole number{hint}, got {value!r}"
+        ) from None
+    number = quantity.whole()
+    if quantity.binary or number is None:
         raise PodRefused(
             f"container {container}: {key} must be a whole number{hint}, got {value!r}"
         )
-    number = int(value)
     if not low <= number <= high:
         raise PodRefused(f"container {container}: {key} must be {low}..{high}{unit}, got {number}")
     return number
@@ -102,6 +118,11 @@ def asks_for_gpus(pod: Pod) -> bool:
     annotations = (pod.get("metadata") or {}).get("annotations") or {}
     if any(k.startswith(DOMAIN + "/") for k in annotations):
         return True
+    return asks_for_resources(pod)
+
+
+def asks_for_resources(pod: Pod) -> bool:
+    """Whether a container or init container sets one of our resources."""
     spec = pod.get("spec") or {}
     every = list(spec.get("containers") or []) + list(spec.get("initContainers") or [])
     return any(_resources(c) for c in every)

@@ -33,10 +33,12 @@ from gpupool.k8s.pods import (
     Pod,
     PodRefused,
     asks_for_gpus,
+    asks_for_resources,
     claim_of,
+    containers,
     gpu_ask,
 )
-from gpupool.k8s.resources import CLAIM_ENV, CLAIM_LABEL
+from gpupool.k8s.resources import ACCESS_ANNOTATION, CLAIM_ENV, CLAIM_LABEL
 
 ESCAPE_VARIABLES = frozenset(
     {
@@ -77,6 +79,8 @@ OTHER_GPU_VENDORS = ("nvidia.com/",)
 """A container asking for such a resource gets its GPUs from that vendor's device plugin,
 whose Allocate sets NVIDIA_VISIBLE_DEVICES: an explicit "void" would take them away."""
 EPHEMERAL = "ephemeralcontainers"
+REMOTE_WRAPPER = ["gpupool", "run", "--remote"]
+"""How a remote-access pod's command starts once the webhook has changed it."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +135,7 @@ def admit(request: dict[str, Any], settings: WebhookSettings) -> list[dict[str, 
         return []
     new = copy.deepcopy(pod)
     _strip_escapes(new)
-    if asks_for_gpus(pod):
+    if asks_for_gpus(pod) and not _already_remote(pod):
         ask = gpu_ask(pod)
         _refuse_unsafe(pod)
         if ask.access == "remote":
@@ -272,6 +276,25 @@ def _make_direct(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
         pod["spec"]["runtimeClassName"] = settings.runtime_class
 
 
+def _already_remote(pod: Pod) -> bool:
+    """Whether this is a remote-access pod the webhook has already changed.
+
+    With `reinvocationPolicy: IfNeeded` the API server calls the webhook again, within the
+    same CREATE, when a later webhook (a sidecar injector) changed the pod: it then has the
+    remote annotation, none of our resources and its command under `gpupool run --remote`.
+    Admitting it again unchanged (its variables stripped once more) is what a first call
+    would end with; reading it as a new GPU request would refuse it. A tenant who writes
+    such a pod by hand gets nothing more than a pod that runs `gpupool run --remote` itself.
+    """
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    if annotations.get(ACCESS_ANNOTATION) != "remote" or asks_for_resources(pod):
+        return False
+    return any(
+        list(c.get("command") or [])[: len(REMOTE_WRAPPER)] == REMOTE_WRAPPER
+        for c in containers(pod)
+    )
+
+
 def _make_remote(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
     container = pod["spec"]["containers"][ask.container]
     command = list(container.get("command") or [])
@@ -285,7 +308,7 @@ def _make_remote(pod: Pod, ask: GpuAsk, settings: WebhookSettings) -> None:
         if values:
             for key in OUR_RESOURCES:
                 values.pop(key, None)
-    wrapper = ["gpupool", "run", "--remote", "--gpus", str(ask.gpus)]
+    wrapper = [*REMOTE_WRAPPER, "--gpus", str(ask.gpus)]
     wrapper += ["--compute", f"{ask.compute_pct}%", "--tenant", ask.tenant]
     wrapper += ["--priority", str(ask.priority)]
     if ask.memory_mib is not None:

@@ -12,6 +12,7 @@ makes that answer exact instead of a guess between pods admitted together.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 from typing import Literal
 
@@ -44,6 +45,7 @@ from gpupool.protocol.v1.k8s import (
     PlacementQuery,
     PreemptionAnswer,
     PreemptionQuery,
+    WaitingPod,
 )
 
 HOLDER_PREFIX = "k8s-claim:"
@@ -78,6 +80,7 @@ def placement(store: Store, _session: Session, query: PlacementQuery) -> Placeme
             return PlacementAnswer(
                 nodes=[NodeFit(node=n, fits=False, reason=exc.message) for n in nodes], best=None
             )
+        admitting = _admitting_nodes(store)
         best_plan = pool.plan(base)
         best_nodes = {_node_of(store, s.gpu_uuid) for s in best_plan.slices} if best_plan else set()
         for node in dict.fromkeys(query.nodes):
@@ -87,6 +90,17 @@ def placement(store: Store, _session: Session, query: PlacementQuery) -> Placeme
                 fits.append(NodeFit(node=node, fits=False, reason=never, never=True))
             elif node not in pool.nodes_up:
                 fits.append(NodeFit(node=node, fits=False, reason="its gpupool agent is down"))
+            elif node in admitting:
+                # The one-claim rule of create_claim, said before the bind: a node that fits
+                # but is admitting another claim would refuse the bind, and a scheduler told
+                # it fits (and scores best) picks it again and again while others have room.
+                fits.append(
+                    NodeFit(
+                        node=node,
+                        fits=False,
+                        reason=f"the node is admitting claim {admitting[node]} (one at a time)",
+                    )
+                )
             elif pool.plan(replace(base, node=node)) is None:
                 fits.append(NodeFit(node=node, fits=False, reason=_short_on(pool, base, gpus)))
             else:
@@ -245,8 +259,46 @@ def allocate(store: Store, session: Session, node: str, body: ClaimAllocate) -> 
         ids = ", ".join(_claim_id(r) for r in candidates)
         raise Conflict(f"several claims wait on node {node} ({ids}): refusing to guess")
     row = candidates[0]
+    if body.waiting is not None:
+        _check_waiting(store, node, body.resource, _claim_id(row), body.waiting)
     leases.heartbeat(store, session, row.id, active=True)
     return _claim_out(row)
+
+
+def _check_waiting(
+    store: Store, node: str, resource: str, claim: str, waiting: list[WaitingPod]
+) -> None:
+    """Refuse unless the waiting pods leave no doubt that the kubelet is admitting `claim`'s.
+
+    The kubelet's Allocate names no pod. The one-claim rule makes "the claim bound on this
+    node" exact among pods the extender placed; a pod that never passed the webhook (a
+    namespace it skips, `spec.nodeName` set) has no claim of its own, yet the kubelet may
+    be admitting it now. So every waiting pod must hold a live claim of this node that no
+    other pod also carries (a copied label proves nothing), and one of them this claim.
+    """
+    live = {
+        _claim_id(r)
+        for r in list(store.lease_rows.values())
+        if r.holder.startswith(HOLDER_PREFIX) and r.node == node
+    }
+    carriers = Counter(w.claim for w in waiting if w.claim)
+    for pod in waiting:
+        if pod.claim is None or pod.claim not in live:
+            raise Conflict(
+                f"pod {pod.pod} on node {node} asks for gpupool.io/{resource} without a claim "
+                "of this node (it was not admitted through gpupool's webhook): the kubelet's "
+                "Allocate names no pod and may be for that one, so no claim is given"
+            )
+        if carriers[pod.claim] > 1:
+            raise Conflict(
+                f"{carriers[pod.claim]} pods on node {node} carry claim {pod.claim}: the "
+                "kubelet's Allocate names no pod, so no claim is given"
+            )
+    if carriers[claim] != 1:
+        raise Conflict(
+            f"the pod of claim {claim} is not among the pods waiting on node {node}: "
+            "the kubelet is admitting another pod, so no claim is given"
+        )
 
 
 def pending(store: Store, _session: Session, node: str) -> ClaimOut:
@@ -300,6 +352,19 @@ def _claim_id(row: LeaseRow) -> str:
 def _live_claim_row(store: Store, claim_id: str) -> LeaseRow | None:
     holder = holder_of(claim_id)
     return next((r for r in list(store.lease_rows.values()) if r.holder == holder), None)
+
+
+def _admitting_nodes(store: Store) -> dict[str, str]:
+    """Nodes with a claim bound and no container yet, and that claim's id."""
+    admitting: dict[str, str] = {}
+    for row in sorted(store.lease_rows.values(), key=lambda r: r.created_at):
+        if (
+            row.holder.startswith(HOLDER_PREFIX)
+            and row.node
+            and row.state == LeaseState.GRANTED.value
+        ):
+            admitting.setdefault(row.node, _claim_id(row))
+    return admitting
 
 
 def _bound_rows(store: Store, node: str) -> list[LeaseRow]:

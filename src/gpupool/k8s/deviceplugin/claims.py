@@ -7,7 +7,7 @@ import asyncio
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
 from gpupool.k8s.deviceplugin.server import ClaimError
 from gpupool.k8s.resources import ResourceKind
-from gpupool.protocol.v1.k8s import ClaimAllocate, ClaimOut
+from gpupool.protocol.v1.k8s import ClaimAllocate, ClaimOut, WaitingPod
 
 
 class ControllerClaims:
@@ -17,8 +17,10 @@ class ControllerClaims:
         self.client = client
         self.node = node
 
-    async def allocate(self, kind: ResourceKind, devices: int) -> ClaimOut:
-        request = ClaimAllocate(resource=kind, devices=devices)
+    async def allocate(
+        self, kind: ResourceKind, devices: int, waiting: list[WaitingPod] | None
+    ) -> ClaimOut:
+        request = ClaimAllocate(resource=kind, devices=devices, waiting=waiting)
         try:
             return await asyncio.to_thread(self.client.allocate_claim, self.node, request)
         except (ApiError, ControllerUnreachable) as exc:

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import grpc
 
+from gpupool.k8s.deviceplugin.pods import PodsUnavailable
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
 from gpupool.k8s.devices import (
@@ -31,7 +32,7 @@ from gpupool.k8s.devices import (
     preferred,
 )
 from gpupool.k8s.resources import RESOURCE_OF, ResourceKind
-from gpupool.protocol.v1.k8s import ClaimOut
+from gpupool.protocol.v1.k8s import ClaimOut, WaitingPod
 
 log = logging.getLogger(__name__)
 
@@ -44,9 +45,17 @@ REGISTER_TIMEOUT_S = 5.0
 class Claims(Protocol):
     """The controller's side of allocation: the claim waiting on this node."""
 
-    async def allocate(self, kind: ResourceKind, devices: int) -> ClaimOut: ...
+    async def allocate(
+        self, kind: ResourceKind, devices: int, waiting: list[WaitingPod] | None
+    ) -> ClaimOut: ...
 
     async def pending(self) -> ClaimOut | None: ...
+
+
+class Pods(Protocol):
+    """The node's pods that ask for a resource and have not started (from the API server)."""
+
+    async def waiting(self, resource: str) -> list[WaitingPod]: ...
 
 
 class ClaimError(Exception):
@@ -105,11 +114,14 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
         listing: DeviceList,
         view: Callable[[], NodeView],
         claims: Claims,
+        pods: Pods | None,
     ) -> None:
         self.kind = kind
         self.listing = listing
         self.view = view
         self.claims = claims
+        self.pods = pods
+        """None: Allocate does not check the node's pods (the agent was told so)."""
 
     async def GetDevicePluginOptions(
         self, request: pb.Empty, context: grpc.aio.ServicerContext[pb.Empty, pb.DevicePluginOptions]
@@ -176,9 +188,10 @@ class DevicePluginService(pb_grpc.DevicePluginServicer):
             )
         ids = list(request.container_requests[0].devices_ids)
         try:
-            claim = await self.claims.allocate(self.kind, len(ids))
+            waiting = None if self.pods is None else await self.pods.waiting(RESOURCE_OF[self.kind])
+            claim = await self.claims.allocate(self.kind, len(ids), waiting)
             given = allocation(claim, self.view(), ids)
-        except (ClaimError, AllocationRefused) as exc:
+        except (ClaimError, AllocationRefused, PodsUnavailable) as exc:
             log.error("refused %s for devices %s: %s", RESOURCE_OF[self.kind], ids, exc)
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc))
         log.info(
@@ -219,12 +232,13 @@ class DevicePlugins:
         settings: PluginSettings,
         view: Callable[[], NodeView],
         claims: Claims,
+        pods: Pods | None,
     ) -> None:
         self.settings = settings
         self.view = view
         self.listings: dict[ResourceKind, DeviceList] = {"vgpu": DeviceList(), "gpu": DeviceList()}
         self.services = {
-            kind: DevicePluginService(kind, listing, view, claims)
+            kind: DevicePluginService(kind, listing, view, claims, pods)
             for kind, listing in self.listings.items()
         }
         self._servers: dict[ResourceKind, grpc.aio.Server] = {}

@@ -81,11 +81,26 @@ class ClaimCreate(Strict):
     request: LeaseCreate
 
 
+class WaitingPod(Strict):
+    """A pod on the node that asks for the resource and has not started: the kubelet may be
+    admitting it now. `claim` is its `gpupool.io/claim` label (None: it has none)."""
+
+    pod: Annotated[str, Field(min_length=3, max_length=317)]
+    """`namespace/name`."""
+    claim: Annotated[str, Field(max_length=63)] | None = None
+
+
 class ClaimAllocate(Strict):
     """The kubelet admits a container with `devices` units of `resource` on the node."""
 
     resource: Literal["vgpu", "gpu"]
     devices: Annotated[int, Field(ge=1, le=256)]
+    waiting: Annotated[list[WaitingPod], Field(max_length=1000)] | None = None
+    """The node's pods that ask for `resource` and have not started, as the API server
+    lists them. Allocate names no pod, so the claim is given only when every one of them
+    holds a claim of this node of its own: a pod that got past the webhook (a namespace it
+    skips) could otherwise be given another pod's claim. None: not checked (a device plugin
+    without access to the API server, which said so at its start)."""
 
 
 ClaimState = Literal["bound", "allocated"]
