@@ -232,7 +232,7 @@ def test_service_account_tokens_are_mounted_only_where_the_api_is_called() -> No
         for subject in d["subjects"]
         if subject["kind"] == "ServiceAccount"
     }
-    assert bound == {"gpupool-k8s", "gpupool-scheduler", "gpupool-init-secrets"}
+    assert bound == {"gpupool-k8s", "gpupool-scheduler", "gpupool-init-secrets", "gpupool-agent"}
     for name, spec in pod_specs(docs):
         account = spec.get("serviceAccountName", "default")
         mounted = spec.get("automountServiceAccountToken", True) is not False

@@ -128,7 +128,7 @@ def test_allocate_sends_device_specs_and_cdi_devices_over_grpc() -> None:
 
     async def run() -> pb.AllocateResponse:
         server = grpc.aio.server()
-        service = DevicePluginService("gpu", DeviceList(), lambda: node, OneClaim(_whole(UUID_A)))
+        service = DevicePluginService("gpu", DeviceList(), lambda: node, OneClaim(_whole(UUID_A)), None)
         pb_grpc.add_DevicePluginServicer_to_server(service, server)
         server.add_insecure_port(f"unix://{socket}")
         await server.start()
