@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpupool.protocol.v1.tensors import op_overload
-from gpupool.worker.opchecks import CHECKS, OpRefused, guard, reach_bytes
+from gpupool.worker.opchecks import CHECKS, OpRefused, enum_guard, guard, reach_bytes
 from gpupool.worker.oppolicy import Decision, ruling
 
 aten = torch.ops.aten
@@ -403,10 +403,70 @@ def test_unsafe_index_and_index_put_check_their_indices() -> None:
     assert base[0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_stack_of_no_tensors_is_refused_not_a_crash() -> None:
-    refuses("aten::_stack", [], -2, match="non-empty")
-    refuses("aten::_stack.out", [], 0, out=torch.empty(0), match="non-empty")
-    assert checked("aten::_stack")([torch.ones(2), torch.zeros(2)], -2).shape == (2, 2)
+def test_fft_kernels_take_only_distinct_dims_in_range() -> None:
+    """`_fft_r2c`/`_fft_c2r`/`_fft_c2c` never wrap nor compare their dims: -2 of a 2-d tensor
+    read before its sizes, 4 after them, [1, 1] freed a plan twice (each crashed a worker)."""
+    x = torch.arange(12.0).reshape(3, 4)
+    r2c = checked("aten::_fft_r2c")
+    assert r2c(x, [1], 0, True).equal(aten._fft_r2c.default(x, [1], 0, True))
+    assert r2c(x, [-1], 2, True).equal(aten._fft_r2c.default(x, [1], 2, True))  # wrapped
+    refuses("aten::_fft_r2c", x, [-3], 0, True, match="out of range")
+    refuses("aten::_fft_r2c", x, [2], 0, True, match="out of range")
+    refuses("aten::_fft_r2c", x, [1, 1], 0, False, match="twice")
+    refuses("aten::_fft_r2c", x, [1, -1], 0, False, match="twice")
+    refuses("aten::_fft_r2c", x, [], 0, False, match="at least one")
+    refuses("aten::_fft_r2c", x, [1], 255, False, match="normalization")
+    refuses("aten::_fft_r2c.out", x, [3], 0, False, out=torch.empty(0, dtype=torch.complex64),
+            match="out of range")  # fmt: skip
+    c = torch.fft.rfft(x)
+    assert checked("aten::_fft_c2r")(c, [1], 2, 4).allclose(x)
+    refuses("aten::_fft_c2r", c[0], [-2], 1, 2, match="out of range")
+    refuses("aten::_fft_c2r", c, [1], 2, 0, match="last_dim_size")
+    z = torch.tensor([1 + 2j, -3j])
+    assert checked("aten::_fft_c2c")(z, [0], 0, True).equal(aten._fft_c2c.default(z, [0], 0, True))
+    refuses("aten::_fft_c2c", z, [1], 0, True, match="out of range")
+
+
+def test_weight_norm_needs_a_magnitude_per_slice_of_v() -> None:
+    """`_weight_norm_interface` divided by an empty v's size along dim (SIGFPE), read g at
+    v.size(dim) elements whatever g held, and took dim -1 unwrapped."""
+    v, g = torch.arange(1.0, 13.0).reshape(3, 4), torch.ones(3, 1)
+    fused = checked("aten::_weight_norm_interface")
+    assert fused(v, g, 0)[0].allclose(aten._weight_norm_interface.default(v, g, 0)[0])
+    last = torch.ones(1, 4)
+    assert fused(v, last, -1)[0].allclose(aten._weight_norm_interface.default(v, last, 1)[0])
+    refuses(
+        "aten::_weight_norm_interface", torch.ones(0, 4), torch.ones(0, 1), 0, match="no slices"
+    )
+    refuses("aten::_weight_norm_interface", torch.empty(0), torch.empty(0), match="no slices")
+    refuses("aten::_weight_norm_interface", v, torch.ones(2), 0, match="g has 2 elements")
+    refuses("aten::_weight_norm_interface", v, g, 2, match="out of range")
+    refuses("aten::_weight_norm_interface", torch.ones(2, 3, 4), g, 1, match="first or last")
+    refuses("aten::_weight_norm_interface", torch.tensor(1.0), g, 0, match="out of range")
+
+
+def test_enum_arguments_must_have_their_torch_type() -> None:
+    """PyTorch's binding casts a bare int where a dtype goes (dtype -1 segfaulted `new_full`,
+    `_to_copy`, `log_softmax` ...): every op with a dtype, layout, memory format or device
+    argument runs behind a type check, whether the policy allows or checks it."""
+    base = torch.ones(2)
+    new_full = enum_guard("aten::new_full", aten.new_full.default, aten.new_full.default._op)
+    assert new_full(base, [2], 3.0, dtype=torch.float64).dtype == torch.float64
+    assert new_full(base, [2], 3.0).dtype == torch.float32
+    with pytest.raises(OpRefused, match=r"dtype must be a torch\.dtype, not int"):
+        new_full(base, [2], 3.0, dtype=-1)
+    log_softmax = aten.log_softmax.int
+    typed = enum_guard("aten::log_softmax.int", log_softmax, log_softmax._op)
+    with pytest.raises(OpRefused, match=r"dtype must be a torch\.dtype"):
+        typed(base, 0, -1)  # positional
+    assert typed(base, 0, torch.float64).dtype == torch.float64
+    empty = aten.empty.memory_format
+    typed = enum_guard("aten::empty.memory_format", empty, empty._op)
+    for bad in ({"layout": 0}, {"memory_format": 99}, {"device": "cpu"}, {"dtype": 1 << 40}):
+        with pytest.raises(OpRefused, match="must be a torch"):
+            typed([2], **bad)
+    add = aten.add.Tensor
+    assert enum_guard("aten::add.Tensor", add, add._op) is add._op  # nothing to check: no wrapper
 
 
 def test_foreach_ops_need_lists_of_the_same_length() -> None:

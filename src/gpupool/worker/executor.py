@@ -44,7 +44,7 @@ from gpupool.worker.memory import (
     Reservation,
     is_out_of_memory,
 )
-from gpupool.worker.opchecks import CHECKS, guard, zero_fill_cpu_allocations
+from gpupool.worker.opchecks import CHECKS, enum_guard, guard, zero_fill_cpu_allocations
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
@@ -104,9 +104,8 @@ class Unsupported(Exception):
 def _movable_dtype(tensor: torch.Tensor) -> str:
     """The wire name of a tensor's dtype, or Unsupported where the wire cannot carry it."""
     if tensor.is_nested or tensor.layout is not torch.strided:
-        raise Unsupported(
-            f"gpupool cannot read a tensor of layout {tensor.layout} (nested or sparse)"
-        )
+        kind = "a nested tensor" if tensor.is_nested else f"a tensor of layout {tensor.layout}"
+        raise Unsupported(f"gpupool cannot move {kind} (only strided ones)")
     try:
         return dtype_name(tensor.dtype)
     except TypeError as exc:
@@ -334,9 +333,14 @@ class Executor:
 
     def _admit(self, op: _Op) -> _Op:
         """Where the memory limit counts storages, the op's outputs and in-place growth are
-        charged before it runs (`gpupool.worker.admission`): it runs only if they fit."""
-        if self._admission is not None and op.fn is not None and op.call is not None:
+        charged before it runs (`gpupool.worker.admission`): it runs only if they fit. Outermost,
+        the enum arguments' types are checked (`opchecks.enum_guard`): the admission's meta
+        kernel would cast a bare-int dtype as unchecked as the real kernel."""
+        if op.fn is None or op.call is None:
+            return op
+        if self._admission is not None:
             op.call = self._admission.wrap(op.fn, op.call)
+        op.call = enum_guard(op.name, op.fn, op.call)
         return op
 
     def _resolve_op(self, name: str) -> _Op:
@@ -583,14 +587,15 @@ class Executor:
             outs = [
                 handle_base + i if isinstance(v, torch.Tensor) else None for i, v in enumerate(flat)
             ]
+            # Described before it is stored: an output the wire cannot describe (a nested or
+            # sparse tensor, a dtype it cannot carry) fails the op, not the stream.
+            described = _describe(result, iter(range(handle_base, handle_base + len(flat))))
             self._store(result, outs)
         except Exception as exc:
             self._fail(exc, op.name, args, kwargs)
             self._report_error(req, link)
             return
-        link.reply(
-            [Kind.RESULT, req, _describe(result, iter(range(handle_base, handle_base + len(flat))))]
-        )
+        link.reply([Kind.RESULT, req, described])
 
     # ---- captured steps (gpupool.worker.program) -------------------------------------------
 
@@ -956,7 +961,7 @@ def _describe(value: Any, handles: Iterator[int]) -> Any:
     """Output of a CALL for the client: tensors as [T, handle, dtype, shape, stride, offset]."""
     if isinstance(value, torch.Tensor):
         return [
-            "T", next(handles), dtype_name(value.dtype), list(value.shape),
+            "T", next(handles), _movable_dtype(value), list(value.shape),
             list(value.stride()), value.storage_offset(),
         ]  # fmt: skip
     if isinstance(value, list | tuple):

@@ -100,6 +100,59 @@ def guard(name: str, check: Check, fn: Any, call: Callable[..., Any]) -> Callabl
     return checked
 
 
+# ---- enum arguments ----------------------------------------------------------------------------
+
+ENUM_TYPES: dict[str, type] = {
+    "ScalarType": torch.dtype,
+    "Layout": torch.layout,
+    "MemoryFormat": torch.memory_format,
+    "Device": torch.device,
+}
+"""Schema types whose values the client sends as extensions (DTYPE, LAYOUT, MEMORY_FORMAT,
+DEVICE). PyTorch's binding also takes a bare int for them and casts it unchecked: dtype -1
+segfaulted `new_full`, `randn`, `_to_copy`, `log_softmax` and a dozen more (the fuzzer's most
+common crash), 2**40 was truncated to another dtype."""
+
+
+def _enum_arguments(schema: Any) -> tuple[tuple[int | None, str, type], ...]:
+    """(position or None for keyword-only, name, type) of each enum-typed argument."""
+    found: list[tuple[int | None, str, type]] = []
+    position = 0
+    for argument in schema.arguments:
+        kind = str(argument.real_type).removeprefix("Optional[").removesuffix("]")
+        expected = ENUM_TYPES.get(kind)
+        if expected is not None:
+            found.append((None if argument.kwarg_only else position, argument.name, expected))
+        if not argument.kwarg_only:
+            position += 1
+    return tuple(found)
+
+
+def enum_guard(name: str, fn: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call`, refusing an enum argument (dtype, layout, memory format, device) that is not of
+    its torch type: what every op with one runs behind, whatever the policy says of it. Ops
+    without one keep `call` itself; the others pay a few type checks, no binding."""
+    enums = _enum_arguments(fn._schema)
+    if not enums:
+        return call
+
+    def typed(*args: Any, **kwargs: Any) -> Any:
+        for position, arg, expected in enums:
+            if position is not None and position < len(args):
+                value = args[position]
+            else:
+                value = kwargs.get(arg)
+            if value is not None and type(value) is not expected:
+                raise OpRefused(
+                    f"{name} refused: {arg} must be a torch.{expected.__name__}, "
+                    f"not {type(value).__name__}"
+                )
+        return call(*args, **kwargs)
+
+    typed.__name__ = f"typed_{name.replace('::', '_').replace('.', '_')}"
+    return typed
+
+
 # ---- small facts about tensors -----------------------------------------------------------------
 
 
@@ -376,13 +429,6 @@ def _unchecked_indices(a: Args) -> None:
         dim += 1
 
 
-def _nonempty_tensors(a: Args) -> None:
-    """`_stack` reads the first tensor of its list to wrap `dim`: an empty list crashed it."""
-    tensors = a["tensors"]
-    if not isinstance(tensors, list | tuple) or not tensors:
-        raise OpRefused("tensors must be a non-empty list")
-
-
 def _same_lengths(a: Args) -> None:
     """`_foreach_*` ops walk every list argument with the length of `self`: a shorter list
     crashed the worker."""
@@ -609,6 +655,52 @@ def _weight_norm_backward(a: Args) -> None:
     _numel(norms, v.size(dim) if v.dim() else 1, "saved_norms")
 
 
+def _weight_norm(a: Args) -> None:
+    """`_weight_norm_interface` (weight_norm's fused forward) takes `dim` unwrapped (-1 read
+    past its tensors), divides by `v.size(dim)` (0 raised SIGFPE) and reads one element of `g`
+    per slice of `v` along `dim` without comparing sizes. `dim` is wrapped here, as
+    `torch._weight_norm` wraps it before calling."""
+    v, g = _tensor(a["v"], "v"), _tensor(a["g"], "g")
+    dim = _int(a.get("dim", 0), "dim")
+    if v.dim() == 0 or not -v.dim() <= dim < v.dim():
+        raise OpRefused(f"dim {dim} out of range for v of {v.dim()} dimensions")
+    dim %= v.dim()
+    if dim not in (0, v.dim() - 1):
+        raise OpRefused(f"dim {dim}: the fused kernel normalises along the first or last dim")
+    a["dim"] = dim
+    slices = v.size(dim)
+    if slices == 0:
+        raise OpRefused(f"v has no slices along dim {dim}")
+    _numel(g, slices, "g")
+    _covers(g, slices, "g")
+
+
+FFT_NORMALIZATIONS = range(3)
+"""`_fft_*`'s `normalization`: none, by 1/sqrt(n), by 1/n (aten's fft_norm_mode)."""
+
+
+def _fft_dims(a: Args) -> None:
+    """`_fft_r2c`, `_fft_c2r` and `_fft_c2c` (what every `torch.fft` function runs) take the
+    dims as `torch.fft` wrapped them: a negative dim indexed before the tensor's sizes, one
+    past the last after them, a repeated one freed a plan twice (all crashed the worker). The
+    dims are wrapped here, must be distinct, and the transform sizes positive."""
+    inp = _tensor(a["self"], "self")
+    dims = _ints(a["dim"], "dim")
+    if not dims:
+        raise OpRefused("dim must name at least one dimension")
+    ndim = inp.dim()
+    if any(not -ndim <= d < ndim for d in dims):
+        raise OpRefused(f"dim {dims} out of range for {ndim} dimensions")
+    wrapped = [d % ndim for d in dims]
+    if len(set(wrapped)) != len(wrapped):
+        raise OpRefused(f"dim {dims} names a dimension twice")
+    a["dim"] = wrapped
+    if _int(a["normalization"], "normalization") not in FFT_NORMALIZATIONS:
+        raise OpRefused(f"normalization {a['normalization']} is not 0, 1 or 2")
+    if "last_dim_size" in a and _int(a["last_dim_size"], "last_dim_size") < 1:
+        raise OpRefused(f"last_dim_size {a['last_dim_size']} must be positive")
+
+
 def _cum_helper(a: Args) -> None:
     inp = _tensor(a["self"], "self")
     _shape(_tensor(a["values"], "values"), inp.shape, "values")
@@ -672,6 +764,10 @@ def _meta(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
+PADDINGS = tuple(f"{mode}_pad{n}d" for mode in ("reflection", "replication") for n in (1, 2, 3))
+"""The padding forwards whose backward ops (`<forward>_backward`) `_pad_backward` checks."""
+
+
 def _pad_backward(a: Args, forward: str) -> None:
     """Padding backward ops (`reflection_pad*d_backward`, `replication_pad*d_backward`) walk
     grad_output with the padded sizes of `self` and never compare them: grad_output must have
@@ -727,7 +823,6 @@ CHECKS: dict[str, Check] = {
     "force_safe": Check(pre=_force_safe, needs=_needs("unsafe")),
     "segments": Check(pre=_segment_forward, needs=_needs("data", "unsafe", "axis")),
     "unchecked_indices": Check(pre=_unchecked_indices, needs=_needs("self", "indices")),
-    "nonempty_tensors": Check(pre=_nonempty_tensors, needs=_needs("tensors")),
     "same_lengths": Check(pre=_same_lengths),
     "polynomial_degree": Check(pre=_polynomial_degree, needs=_needs("n")),
     "valid_sparse": Check(pre=_uncoalesced, post=_valid_sparse),
@@ -777,30 +872,15 @@ CHECKS: dict[str, Check] = {
         pre=_slow_conv2d_backward,
         needs=_needs("grad_output", "self", "weight", "kernel_size", "stride", "padding"),
     ),
-    "reflection_pad1d_backward": Check(
-        pre=partial(_pad_backward, forward="reflection_pad1d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
-    "reflection_pad2d_backward": Check(
-        pre=partial(_pad_backward, forward="reflection_pad2d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
-    "reflection_pad3d_backward": Check(
-        pre=partial(_pad_backward, forward="reflection_pad3d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
-    "replication_pad1d_backward": Check(
-        pre=partial(_pad_backward, forward="replication_pad1d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
-    "replication_pad2d_backward": Check(
-        pre=partial(_pad_backward, forward="replication_pad2d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
-    "replication_pad3d_backward": Check(
-        pre=partial(_pad_backward, forward="replication_pad3d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
+    **{
+        f"{forward}_backward": Check(
+            pre=partial(_pad_backward, forward=forward),
+            needs=_needs("grad_output", "self", "padding"),
+        )
+        for forward in PADDINGS
+    },
+    "weight_norm": Check(pre=_weight_norm, needs=_needs("v", "g", "dim")),
+    "fft_dims": Check(pre=_fft_dims, needs=_needs("self", "dim", "normalization")),
     "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices")),
     "fused_optimizer": Check(pre=_fused_optimizer, needs=_needs("self")),
     "no_varlen": Check(pre=_no_varlen),

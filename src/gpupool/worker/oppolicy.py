@@ -77,7 +77,6 @@ CHECKED: dict[str, str] = {
     "segment_reduce": "segments",
     "_unsafe_index": "unchecked_indices",
     "_unsafe_index_put": "unchecked_indices",
-    "_stack": "nonempty_tensors",
     "_index_put_impl": "force_safe",
     "_index_put_impl_": "force_safe",
     # index tensors a sparse or nested tensor keeps inside (a write would move them)
@@ -149,6 +148,7 @@ CHECKED: dict[str, str] = {
     "_ctc_loss_backward": "ctc_backward",
     "_pdist_backward": "pdist_backward",
     "_cdist_backward": "cdist_backward",
+    "_weight_norm_interface": "weight_norm",
     "_weight_norm_interface_backward": "weight_norm_backward",
     "_weight_norm_differentiable_backward": "weight_norm_backward",
     "_slow_conv2d_backward": "slow_conv2d_backward",
@@ -158,6 +158,10 @@ CHECKED: dict[str, str] = {
     "replication_pad1d_backward": "replication_pad1d_backward",
     "replication_pad2d_backward": "replication_pad2d_backward",
     "replication_pad3d_backward": "replication_pad3d_backward",
+    # internal kernels that take their arguments as their public op prepared them
+    "_fft_r2c": "fft_dims",
+    "_fft_c2r": "fft_dims",
+    "_fft_c2c": "fft_dims",
     "_cummax_helper": "cum_helper",
     "_cummin_helper": "cum_helper",
     "_fused_adam": "fused_optimizer",
@@ -233,6 +237,14 @@ REFUSED: dict[str, str] = {
     "_mixed_dtypes_linear": _PACKED,
     "_weight_int8pack_mm": _PACKED,
     "_to_sparse_semi_structured": _PACKED,
+    "_stack": "the kernel behind stack, which trusts that its inputs already have a size-1 "
+    "dimension at dim (a transposed input corrupted the worker's heap); stack runs",
+    "_nnpack_spatial_convolution": "an NNPACK kernel that convolution picks itself; it trusts "
+    "its weight, padding and stride (a forged padding crashed the worker); convolution runs",
+    "_add_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
+    "the client",
+    "_remove_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
+    "the client (an unknown level crashed the worker)",
     "_propagate_xla_data": "an XLA-only op",
     "_foobar": "a test-only op",
 }
