@@ -11,12 +11,8 @@ environment must never come back.
 
 from __future__ import annotations
 
-import os
 import struct
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -24,35 +20,32 @@ import pytest
 
 from gpupool.protocol.v1.dataplane import (
     PROGRAM_VERSION,
-    VERSION,
     Connection,
+    ErrorKind,
     Ext,
     Kind,
     Rec,
-    connect,
     pack,
     pack_records,
-    parse_address,
-    parse_ready,
-    recv_handshake,
-    send_handshake,
-    worker_argv,
+)
+from tests.worker.raw_frames import (
+    Worker,
+    authenticate,
+    ext,
+    framed,
+    literal,
+    longs,
+    slot,
+    start_worker,
+    tensor,
 )
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "op-attack-lease-token"
 SECRET = "planted-secret-7f3a9c0e1d2b4a68"
-HEADER = struct.Struct(">II")
 INTACT = list(range(16))
 """Handle 1 of every session: arange(16), which no attack may change."""
-
-
-@dataclass
-class Worker:
-    proc: subprocess.Popen[str]
-    address: str
-    log: Path
 
 
 @pytest.fixture(scope="module")
@@ -60,28 +53,16 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """A worker as an agent starts it, a secret in its environment and its stdout a pipe that
     nobody reads (as the agent's is, after the ready line)."""
     log = tmp_path_factory.mktemp("logs") / "worker.log"
-    env = {
-        **os.environ, "OMP_NUM_THREADS": "1", "GPUPOOL_WORKER_TOKEN": TOKEN,
-        "GPUPOOL_PLANTED_SECRET": SECRET,
-    }  # fmt: skip
-    argv = worker_argv("lease-attack", listen="tcp://127.0.0.1:0", threads=1)
-    with log.open("w") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    assert proc.stdout is not None
-    ready = parse_ready(proc.stdout.readline())
-    yield Worker(proc, str(ready.address), log)
-    proc.terminate()
-    proc.wait(timeout=10)
+    worker = start_worker("lease-attack", TOKEN, log, env={"GPUPOOL_PLANTED_SECRET": SECRET})
+    yield worker
+    worker.stop()
 
 
 class Raw:
     """A hostile client: records packed by hand, every reply kept to look for the secret."""
 
     def __init__(self, worker: Worker) -> None:
-        self.sock = connect(parse_address(worker.address))
-        hello = {"v": VERSION, "lease": "lease-attack", "token": TOKEN, "shm": False}
-        send_handshake(self.sock, [Kind.HELLO, hello])
-        assert recv_handshake(self.sock).head[0] == Kind.WELCOME
+        self.sock = authenticate(worker)
         self.sock.settimeout(30)
         self.conn = Connection(self.sock)
         self.received = bytearray()
@@ -90,7 +71,7 @@ class Raw:
 
     def send(self, records: list[Any]) -> None:
         body = pack_records([Kind.BATCH], records)
-        self.sock.sendall(HEADER.pack(len(body), 0) + body)
+        self.sock.sendall(framed(body))
 
     def op(self, name: str) -> int:
         """The op id for `name`, DEF'd on first use."""
@@ -126,26 +107,6 @@ class Raw:
         self.sock.close()
 
 
-def slot(index: int) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.SLOT, index.to_bytes(4, "big"))
-
-
-def tensor(handle: int) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.TENSOR, handle.to_bytes(8, "big"))
-
-
-def literal(dtype: str, shape: list[int], fmt: str, values: list[Any]) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.LITERAL, pack([dtype, shape, struct.pack(fmt, *values)]))
-
-
-def longs(values: list[int], shape: list[int] | None = None) -> msgpack.ExtType:
-    return literal("int64", shape or [len(values)], f"<{len(values)}q", values)
-
-
-def ext(code: Ext, name: str) -> msgpack.ExtType:
-    return msgpack.ExtType(code, name.encode())
-
-
 @pytest.fixture
 def raw(worker: Worker) -> Iterator[Raw]:
     client = Raw(worker)
@@ -172,8 +133,7 @@ def assert_unharmed(worker: Worker, client: Raw) -> None:
     assert worker.proc.poll() is None, "the worker died"
     assert client.read_floats(1) == INTACT, "another tensor of the lease changed"
     assert SECRET.encode() not in client.received, "the worker's environment leaked"
-    log = worker.log.read_text(errors="replace")
-    assert "Traceback" not in log and "Segmentation" not in log, log[-3000:]
+    assert not worker.errors_logged(), worker.errors_logged()[-3000:]
 
 
 def test_segment_reduce_unsafe_cannot_read_past_its_data(raw: Raw) -> None:
@@ -304,3 +264,86 @@ def test_an_op_of_another_namespace_or_a_scripting_op_is_refused(raw: Raw) -> No
     refused(raw, "TorchScript interpreter op")
     raw.run("prim::device", [tensor(1)], {}, [None])
     refused(raw, "not allowed")
+
+
+# ---- what the op fuzzer crashed workers with (bench/worker_fuzz.py), one test per cause -------
+
+
+def float32() -> msgpack.ExtType:
+    return ext(Ext.DTYPE, "float32")
+
+
+def test_a_bare_int_where_a_dtype_goes_is_refused(raw: Raw) -> None:
+    """PyTorch's binding casts an int given for a ScalarType unchecked: dtype -1 segfaulted
+    `new_full`, `_to_copy`, `randn`, `log_softmax` (positional) and a dozen more."""
+    raw.run("aten::new_full", [tensor(1), [4], 2.0], {"dtype": -1}, [2])
+    refused(raw, "aten::new_full refused", "dtype must be a torch.dtype, not int")
+    raw.run("aten::_to_copy", [tensor(1)], {"dtype": -1}, [2])
+    refused(raw, "aten::_to_copy refused", "dtype")
+    raw.run("aten::log_softmax.int", [tensor(1), 0, -1], {}, [2])
+    refused(raw, "aten::log_softmax.int refused", "dtype")
+    raw.run("aten::empty.memory_format", [[4]], {"memory_format": 99}, [2])
+    refused(raw, "memory_format must be a torch.memory_format")
+    raw.run("aten::new_full", [tensor(1), [2], 2.0], {"dtype": float32()}, [2])
+    assert raw.read_floats(2) == [2.0, 2.0]
+
+
+def test_fft_dims_out_of_range_or_repeated_are_refused(raw: Raw) -> None:
+    """`_fft_r2c` (what `torch.fft.rfft` runs) took dim -2 of a 1-d tensor as an index before
+    its sizes and [0, 0] freed its plan twice: both crashed the worker."""
+    raw.run("aten::_fft_r2c", [tensor(1), [-2], 0, True], {}, [2])
+    refused(raw, "aten::_fft_r2c refused", "out of range")
+    raw.run("aten::_fft_r2c", [tensor(1), [0, 0], 0, False], {}, [2])
+    refused(raw, "aten::_fft_r2c refused", "twice")
+    raw.run("aten::_fft_r2c", [tensor(1), [-1], 0, True], {}, [2])  # wrapped, as rfft does
+    raw.run("aten::_fft_c2r", [tensor(2), [0], 2, 16], {}, [3])
+    assert [round(v, 4) for v in raw.read_floats(3)] == INTACT
+
+
+def test_weight_norm_of_an_empty_weight_is_refused(raw: Raw) -> None:
+    """`_weight_norm_interface` divided by v.size(dim): an empty v raised SIGFPE."""
+    raw.run("aten::zeros", [[0, 4]], {"dtype": float32()}, [2])
+    raw.run("aten::zeros", [[0, 1]], {"dtype": float32()}, [3])
+    raw.run("aten::_weight_norm_interface", [tensor(2), tensor(3), 0], {}, [4, 5])
+    refused(raw, "aten::_weight_norm_interface refused", "no slices")
+    raw.run("aten::_weight_norm_interface", [tensor(1), longs([1])], {}, [4, 5])
+    refused(raw, "aten::_weight_norm_interface refused")
+
+
+def test_stack_internals_are_refused_and_stack_runs(raw: Raw) -> None:
+    """`_stack` trusts that its inputs already have stack's size-1 dimension: a transposed
+    4x4 input at dim 1 corrupted the worker's heap (it aborted in free)."""
+    raw.run("aten::view", [tensor(1), [4, 4]], {}, [2])
+    raw.run("aten::t", [tensor(2)], {}, [3])
+    raw.run("aten::_stack", [[tensor(3)], 1], {}, [4])
+    refused(raw, "aten::_stack is not allowed", "stack runs")
+    raw.run("aten::stack", [[tensor(3)], 1], {}, [4])
+    assert raw.read_floats(4) == [float(4 * j + i) for i in range(4) for j in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("aten::_nnpack_spatial_convolution", [tensor(1), tensor(1), None, [4096], [5, 6]]),
+        ("aten::_remove_batch_dim", [tensor(1), 1 << 24, -1, 256]),
+        ("aten::_add_batch_dim", [tensor(1), 0, 1 << 24]),
+    ],
+)
+def test_internal_kernels_that_trust_their_caller_are_refused(
+    raw: Raw, name: str, args: list[Any]
+) -> None:
+    """Kernels that only their public op calls, with arguments it prepared: a forged padding
+    (`_nnpack_spatial_convolution`) or batch level (`_remove_batch_dim`) crashed the worker."""
+    raw.run(name, args, {}, [2])
+    refused(raw, f"{name} is not allowed on a gpupool worker")
+
+
+def test_a_call_returning_a_nested_tensor_fails_cleanly_and_the_stream_goes_on(raw: Raw) -> None:
+    """A CALL's outputs are described to the client: a nested tensor has no sizes to describe,
+    and the exception ended the whole stream with a PROTOCOL error. Now the op fails alone."""
+    raw.req += 1
+    nested = raw.op("aten::_nested_tensor_from_tensor_list")
+    head, _ = raw.answer([Rec.CALL, raw.req, nested, [[tensor(1), tensor(1)]], {}, 100])
+    assert head[0] == Kind.ERROR and head[2]["kind"] == ErrorKind.UNSUPPORTED, head
+    assert "nested tensor" in head[2]["message"], head
+    assert raw.sync()[0] == Kind.RESULT

@@ -44,7 +44,6 @@ import re
 import resource
 import secrets
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -74,8 +73,9 @@ from gpupool.protocol.v1.dataplane import (
     worker_argv,
 )
 from gpupool.protocol.v1.tensors import DTYPES, op_overload
+from tests.worker.raw_frames import HEADER, framed
+from tests.worker.raw_frames import tensor as tensor_ext
 
-HEADER = struct.Struct(">II")
 ENV_SECRET_VAR = "GPUPOOL_TOKEN"
 """The variable whose value (the agent's controller token) a worker once leaked."""
 HEAP_SECRET_VAR = "GPUPOOL_FUZZ_HEAP_SECRET"
@@ -417,14 +417,6 @@ class Wire:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
-
-
-def framed(body: bytes) -> bytes:
-    return HEADER.pack(len(body), 0) + body
-
-
-def tensor_ext(handle: int) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.TENSOR, (handle % 2**64).to_bytes(8, "big"))
 
 
 def dtype_ext(name: str) -> msgpack.ExtType:
