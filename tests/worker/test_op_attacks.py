@@ -347,3 +347,42 @@ def test_a_call_returning_a_nested_tensor_fails_cleanly_and_the_stream_goes_on(r
     assert head[0] == Kind.ERROR and head[2]["kind"] == ErrorKind.UNSUPPORTED, head
     assert "nested tensor" in head[2]["message"], head
     assert raw.sync()[0] == Kind.RESULT
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A worker with a memory limit: it charges every op before it runs, from the op's meta
+    kernel (`gpupool.worker.admission`)."""
+    log = tmp_path_factory.mktemp("logs") / "limited.log"
+    worker = start_worker("lease-attack", TOKEN, log, memory_limit_mib=64)
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture
+def limited_raw(limited: Worker) -> Iterator[Raw]:
+    client = Raw(limited)
+    client.run("aten::arange.start_step", [0, 16, 1], {"dtype": float32()}, [1])
+    yield client
+    try:
+        assert_unharmed(limited, client)
+    finally:
+        client.close()
+
+
+def test_an_ops_check_runs_before_the_meta_kernel_that_charges_it(limited_raw: Raw) -> None:
+    """`_foreach_copy.out` with lists of one, two and three tensors segfaulted in its meta
+    kernel, which the admission ran before the op's own check (lists of one length) could
+    refuse it. The check comes first now; the valid call is charged and runs."""
+    raw = limited_raw
+    call = raw.op("aten::_foreach_copy.out")
+    lists = [[tensor(1)], [tensor(1), tensor(1)]]
+    raw.send([[Rec.CALL, 99, call, [*lists, True], {"out": [tensor(1)] * 3}, 100]])
+    head = raw.conn.recv().head()
+    assert head[0] == Kind.ERROR and "_foreach_copy.out refused" in head[2]["message"], head
+    raw.run("aten::zeros", [[16]], {"dtype": float32()}, [2])
+    raw.send([[Rec.CALL, 98, call, [[tensor(1)], [tensor(1)], True], {"out": [tensor(2)]}, 100]])
+    assert raw.conn.recv().head()[:2] == [Kind.RESULT, 98]
+    assert raw.read_floats(2) == INTACT
+    raw.run("aten::new_full", [tensor(1), [4], 2.0], {"dtype": -1}, [3])  # the meta kernel too
+    refused(raw, "dtype must be a torch.dtype")

@@ -329,23 +329,18 @@ class Executor:
         _, op_id, name = rec
         if not isinstance(op_id, int) or not isinstance(name, str):
             raise ProtocolError("DEF needs an op id and a name")
-        self.ops[op_id] = self._admit(self._resolve_op(name))
+        self.ops[op_id] = self._resolve_op(name, self._admission)
 
-    def _admit(self, op: _Op) -> _Op:
-        """Where the memory limit counts storages, the op's outputs and in-place growth are
-        charged before it runs (`gpupool.worker.admission`): it runs only if they fit. Outermost,
-        the enum arguments' types are checked (`opchecks.enum_guard`): the admission's meta
-        kernel would cast a bare-int dtype as unchecked as the real kernel."""
-        if op.fn is None or op.call is None:
-            return op
-        if self._admission is not None:
-            op.call = self._admission.wrap(op.fn, op.call)
-        op.call = enum_guard(op.name, op.fn, op.call)
-        return op
-
-    def _resolve_op(self, name: str) -> _Op:
+    def _resolve_op(self, name: str, admission: Admission | None = None) -> _Op:
         """The op a DEF names, as the op policy decides it: refused ops keep their reason (the
-        client hears it when it runs them), checked ops run behind their check."""
+        client hears it when it runs them), checked ops run behind their check.
+
+        With `admission` (where the memory limit counts storages), the op's outputs and in-place
+        growth are charged before it runs (`gpupool.worker.admission`): it runs only if they
+        fit. What runs, outermost first: the enum arguments' types (`opchecks.enum_guard`), the
+        op's check, the admission's meta call, the kernel. The meta call comes after the check:
+        meta kernels trust what the real ones trust (`_foreach_copy.out`'s segfaulted on lists
+        of three lengths), and after the types (a bare-int dtype crashed them too)."""
         namespace = name.partition("::")[0]
         if namespace not in ALLOWED_NAMESPACES:
             return _Op(name, None, f"{name} is not allowed on a gpupool worker")
@@ -363,11 +358,15 @@ class Executor:
                     name, None, f"{name} is unknown to the worker's torch {torch.__version__}"
                 )
         op = _Op(name, fn)
+        call = op.call or fn
+        if admission is not None:
+            call = admission.wrap(fn, call)
         if decided.decision is Decision.CHECK:
             check = CHECKS.get(decided.detail)
             if check is None:
                 return _Op(name, None, f"{name}: the op policy names an unknown check")
-            op.call = guard(name, check, fn, op.call or fn)
+            call = guard(name, check, fn, call)
+        op.call = enum_guard(name, fn, call)
         return op
 
     def _op(self, rec: list[Any], link: Link) -> None:
@@ -840,7 +839,9 @@ class Executor:
         self.tensors = restore(state, self.device)
         self.memory.reset()
         self.memory.charge(list(self.tensors.values()))
-        self.ops = {op_id: self._admit(self._resolve_op(name)) for op_id, name in state.ops.items()}
+        self.ops = {
+            op_id: self._resolve_op(name, self._admission) for op_id, name in state.ops.items()
+        }
         if state.rng is not None:
             rng = torch.frombuffer(bytearray(state.rng), dtype=torch.uint8)
             if self.device.type == "cuda":
