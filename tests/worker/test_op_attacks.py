@@ -386,3 +386,17 @@ def test_an_ops_check_runs_before_the_meta_kernel_that_charges_it(limited_raw: R
     assert raw.read_floats(2) == INTACT
     raw.run("aten::new_full", [tensor(1), [4], 2.0], {"dtype": -1}, [3])  # the meta kernel too
     refused(raw, "dtype must be a torch.dtype")
+
+
+def test_an_out_tensor_a_failed_op_left_half_resized_is_emptied(raw: Raw) -> None:
+    """`randn.out` with sizes [2, 2, -1, 2**63 - 1, 2**53] set them on `out` before their
+    product overflowed: the tensor kept a negative size, and `count_nonzero` of it crashed the
+    worker. The failed op's written tensors are checked; an unsound one is emptied."""
+    raw.run("aten::zeros", [[4]], {"dtype": ext(Ext.DTYPE, "float64")}, [2])
+    raw.run("aten::randn.out", [[2, 2, -1, (1 << 63) - 1, 1 << 53]], {"out": tensor(2)}, [2])
+    refused(raw, "overflow")
+    raw.send([[Rec.CALL, 97, raw.op("aten::count_nonzero"), [tensor(2)], {}, 100]])
+    head = raw.conn.recv().head()
+    assert head[:2] == [Kind.RESULT, 97] and head[2][3] == [], head
+    raw.req += 1
+    assert raw.answer([Rec.READ, raw.req, tensor(100)])[1] == (0).to_bytes(8, "little")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpupool.protocol.v1.tensors import op_overload
-from gpupool.worker.opchecks import CHECKS, OpRefused, enum_guard, guard, reach_bytes
+from gpupool.worker.opchecks import CHECKS, OpRefused, argument_guard, guard, reach_bytes, sound
 from gpupool.worker.oppolicy import Decision, ruling
 
 aten = torch.ops.aten
@@ -450,23 +450,41 @@ def test_enum_arguments_must_have_their_torch_type() -> None:
     `_to_copy`, `log_softmax` ...): every op with a dtype, layout, memory format or device
     argument runs behind a type check, whether the policy allows or checks it."""
     base = torch.ones(2)
-    new_full = enum_guard("aten::new_full", aten.new_full.default, aten.new_full.default._op)
+    new_full = argument_guard("aten::new_full", aten.new_full.default, aten.new_full.default._op)
     assert new_full(base, [2], 3.0, dtype=torch.float64).dtype == torch.float64
     assert new_full(base, [2], 3.0).dtype == torch.float32
     with pytest.raises(OpRefused, match=r"dtype must be a torch\.dtype, not int"):
         new_full(base, [2], 3.0, dtype=-1)
     log_softmax = aten.log_softmax.int
-    typed = enum_guard("aten::log_softmax.int", log_softmax, log_softmax._op)
+    typed = argument_guard("aten::log_softmax.int", log_softmax, log_softmax._op)
     with pytest.raises(OpRefused, match=r"dtype must be a torch\.dtype"):
         typed(base, 0, -1)  # positional
     assert typed(base, 0, torch.float64).dtype == torch.float64
     empty = aten.empty.memory_format
-    typed = enum_guard("aten::empty.memory_format", empty, empty._op)
+    typed = argument_guard("aten::empty.memory_format", empty, empty._op)
     for bad in ({"layout": 0}, {"memory_format": 99}, {"device": "cpu"}, {"dtype": 1 << 40}):
         with pytest.raises(OpRefused, match="must be a torch"):
             typed([2], **bad)
-    add = aten.add.Tensor
-    assert enum_guard("aten::add.Tensor", add, add._op) is add._op  # nothing to check: no wrapper
+    for name in ("aten::add.Tensor", "aten::add_.Tensor", "aten::copy_"):
+        fn = op_overload(name)
+        assert argument_guard(name, fn, fn._op) is fn._op  # nothing to check: no wrapper
+
+
+def test_a_tensor_a_failed_op_left_unsound_is_emptied() -> None:
+    """`randn.out` set impossible sizes on its `out` before their product overflowed."""
+    randn = aten.randn.out
+    guarded = argument_guard("aten::randn.out", randn, randn._op)
+    out = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="overflow"):
+        guarded([2, -1, (1 << 63) - 1], out=out)
+    assert out.shape == (0,) and sound(out)
+    bare = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="overflow"):
+        randn([2, -1, (1 << 63) - 1], out=bare)
+    assert not sound(bare)  # what torch leaves without the guard
+    assert guarded([3], out=out).shape == (3,)
+    base = torch.arange(8.0)
+    assert sound(base[2:5]) and sound(base.as_strided([2, 2], [0, 4], 1))
 
 
 def test_foreach_ops_need_lists_of_the_same_length() -> None:

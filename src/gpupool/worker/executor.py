@@ -44,7 +44,7 @@ from gpupool.worker.memory import (
     Reservation,
     is_out_of_memory,
 )
-from gpupool.worker.opchecks import CHECKS, enum_guard, guard, zero_fill_cpu_allocations
+from gpupool.worker.opchecks import CHECKS, argument_guard, guard, zero_fill_cpu_allocations
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
@@ -337,7 +337,7 @@ class Executor:
 
         With `admission` (where the memory limit counts storages), the op's outputs and in-place
         growth are charged before it runs (`gpupool.worker.admission`): it runs only if they
-        fit. What runs, outermost first: the enum arguments' types (`opchecks.enum_guard`), the
+        fit. What runs, outermost first: the enum arguments' types (`opchecks.argument_guard`), the
         op's check, the admission's meta call, the kernel. The meta call comes after the check:
         meta kernels trust what the real ones trust (`_foreach_copy.out`'s segfaulted on lists
         of three lengths), and after the types (a bare-int dtype crashed them too)."""
@@ -366,7 +366,7 @@ class Executor:
             if check is None:
                 return _Op(name, None, f"{name}: the op policy names an unknown check")
             call = guard(name, check, fn, call)
-        op.call = enum_guard(name, fn, call)
+        op.call = argument_guard(name, fn, call)
         return op
 
     def _op(self, rec: list[Any], link: Link) -> None:

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from gpupool.worker.admission import written_arguments, written_tensors
+
 
 class OpRefused(RuntimeError):
     """An op's arguments would make its kernel reach outside its tensors."""
@@ -128,15 +130,17 @@ def _enum_arguments(schema: Any) -> tuple[tuple[int | None, str, type], ...]:
     return tuple(found)
 
 
-def enum_guard(name: str, fn: Any, call: Callable[..., Any]) -> Callable[..., Any]:
-    """`call`, refusing an enum argument (dtype, layout, memory format, device) that is not of
-    its torch type: what every op with one runs behind, whatever the policy says of it. Ops
-    without one keep `call` itself; the others pay a few type checks, no binding."""
+def argument_guard(name: str, fn: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call` behind what every op with such arguments needs, whatever the policy says of it:
+    its enum arguments (dtype, layout, memory format, device) must be of their torch type, and
+    a tensor it writes that it left unsound when it raised is emptied (`mend_written`). Ops
+    with neither keep `call` itself; the others pay one Python frame and a few type checks."""
     enums = _enum_arguments(fn._schema)
-    if not enums:
+    positions, names = written_arguments(fn._schema) if _may_resize(fn._schema) else ((), ())
+    if not enums and not names:
         return call
 
-    def typed(*args: Any, **kwargs: Any) -> Any:
+    def guarded(*args: Any, **kwargs: Any) -> Any:
         for position, arg, expected in enums:
             if position is not None and position < len(args):
                 value = args[position]
@@ -147,10 +151,59 @@ def enum_guard(name: str, fn: Any, call: Callable[..., Any]) -> Callable[..., An
                     f"{name} refused: {arg} must be a torch.{expected.__name__}, "
                     f"not {type(value).__name__}"
                 )
-        return call(*args, **kwargs)
+        if not names:
+            return call(*args, **kwargs)
+        try:
+            return call(*args, **kwargs)
+        except Exception:
+            mend_written(written_tensors(args, kwargs, positions, names))
+            raise
 
-    typed.__name__ = f"typed_{name.replace('::', '_').replace('.', '_')}"
-    return typed
+    guarded.__name__ = f"guarded_{name.replace('::', '_').replace('.', '_')}"
+    return guarded
+
+
+_RESIZING_IN_PLACE = ("resize", "set_", "as_strided_", "_resize_output")
+
+
+def _may_resize(schema: Any) -> bool:
+    """Whether an op may change the sizes of a tensor it writes: one that writes an argument
+    other than `self` (`out=`, `grad_input=` ...: resized to the result), or one of the
+    in-place ops that change `self`'s sizes. In-place arithmetic (`add_`, `copy_`) only
+    writes values: it keeps the bare call."""
+    written = [
+        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    ]
+    if any(name != "self" for name in written):
+        return True
+    base = schema.name.partition("::")[2]
+    return bool(written) and base.startswith(_RESIZING_IN_PLACE)
+
+
+def sound(tensor: torch.Tensor) -> bool:
+    """Whether a strided tensor's sizes, strides and offset stay inside its storage."""
+    if tensor.is_nested or tensor.layout != torch.strided:
+        return True
+    sizes, strides, offset = list(tensor.shape), list(tensor.stride()), tensor.storage_offset()
+    if any(size < 0 for size in sizes) or offset < 0:
+        return False
+    if any(size == 0 for size in sizes):
+        return True
+    lowest = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True) if s < 0)
+    highest = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True) if s > 0)
+    return (
+        lowest >= 0 and (highest + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+    )
+
+
+def mend_written(tensors: Sequence[torch.Tensor]) -> None:
+    """An op that raised may have left a tensor it writes half-resized: `randn.out` with sizes
+    [2, -1, 2**63 - 1] set them on its `out` before computing their product overflowed, and the
+    next op that read that tensor crashed the worker. Such a tensor is made empty (its values
+    are undefined after a failed op anyway; its storage stays as it was)."""
+    for tensor in tensors:
+        if not sound(tensor):
+            tensor.set_(tensor.untyped_storage(), 0, (0,), (1,))
 
 
 # ---- small facts about tensors -----------------------------------------------------------------
