@@ -400,3 +400,38 @@ def test_an_out_tensor_a_failed_op_left_half_resized_is_emptied(raw: Raw) -> Non
     assert head[:2] == [Kind.RESULT, 97] and head[2][3] == [], head
     raw.req += 1
     assert raw.answer([Rec.READ, raw.req, tensor(100)])[1] == (0).to_bytes(8, "little")
+
+
+def test_the_ops_real_programs_run_through_these_checks_still_match_local(limited: Worker) -> None:
+    """The client keeps working where the checks sit: `torch.fft`, `weight_norm` (forward and
+    backward), `stack` of a transposed tensor, factories and casts with a dtype, `out=` ops, on
+    a worker that charges every op first."""
+    torch = pytest.importorskip("torch")
+    import gpupool.torch
+
+    def program(device: str) -> dict[str, Any]:
+        torch.manual_seed(0)  # the Linear's initial weights, made on the host
+        x = torch.randn(6, 8).to(device)
+        layer = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(8, 4)).to(device)
+        out = layer(x)
+        out.sum().backward()
+        spectrum = torch.fft.rfft(x, dim=-1)
+        grid = torch.fft.fftn(x.to(torch.complex64), dim=(0, 1))
+        buf = torch.empty(0, device=device)
+        torch.add(x, 1, out=buf)
+        return {
+            "weight_norm": out, "grad": layer.parametrizations.weight.original1.grad,
+            "rfft": torch.view_as_real(spectrum), "irfft": torch.fft.irfft(spectrum, n=8),
+            "fftn": torch.view_as_real(grid), "stack": torch.stack([x.t(), x.t()], dim=1),
+            "log_softmax": torch.log_softmax(x, -1, dtype=torch.float64),
+            "ones": torch.ones(3, dtype=torch.int32, device=device), "out": buf,
+        }  # fmt: skip
+
+    local = program("cpu")
+    gpupool.torch.attach(workers=[limited.address], token=limited.token, lease=limited.lease)
+    try:
+        remote = {k: v.cpu() for k, v in program("cuda").items()}
+    finally:
+        gpupool.torch.detach()
+    for key, expected in local.items():
+        torch.testing.assert_close(remote[key], expected, msg=lambda m, k=key: f"{k}: {m}")
