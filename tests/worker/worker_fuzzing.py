@@ -954,6 +954,9 @@ class Tally:
     worker_starts: int = 0
     findings: list[Finding] = field(default_factory=list)
     policy_refused: int = 0
+    other_lease_checks: int = 0
+    """Times the other lease's worker was checked (after every op): alive, answering, its
+    tensor unchanged."""
 
     def summary(self, top: int = 40) -> dict[str, Any]:
         kinds = Counter(f.kind for f in self.findings)
@@ -973,6 +976,8 @@ class Tally:
             "hangs": kinds["hang"],
             "leaks": kinds["leak"],
             "address_leaks": kinds["address"],
+            "other_lease_checks": self.other_lease_checks,
+            "other_lease_harmed": kinds["victim"],
             "findings_by_kind": dict(kinds),
         }
 
@@ -1323,6 +1328,7 @@ class Fuzzer:
         except Closed:
             return self._closed(case, session, index, sent)
         problem = self._victim_problem(self.victim)
+        self.tally.other_lease_checks += 1
         if problem is not None:
             self._find("victim", case.op, session, index, problem, sent)
             self.victim.wire.close()
