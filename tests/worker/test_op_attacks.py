@@ -300,6 +300,13 @@ def test_fft_dims_out_of_range_or_repeated_are_refused(raw: Raw) -> None:
     assert [round(v, 4) for v in raw.read_floats(3)] == INTACT
 
 
+def test_a_count_of_batch_dims_past_the_tensors_dims_is_refused(raw: Raw) -> None:
+    """`_new_zeros_with_same_feature_meta` copied 255 sizes of a 1-d tensor (a crash)."""
+    raw.run("aten::_new_zeros_with_same_feature_meta", [tensor(1), tensor(1)],
+            {"self_num_batch_dims": 255}, [2])  # fmt: skip
+    refused(raw, "_new_zeros_with_same_feature_meta refused", "outside [0, 1]")
+
+
 def test_weight_norm_of_an_empty_weight_is_refused(raw: Raw) -> None:
     """`_weight_norm_interface` divided by v.size(dim): an empty v raised SIGFPE."""
     raw.run("aten::zeros", [[0, 4]], {"dtype": float32()}, [2])

@@ -427,6 +427,16 @@ def test_fft_kernels_take_only_distinct_dims_in_range() -> None:
     refuses("aten::_fft_c2c", z, [1], 0, True, match="out of range")
 
 
+def test_forward_ad_tangents_take_at_most_the_batch_dims_self_has() -> None:
+    x, other = torch.ones(2, 3), torch.arange(4.0)
+    make = checked("aten::_new_zeros_with_same_feature_meta")
+    assert make(x, other, self_num_batch_dims=1).shape == (2, 4)
+    assert make(x, other).shape == (4,)
+    refuses("aten::_new_zeros_with_same_feature_meta", x, other, self_num_batch_dims=255,
+            match=r"outside \[0, 2\]")  # fmt: skip
+    refuses("aten::_new_zeros_with_same_feature_meta", x, other, self_num_batch_dims=-1)
+
+
 def test_weight_norm_needs_a_magnitude_per_slice_of_v() -> None:
     """`_weight_norm_interface` divided by an empty v's size along dim (SIGFPE), read g at
     v.size(dim) elements whatever g held, and took dim -1 unwrapped."""

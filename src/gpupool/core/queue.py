@@ -296,4 +296,3 @@ def priority_refusal(
         f"{cap} ({source}); an admin can raise it with `gpupool tenant update {tenant} "
         f"--max-priority N`"
     )
-

@@ -728,6 +728,16 @@ def _weight_norm(a: Args) -> None:
     _covers(g, slices, "g")
 
 
+def _batch_dims(a: Args) -> None:
+    """`_new_zeros_with_same_feature_meta` (forward-mode AD's tangent maker) copies the first
+    `self_num_batch_dims` sizes of `self` without comparing it with `self.dim()`: 255 read past
+    the sizes and crashed the worker."""
+    inp = _tensor(a["self"], "self")
+    dims = _int(a.get("self_num_batch_dims", 0), "self_num_batch_dims")
+    if not 0 <= dims <= inp.dim():
+        raise OpRefused(f"self_num_batch_dims {dims} outside [0, {inp.dim()}]")
+
+
 FFT_NORMALIZATIONS = range(3)
 """`_fft_*`'s `normalization`: none, by 1/sqrt(n), by 1/n (aten's fft_norm_mode)."""
 
@@ -934,6 +944,7 @@ CHECKS: dict[str, Check] = {
     },
     "weight_norm": Check(pre=_weight_norm, needs=_needs("v", "g", "dim")),
     "fft_dims": Check(pre=_fft_dims, needs=_needs("self", "dim", "normalization")),
+    "batch_dims": Check(pre=_batch_dims, needs=_needs("self", "self_num_batch_dims")),
     "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices")),
     "fused_optimizer": Check(pre=_fused_optimizer, needs=_needs("self")),
     "no_varlen": Check(pre=_no_varlen),

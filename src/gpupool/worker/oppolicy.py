@@ -162,6 +162,7 @@ CHECKED: dict[str, str] = {
     "_fft_r2c": "fft_dims",
     "_fft_c2r": "fft_dims",
     "_fft_c2c": "fft_dims",
+    "_new_zeros_with_same_feature_meta": "batch_dims",
     "_cummax_helper": "cum_helper",
     "_cummin_helper": "cum_helper",
     "_fused_adam": "fused_optimizer",
