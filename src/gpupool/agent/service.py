@@ -60,8 +60,6 @@ def write_secret(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as out:
         out.write(text + "\n")
     os.replace(tmp, path)
-
-
 MAX_DIRECT_EVENTS_PER_POST = 256
 
 
@@ -130,7 +128,6 @@ class AgentSettings:
     @property
     def attach_path(self) -> Path:
         return self.direct_socket or self.data_dir / "direct.sock"
-
     worker_user: str | None = None
     """The Unix user workers run as when the agent is root (made if missing); None or "": as
     the agent itself (`gpupool agent` defaults to gpupool-worker)."""

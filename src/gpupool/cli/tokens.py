@@ -154,7 +154,9 @@ def list_tokens(
 
 
 @app.command("revoke")
-def revoke(ctx: typer.Context, token_id: Annotated[str, typer.Argument(metavar="ID")]) -> None:
+def revoke(
+    ctx: typer.Context, token_id: Annotated[str, typer.Argument(metavar="ID")]
+) -> None:
     """Revoke a token at once (other controllers of an HA pool within seconds)."""
     with cli_context(ctx).client() as client:
         gone = client.revoke_token(token_id)

@@ -88,7 +88,6 @@ class ControllerSettings:
             raise ValueError(
                 f"max_body_bytes must be at least 1024 (1 KiB), got {self.max_body_bytes}"
             )
-
     ha: bool = False
     """High availability: controllers sharing one PostgreSQL elect one leader (controller/ha)."""
     advertise_url: str | None = None

@@ -296,3 +296,4 @@ def priority_refusal(
         f"{cap} ({source}); an admin can raise it with `gpupool tenant update {tenant} "
         f"--max-priority N`"
     )
+

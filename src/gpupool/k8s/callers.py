@@ -57,11 +57,8 @@ class CallerRule:
 
     @property
     def configured(self) -> bool:
-        return (
-            self.insecure
-            or self.any_certificate
-            or bool(self.certificate_names)
-            or (self.token_sha256 is not None)
+        return self.insecure or self.any_certificate or bool(self.certificate_names) or (
+            self.token_sha256 is not None
         )
 
     def refusal(self, names: frozenset[str], authorization: str | None) -> str | None:

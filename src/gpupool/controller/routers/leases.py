@@ -116,7 +116,9 @@ async def migrate_lease(
     who: Principal = Depends(ADMIN),
 ) -> LeaseOut:
     """Move a running remote lease to another GPU or node; its program only pauses."""
-    return await store.write(lambda s: elastic.migrate(store, s, lease_id, who.actor, to=body.to))
+    return await store.write(
+        lambda s: elastic.migrate(store, s, lease_id, who.actor, to=body.to)
+    )
 
 
 @router.post("/leases/{lease_id}/resize", response_model=LeaseOut)
@@ -132,7 +134,9 @@ async def resize_lease(
     if mine is not None:
         await store.read(lambda s: leases.get(store, s, lease_id, mine))  # 404 if not its own
     return await store.write(
-        lambda s: elastic.resize(store, s, lease_id, who.actor, body.compute_pct, body.memory_mib())
+        lambda s: elastic.resize(
+            store, s, lease_id, who.actor, body.compute_pct, body.memory_mib()
+        )
     )
 
 

@@ -472,7 +472,9 @@ def list_leases(
         return [lease_out(r, store.pool, store.live.lease_activity.get(r.id)) for r in rows]
 
 
-def get(store: Store, session: Session, lease_id: str, only_tenant: str | None = None) -> LeaseOut:
+def get(
+    store: Store, session: Session, lease_id: str, only_tenant: str | None = None
+) -> LeaseOut:
     row = session.get(LeaseRow, lease_id)
     if row is None or (only_tenant is not None and row.tenant != only_tenant):
         raise NotFound(f"no lease {lease_id!r}")
