@@ -334,13 +334,16 @@ def test_stack_internals_are_refused_and_stack_runs(raw: Raw) -> None:
         ("aten::_nnpack_spatial_convolution", [tensor(1), tensor(1), None, [4096], [5, 6]]),
         ("aten::_remove_batch_dim", [tensor(1), 1 << 24, -1, 256]),
         ("aten::_add_batch_dim", [tensor(1), 0, 1 << 24]),
+        ("aten::_compute_linear_combination", [tensor(1), longs([1] * 64, [2, 32])]),
     ],
 )
 def test_internal_kernels_that_trust_their_caller_are_refused(
     raw: Raw, name: str, args: list[Any]
 ) -> None:
     """Kernels that only their public op calls, with arguments it prepared: a forged padding
-    (`_nnpack_spatial_convolution`) or batch level (`_remove_batch_dim`) crashed the worker."""
+    (`_nnpack_spatial_convolution`) or batch level (`_remove_batch_dim`) crashed the worker;
+    `_compute_linear_combination` (matrix_exp's) read its input past its storage with the
+    coefficients' dtype and sizes, and a reply held an address of the worker's heap."""
     raw.run(name, args, {}, [2])
     refused(raw, f"{name} is not allowed on a gpupool worker")
 

@@ -242,6 +242,9 @@ REFUSED: dict[str, str] = {
     "dimension at dim (a transposed input corrupted the worker's heap); stack runs",
     "_nnpack_spatial_convolution": "an NNPACK kernel that convolution picks itself; it trusts "
     "its weight, padding and stride (a forged padding crashed the worker); convolution runs",
+    "_compute_linear_combination": "a matrix_exp internal that reads its input with the "
+    "coefficients' dtype and sizes unchecked (past the input's storage: heap bytes came back); "
+    "linalg_matrix_exp runs",
     "_add_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
     "the client",
     "_remove_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
