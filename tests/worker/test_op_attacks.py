@@ -219,13 +219,12 @@ def test_print_is_refused_and_the_worker_keeps_answering(raw: Raw) -> None:
 
 
 def test_as_strided_past_its_storage_is_refused(raw: Raw) -> None:
-    """PyTorch checks `as_strided` against the storage (a test in test_oppolicy pins it)."""
     raw.run("aten::as_strided", [tensor(1), [1 << 20], [1], 0], {}, [2])
-    refused(raw, "out of bounds")
+    refused(raw, "as_strided refused", "storage of 64 bytes")
     raw.run("aten::as_strided", [tensor(1), [4], [1], 1 << 40], {}, [2])
-    refused(raw, "out of bounds")
+    refused(raw, "as_strided refused", "storage of 64 bytes")
     raw.run("aten::as_strided_", [tensor(1), [4], [-1], 8], {}, [1])
-    refused(raw, "Negative strides")
+    refused(raw, "as_strided_ refused", "negative")
 
 
 def test_set_past_its_source_storage_is_refused(raw: Raw) -> None:
@@ -307,6 +306,42 @@ def test_a_count_of_batch_dims_past_the_tensors_dims_is_refused(raw: Raw) -> Non
     refused(raw, "_new_zeros_with_same_feature_meta refused", "outside [0, 1]")
 
 
+def test_sizes_a_kernel_takes_from_its_public_op_unchecked_are_refused(raw: Raw) -> None:
+    """Each crashed a worker: `_pad_packed_sequence` with batch sizes that grow wrote before a
+    buffer, `repeat_interleave` wrote int32 repeats summing to 6 (by wrapping) into 6 slots,
+    `_chunk_cat` read the size of a 0-d tensor's dimension -1."""
+    raw.run("aten::_pad_packed_sequence", [tensor(1), longs([2, 14]), True, 0.0, 4], {}, [2, 3])
+    refused(raw, "_pad_packed_sequence refused", "must not grow")
+    wrapped = literal("int32", [3], "<3i", [2**31 - 1, -(2**31), 7])
+    raw.run("aten::repeat_interleave.Tensor", [wrapped], {"output_size": 6}, [2])
+    refused(raw, "repeat_interleave.Tensor refused", "negative")
+    raw.run("aten::select.int", [tensor(1), 0, 0], {}, [4])
+    raw.run("aten::_chunk_cat", [[tensor(4)], -1, 1 << 31], {}, [2])
+    refused(raw, "_chunk_cat refused", "0 dimensions")
+    raw.run("aten::repeat_interleave.Tensor", [longs([1, 2])], {"output_size": 3}, [2])
+    raw.run("aten::_to_copy", [tensor(2)], {"dtype": float32()}, [3])
+    assert raw.read_floats(3) == [0.0, 1.0, 1.0]
+
+
+def test_a_view_whose_reach_overflows_int64_is_refused(raw: Raw) -> None:
+    """`as_strided_` with a stride of 2**63 - 1 passed torch's bounds check (the product
+    overflowed) and a READ of the view crashed the worker."""
+    raw.run("aten::as_strided_", [tensor(1), [5], [(1 << 63) - 1], None], {}, [2])
+    refused(raw, "aten::as_strided_ refused", "storage of 64 bytes")
+    raw.run("aten::as_strided", [tensor(1), [2], [4], 1], {}, [2])
+    assert raw.read_floats(2) == [1.0, 5.0]
+
+
+def test_round_to_decimals_no_float_has_is_refused(raw: Raw) -> None:
+    """`round.decimals_out` with decimals -2**62: the Python reference that charges it
+    computed 10**(2**62) exactly, and the worker never answered again."""
+    raw.run("aten::round.decimals_out", [tensor(1)], {"decimals": -(1 << 62), "out": tensor(1)},
+            [2])  # fmt: skip
+    refused(raw, "aten::round.decimals_out refused", "decimals")
+    raw.run("aten::round.decimals", [tensor(1)], {"decimals": 2}, [2])
+    assert raw.read_floats(2) == INTACT
+
+
 def test_weight_norm_of_an_empty_weight_is_refused(raw: Raw) -> None:
     """`_weight_norm_interface` divided by v.size(dim): an empty v raised SIGFPE."""
     raw.run("aten::zeros", [[0, 4]], {"dtype": float32()}, [2])
@@ -315,6 +350,8 @@ def test_weight_norm_of_an_empty_weight_is_refused(raw: Raw) -> None:
     refused(raw, "aten::_weight_norm_interface refused", "no slices")
     raw.run("aten::_weight_norm_interface", [tensor(1), longs([1])], {}, [4, 5])
     refused(raw, "aten::_weight_norm_interface refused")
+    raw.run("aten::_weight_norm", [tensor(2), tensor(3), 0], {}, [4])  # the composite calls it
+    refused(raw, "aten::_weight_norm refused", "no slices")
 
 
 def test_stack_internals_are_refused_and_stack_runs(raw: Raw) -> None:

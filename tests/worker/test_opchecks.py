@@ -437,6 +437,44 @@ def test_forward_ad_tangents_take_at_most_the_batch_dims_self_has() -> None:
     refuses("aten::_new_zeros_with_same_feature_meta", x, other, self_num_batch_dims=-1)
 
 
+def test_packed_sequences_repeats_and_chunk_cat_take_what_their_public_ops_make() -> None:
+    data, sizes = torch.arange(15.0).reshape(5, 3), torch.tensor([3, 2])
+    pad = checked("aten::_pad_packed_sequence")
+    padded, lengths = pad(data, sizes, True, 0.0, 4)
+    assert padded.shape == (3, 4, 3) and lengths.tolist() == [2, 2, 1]
+    refuses("aten::_pad_packed_sequence", data, torch.tensor([2, 3]), True, 0.0, 4, match="grow")
+    refuses("aten::_pad_packed_sequence", data, torch.tensor([3, 3]), True, 0.0, 4, match="sum")
+    refuses("aten::_pad_packed_sequence", data, torch.tensor([5, 0]), True, 0.0, 4,
+            match="positive")  # fmt: skip
+    repeat = checked("aten::repeat_interleave.Tensor")
+    assert repeat(torch.tensor([1, 2]), output_size=3).tolist() == [0, 1, 1]
+    wrapped = torch.tensor([2**31 - 1, -(2**31), 7], dtype=torch.int32)  # sums to 6
+    refuses("aten::repeat_interleave.Tensor", wrapped, output_size=6, match="negative")
+    refuses("aten::repeat_interleave.Tensor", torch.tensor([1, 2]), output_size=2, match="sum|make")
+    x = torch.arange(4.0)
+    assert checked("aten::repeat_interleave.self_int")(x, 2, output_size=8).shape == (8,)
+    refuses("aten::repeat_interleave.self_int", x, 2, output_size=9, match="make")
+    chunk_cat = checked("aten::_chunk_cat")
+    assert chunk_cat([torch.ones(4, 2)], 0, 2).shape == (2, 4)
+    refuses("aten::_chunk_cat", [torch.tensor(1.0)], -1, 1 << 31, match="0 dimensions")
+    refuses("aten::_chunk_cat", [torch.ones(2)], 0, 0, match="num_chunks")
+
+
+def test_as_strided_views_stay_in_their_storage_counted_without_overflow() -> None:
+    base = torch.arange(16.0)
+    assert checked("aten::as_strided")(base, [2, 2], [4, 1], 1).tolist() == [[1, 2], [5, 6]]
+    refuses("aten::as_strided_", base.clone(), [5], [(1 << 63) - 1], match="reach byte")
+    refuses("aten::as_strided", base, [4], [1], 13, match="storage of 64 bytes")
+    refuses("aten::as_strided_copy", base, [4], [1], -1, match="negative")
+
+
+def test_round_takes_at_most_the_decimals_a_float_has() -> None:
+    x = torch.tensor([1.2345])
+    assert checked("aten::round.decimals")(x, decimals=2).tolist() == [pytest.approx(1.23)]
+    refuses("aten::round.decimals_out", x, decimals=-(1 << 62), out=x.clone(), match="decimals")
+    assert checked("aten::round")(x).tolist() == [1.0]
+
+
 def test_weight_norm_needs_a_magnitude_per_slice_of_v() -> None:
     """`_weight_norm_interface` divided by an empty v's size along dim (SIGFPE), read g at
     v.size(dim) elements whatever g held, and took dim -1 unwrapped."""
@@ -453,6 +491,12 @@ def test_weight_norm_needs_a_magnitude_per_slice_of_v() -> None:
     refuses("aten::_weight_norm_interface", v, g, 2, match="out of range")
     refuses("aten::_weight_norm_interface", torch.ones(2, 3, 4), g, 1, match="first or last")
     refuses("aten::_weight_norm_interface", torch.tensor(1.0), g, 0, match="out of range")
+    composite = checked("aten::_weight_norm")
+    assert composite(v, g, 0).allclose(aten._weight_norm.default(v, g, 0))
+    assert composite(v, torch.tensor(2.0), -1).allclose(
+        aten._weight_norm.default(v, torch.tensor(2.0), -1)
+    )
+    refuses("aten::_weight_norm", torch.ones(0, 4), torch.ones(0, 1), 0, match="no slices")
 
 
 def test_enum_arguments_must_have_their_torch_type() -> None:

@@ -279,14 +279,19 @@ def reach_bytes(sizes: Sequence[int], strides: Sequence[int], offset: int, items
 
 
 def _within_storage(a: Args) -> None:
-    """`_reshape_alias` takes sizes and strides as given: the view must stay in its storage."""
+    """`_reshape_alias` takes sizes and strides as given, and `as_strided_` with a stride of
+    2**63 - 1 got past torch's bounds check (its product overflowed; a READ of the view then
+    crashed the worker): the view must stay in its storage, counted without overflow."""
     tensor = _tensor(a["self"], "self")
     sizes, strides = _ints(a["size"], "size"), _ints(a["stride"], "stride")
     if len(sizes) != len(strides):
         raise OpRefused(f"{len(sizes)} sizes and {len(strides)} strides")
     if any(s < 0 for s in sizes) or any(s < 0 for s in strides):
         raise OpRefused(f"negative sizes or strides {sizes} {strides}")
-    offset = int(tensor.storage_offset())
+    given = a.get("storage_offset")
+    offset = int(tensor.storage_offset()) if given is None else _int(given, "storage_offset")
+    if offset < 0:
+        raise OpRefused(f"negative storage offset {offset}")
     needed = reach_bytes(sizes, strides, offset, tensor.element_size())
     held = tensor.untyped_storage().nbytes()
     if needed > held:
@@ -738,6 +743,99 @@ def _batch_dims(a: Args) -> None:
         raise OpRefused(f"self_num_batch_dims {dims} outside [0, {inp.dim()}]")
 
 
+def _packed_batch_sizes(a: Args) -> None:
+    """`_pad_packed_sequence` (`pad_packed_sequence`'s kernel) walks `batch_sizes` as
+    `pack_padded_sequence` makes them and writes each sequence's length backwards from the end
+    of a buffer of `batch_sizes[0]` entries: batch sizes that grow again wrote before that
+    buffer (the worker crashed). They must be positive, never grow, and sum to the rows of
+    `data`."""
+    data, sizes = _tensor(a["data"], "data"), _tensor(a["batch_sizes"], "batch_sizes")
+    if sizes.dim() != 1 or sizes.numel() == 0 or sizes.dtype != torch.int64:
+        raise OpRefused("batch_sizes must be a non-empty 1-d int64 tensor")
+    if data.dim() == 0:
+        raise OpRefused("data must have at least one dimension")
+    if int(sizes.min()) < 1:
+        raise OpRefused("batch_sizes must be positive")
+    if sizes.numel() > 1 and bool((sizes[1:] > sizes[:-1]).any()):
+        raise OpRefused("batch_sizes must not grow")
+    if int(sizes.sum()) != data.size(0):
+        raise OpRefused(f"batch_sizes sum to {int(sizes.sum())}, data has {data.size(0)} rows")
+
+
+def _repeats(a: Args) -> None:
+    """`repeat_interleave` with `output_size` writes `sum(repeats)` elements into an output of
+    `output_size` without comparing them, and takes negative repeats there: int32 repeats
+    [2**31 - 1, -2**31, 7] sum to 6 and wrote far past it (the worker crashed). Repeats must
+    not be negative and `output_size`, where given, must be their sum (for the `self` forms,
+    each repeat counts once per element it repeats)."""
+    repeats, inp = a["repeats"], a.get("self")
+    if isinstance(repeats, torch.Tensor):
+        _integral(repeats, "repeats")
+        if repeats.dim() > 1:
+            raise OpRefused("repeats must be 0-d or 1-d")
+        if repeats.numel() and int(repeats.min()) < 0:
+            raise OpRefused("repeats must not be negative")
+        total = int(repeats.to(torch.int64).sum()) if repeats.numel() else 0
+        single = repeats.numel() == 1
+    else:
+        total = _int(repeats, "repeats")
+        if total < 0:
+            raise OpRefused("repeats must not be negative")
+        single = True
+    size = a.get("output_size")
+    if size is None:
+        return
+    if inp is not None and single:
+        inp = _tensor(inp, "self")
+        dim = a.get("dim")
+        if dim is None:
+            total *= inp.numel()
+        else:
+            dim = _int(dim, "dim")
+            if not -max(inp.dim(), 1) <= dim < max(inp.dim(), 1):
+                raise OpRefused(f"dim {dim} out of range for {inp.dim()} dimensions")
+            total *= inp.size(dim) if inp.dim() else 1
+    if _int(size, "output_size") != total:
+        raise OpRefused(f"output_size {size} is not what repeats make ({total})")
+
+
+def _chunk_cat(a: Args) -> None:
+    """`_chunk_cat` (FSDP's) wraps `dim` as if a 0-d tensor had one dimension, then reads its
+    size there: a 0-d input crashed the worker. Every input needs the dimension `dim` names."""
+    tensors = a["tensors"]
+    if not isinstance(tensors, list | tuple) or not tensors:
+        raise OpRefused("tensors must be a non-empty list")
+    dim = _int(a["dim"], "dim")
+    for i, tensor in enumerate(tensors):
+        ndim = _tensor(tensor, f"tensors[{i}]").dim()
+        if not -ndim <= dim < ndim:
+            raise OpRefused(f"dim {dim} out of range for tensors[{i}] of {ndim} dimensions")
+    if _int(a["num_chunks"], "num_chunks") < 1:
+        raise OpRefused("num_chunks must be positive")
+
+
+MAX_ROUND_DECIMALS = 1024
+"""The most decimals `round` takes on a worker: past about 308 a float64 rounds to itself or
+to nan anyway, and the Python reference the worker's admission runs computes `10**-decimals`
+as an exact integer (decimals -2**62 held the worker for good)."""
+
+
+def _round_decimals(a: Args) -> None:
+    decimals = a.get("decimals", 0)
+    if abs(_int(decimals, "decimals")) > MAX_ROUND_DECIMALS:
+        raise OpRefused(f"decimals {decimals} past +-{MAX_ROUND_DECIMALS}")
+
+
+def _weight_norm_composite(a: Args) -> None:
+    """`_weight_norm` runs the fused `_weight_norm_interface` (unguarded, below the worker's
+    checks) when `dim` is 0 or the last dim: the same check then applies. Any other dim (-1
+    normalises the whole tensor) goes through ordinary broadcasting ops."""
+    v = _tensor(a["v"], "v")
+    dim = _int(a.get("dim", 0), "dim")
+    if v.dim() and dim in (0, v.dim() - 1):
+        _weight_norm(a)
+
+
 FFT_NORMALIZATIONS = range(3)
 """`_fft_*`'s `normalization`: none, by 1/sqrt(n), by 1/n (aten's fft_norm_mode)."""
 
@@ -943,8 +1041,13 @@ CHECKS: dict[str, Check] = {
         for forward in PADDINGS
     },
     "weight_norm": Check(pre=_weight_norm, needs=_needs("v", "g", "dim")),
+    "weight_norm_composite": Check(pre=_weight_norm_composite, needs=_needs("v", "g", "dim")),
+    "round_decimals": Check(pre=_round_decimals),
     "fft_dims": Check(pre=_fft_dims, needs=_needs("self", "dim", "normalization")),
     "batch_dims": Check(pre=_batch_dims, needs=_needs("self", "self_num_batch_dims")),
+    "packed_batch_sizes": Check(pre=_packed_batch_sizes, needs=_needs("data", "batch_sizes")),
+    "repeats": Check(pre=_repeats, needs=_needs("repeats")),
+    "chunk_cat": Check(pre=_chunk_cat, needs=_needs("tensors", "dim", "num_chunks")),
     "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices")),
     "fused_optimizer": Check(pre=_fused_optimizer, needs=_needs("self")),
     "no_varlen": Check(pre=_no_varlen),

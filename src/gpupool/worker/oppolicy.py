@@ -73,11 +73,15 @@ CHECKED: dict[str, str] = {
     # views that take sizes and strides as given
     "_reshape_alias": "within_storage",
     "_reshape_alias_copy": "within_storage",
+    "as_strided": "within_storage",
+    "as_strided_": "within_storage",
+    "as_strided_copy": "within_storage",
     # bounds checks switched off by an argument
     "segment_reduce": "segments",
     "_unsafe_index": "unchecked_indices",
     "_unsafe_index_put": "unchecked_indices",
     "_index_put_impl": "force_safe",
+    "repeat_interleave": "repeats",
     "_index_put_impl_": "force_safe",
     # index tensors a sparse or nested tensor keeps inside (a write would move them)
     "_indices": "copy_outputs",
@@ -149,6 +153,8 @@ CHECKED: dict[str, str] = {
     "_pdist_backward": "pdist_backward",
     "_cdist_backward": "cdist_backward",
     "_weight_norm_interface": "weight_norm",
+    "_weight_norm": "weight_norm_composite",
+    "round": "round_decimals",
     "_weight_norm_interface_backward": "weight_norm_backward",
     "_weight_norm_differentiable_backward": "weight_norm_backward",
     "_slow_conv2d_backward": "slow_conv2d_backward",
@@ -163,6 +169,8 @@ CHECKED: dict[str, str] = {
     "_fft_c2r": "fft_dims",
     "_fft_c2c": "fft_dims",
     "_new_zeros_with_same_feature_meta": "batch_dims",
+    "_pad_packed_sequence": "packed_batch_sizes",
+    "_chunk_cat": "chunk_cat",
     "_cummax_helper": "cum_helper",
     "_cummin_helper": "cum_helper",
     "_fused_adam": "fused_optimizer",
@@ -245,6 +253,10 @@ REFUSED: dict[str, str] = {
     "_compute_linear_combination": "a matrix_exp internal that reads its input with the "
     "coefficients' dtype and sizes unchecked (past the input's storage: heap bytes came back); "
     "linalg_matrix_exp runs",
+    "_thnn_differentiable_lstm_cell_backward": "a double-backward internal of the fused RNN "
+    "cells that trusts its gates' shapes (forged ones crashed the worker)",
+    "_thnn_differentiable_gru_cell_backward": "a double-backward internal of the fused RNN "
+    "cells that trusts its gates' shapes (forged ones crashed the worker)",
     "_add_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
     "the client",
     "_remove_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
@@ -287,6 +299,10 @@ def decide(op: OpInfo) -> Ruling:
     """The rules, in order; the first that matches decides."""
     base = base_name(op.name)
     overload = op.name.partition("::")[2].partition(".")[2]
+    if not op.dispatcher:  # before the checks: `round.int` is a scalar op, not `round`
+        return Ruling(
+            Decision.REFUSE, "a TorchScript interpreter op (lists, strings, dicts), not a tensor op"
+        )
     check = CHECKED.get(base)
     if check is not None and not (check in CHECKED_EXCEPT_OUT and overload.startswith("out")):
         return Ruling(Decision.CHECK, check)
@@ -299,10 +315,6 @@ def decide(op: OpInfo) -> Ruling:
     for prefix, why in REFUSED_PREFIXES:
         if base.startswith(prefix):
             return Ruling(Decision.REFUSE, why)
-    if not op.dispatcher:
-        return Ruling(
-            Decision.REFUSE, "a TorchScript interpreter op (lists, strings, dicts), not a tensor op"
-        )
     schema = op.schema or ""
     if _argument_names(schema) & _FILE_ARGUMENTS:
         return Ruling(Decision.REFUSE, "takes a file name")
