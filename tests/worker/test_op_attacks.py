@@ -342,6 +342,20 @@ def test_round_to_decimals_no_float_has_is_refused(raw: Raw) -> None:
     assert raw.read_floats(2) == INTACT
 
 
+def test_integer_overflow_in_a_truncating_division_is_refused(raw: Raw) -> None:
+    """int32 -2**31 // -1 with rounding_mode="trunc": the divide instruction raised SIGFPE."""
+    smallest = literal("int32", [2], "<2i", [-(2**31), 7])
+    raw.run("aten::div.Scalar_mode", [smallest, -1], {"rounding_mode": "trunc"}, [2])
+    refused(raw, "div.Scalar_mode refused", "overflows")
+
+
+def test_unfold_backward_of_a_forged_gradient_is_refused(raw: Raw) -> None:
+    """`unfold_backward` read a gradient of the wrong shape past its end: heap addresses came
+    back in the reply."""
+    raw.run("aten::unfold_backward", [tensor(1), [64], 0, 8, 1], {}, [2])
+    refused(raw, "unfold_backward refused", "grad_in has shape")
+
+
 def test_weight_norm_of_an_empty_weight_is_refused(raw: Raw) -> None:
     """`_weight_norm_interface` divided by v.size(dim): an empty v raised SIGFPE."""
     raw.run("aten::zeros", [[0, 4]], {"dtype": float32()}, [2])

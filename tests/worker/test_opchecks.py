@@ -475,6 +475,23 @@ def test_round_takes_at_most_the_decimals_a_float_has() -> None:
     assert checked("aten::round")(x).tolist() == [1.0]
 
 
+def test_truncated_integer_division_of_the_smallest_value_by_minus_one_is_refused() -> None:
+    x = torch.tensor([-(2**31), 7], dtype=torch.int32)
+    refuses("aten::div.Scalar_mode", x, -1, rounding_mode="trunc", match="overflows")
+    refuses("aten::div.Tensor_mode", x, torch.tensor(-1), rounding_mode="trunc", match="overflows")
+    assert checked("aten::div.Scalar_mode")(x, -1, rounding_mode="floor").dtype == torch.int32
+    assert checked("aten::div.Scalar_mode")(x, 2, rounding_mode="trunc").tolist() == [-(2**30), 3]
+
+
+def test_unfold_backward_needs_grad_in_of_the_unfolded_shape() -> None:
+    x = torch.arange(10.0)
+    grad = torch.ones_like(x.unfold(0, 4, 2))
+    back = checked("aten::unfold_backward")
+    assert back(grad, [10], 0, 4, 2).equal(aten.unfold_backward.default(grad, [10], 0, 4, 2))
+    refuses("aten::unfold_backward", torch.ones(2, 4), [10], 0, 4, 2, match="grad_in has shape")
+    refuses("aten::unfold_backward", grad, [10], 3, 4, 2, match="invalid unfold")
+
+
 def test_weight_norm_needs_a_magnitude_per_slice_of_v() -> None:
     """`_weight_norm_interface` divided by an empty v's size along dim (SIGFPE), read g at
     v.size(dim) elements whatever g held, and took dim -1 unwrapped."""

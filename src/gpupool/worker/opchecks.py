@@ -836,6 +836,39 @@ def _weight_norm_composite(a: Args) -> None:
         _weight_norm(a)
 
 
+def _truncated_division(a: Args) -> None:
+    """Integer `div(..., rounding_mode="trunc")` of the dtype's smallest value by -1 overflows
+    in the CPU's divide instruction (SIGFPE killed the worker; "floor" handles it)."""
+    if a.get("rounding_mode") != "trunc":
+        return
+    inp, other = a["self"], a["other"]
+    if not isinstance(inp, torch.Tensor) or inp.dtype.is_floating_point or inp.dtype.is_complex:
+        return
+    if inp.dtype == torch.bool or inp.numel() == 0:
+        return
+    if isinstance(other, torch.Tensor):
+        minus_one = other.numel() > 0 and bool((other == -1).any())
+    else:
+        minus_one = other == -1
+    if minus_one and int(inp.min()) == torch.iinfo(inp.dtype).min:
+        raise OpRefused(f"{torch.iinfo(inp.dtype).min} // -1 overflows {inp.dtype}")
+
+
+def _unfold_backward(a: Args) -> None:
+    """`unfold_backward` scatters `grad_in` into a tensor of `input_sizes` as `unfold(dim,
+    size, step)` laid it out, without comparing `grad_in`'s shape: a forged one read past it
+    (addresses of the worker's heap came back) and aborted. It must have the shape unfold
+    makes (run on a meta tensor, whose checks apply too)."""
+    grad = _tensor(a["grad_in"], "grad_in")
+    sizes = _ints(a["input_sizes"], "input_sizes")
+    dim, size, step = _int(a["dim"], "dim"), _int(a["size"], "size"), _int(a["step"], "step")
+    try:
+        expected = torch.empty(sizes, device="meta").unfold(dim, size, step).shape
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise OpRefused(f"invalid unfold: {str(exc).splitlines()[0]}") from None
+    _shape(grad, expected, "grad_in")
+
+
 FFT_NORMALIZATIONS = range(3)
 """`_fft_*`'s `normalization`: none, by 1/sqrt(n), by 1/n (aten's fft_norm_mode)."""
 
@@ -1043,6 +1076,10 @@ CHECKS: dict[str, Check] = {
     "weight_norm": Check(pre=_weight_norm, needs=_needs("v", "g", "dim")),
     "weight_norm_composite": Check(pre=_weight_norm_composite, needs=_needs("v", "g", "dim")),
     "round_decimals": Check(pre=_round_decimals),
+    "truncated_division": Check(pre=_truncated_division, needs=_needs("self", "other")),
+    "unfold_backward": Check(
+        pre=_unfold_backward, needs=_needs("grad_in", "input_sizes", "dim", "size", "step")
+    ),
     "fft_dims": Check(pre=_fft_dims, needs=_needs("self", "dim", "normalization")),
     "batch_dims": Check(pre=_batch_dims, needs=_needs("self", "self_num_batch_dims")),
     "packed_batch_sizes": Check(pre=_packed_batch_sizes, needs=_needs("data", "batch_sizes")),

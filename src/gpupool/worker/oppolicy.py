@@ -155,6 +155,8 @@ CHECKED: dict[str, str] = {
     "_weight_norm_interface": "weight_norm",
     "_weight_norm": "weight_norm_composite",
     "round": "round_decimals",
+    "special_round": "round_decimals",
+    "unfold_backward": "unfold_backward",
     "_weight_norm_interface_backward": "weight_norm_backward",
     "_weight_norm_differentiable_backward": "weight_norm_backward",
     "_slow_conv2d_backward": "slow_conv2d_backward",
@@ -196,6 +198,14 @@ CHECKED: dict[str, str] = {
     "_scaled_dot_product_fused_attention_overrideable_backward": "attention_backward",
 }
 """Ops (all overloads of a base name) that run behind a check of `opchecks.CHECKS`."""
+
+CHECKED_OVERLOADS: dict[str, str] = {
+    f"aten::{op}.{overload}": "truncated_division"
+    for op in ("div", "div_", "divide", "divide_")
+    for overload in ("Tensor_mode", "Scalar_mode", "out_mode", "Tensor_mode_out", "Scalar_mode_out")
+}
+"""Single overloads behind a check, before `CHECKED` (the rest of their op is hot and needs
+none: `div` with a rounding mode only)."""
 
 CHECKED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("_foreach_", "same_lengths"),
@@ -257,6 +267,10 @@ REFUSED: dict[str, str] = {
     "cells that trusts its gates' shapes (forged ones crashed the worker)",
     "_thnn_differentiable_gru_cell_backward": "a double-backward internal of the fused RNN "
     "cells that trusts its gates' shapes (forged ones crashed the worker)",
+    "_cholesky_solve_helper": "the kernel behind cholesky_solve, which checks its arguments "
+    "for it (forged ones crashed the worker); cholesky_solve runs",
+    "_logcumsumexp": "the kernel behind logcumsumexp, which wraps dim for it (the raw one "
+    "aborted the worker); logcumsumexp runs",
     "_add_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
     "the client",
     "_remove_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
@@ -303,6 +317,9 @@ def decide(op: OpInfo) -> Ruling:
         return Ruling(
             Decision.REFUSE, "a TorchScript interpreter op (lists, strings, dicts), not a tensor op"
         )
+    overload_check = CHECKED_OVERLOADS.get(op.name)
+    if overload_check is not None:
+        return Ruling(Decision.CHECK, overload_check)
     check = CHECKED.get(base)
     if check is not None and not (check in CHECKED_EXCEPT_OUT and overload.startswith("out")):
         return Ruling(Decision.CHECK, check)
