@@ -386,6 +386,10 @@ def test_stack_internals_are_refused_and_stack_runs(raw: Raw) -> None:
         ("aten::_remove_batch_dim", [tensor(1), 1 << 24, -1, 256]),
         ("aten::_add_batch_dim", [tensor(1), 0, 1 << 24]),
         ("aten::_compute_linear_combination", [tensor(1), longs([1] * 64, [2, 32])]),
+        (
+            "aten::mkldnn_rnn_layer",
+            [tensor(1)] * 7 + [False, [3, 6, 1 << 20], 3, 2, 63] + [True] * 4,
+        ),
     ],
 )
 def test_internal_kernels_that_trust_their_caller_are_refused(

@@ -271,6 +271,10 @@ REFUSED: dict[str, str] = {
     "for it (forged ones crashed the worker); cholesky_solve runs",
     "_logcumsumexp": "the kernel behind logcumsumexp, which wraps dim for it (the raw one "
     "aborted the worker); logcumsumexp runs",
+    "mkldnn_rnn_layer": "the oneDNN kernel behind lstm on a CPU, which trusts its weights' "
+    "shapes (forged ones crashed the worker); lstm runs",
+    "mkldnn_rnn_layer_backward": "the oneDNN kernel behind lstm on a CPU, which trusts its "
+    "weights' shapes; lstm runs",
     "_add_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
     "the client",
     "_remove_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
