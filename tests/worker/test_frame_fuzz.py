@@ -17,8 +17,6 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
-import struct
-import subprocess
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 import msgpack
-import psutil
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -47,12 +44,17 @@ from gpupool.protocol.v1.dataplane import (
     pack,
     pack_records,
     parse_address,
-    parse_ready,
-    recv_handshake,
-    send_handshake,
-    worker_argv,
 )
 from gpupool.protocol.v1.tensors import DTYPES
+from tests.worker.raw_frames import (
+    HEADER,
+    RemoteRefusal,
+    Worker,
+    authenticate,
+    framed,
+    start_worker,
+    tensor,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -61,34 +63,6 @@ SYNC_REQ = 424_242
 """The request id of the SYNC appended to every hostile stream: its answer shows the worker
 went on serving after all that came before it."""
 ANSWER_TIMEOUT_S = 20.0
-HEADER = struct.Struct(">II")
-
-
-@dataclass
-class Worker:
-    proc: subprocess.Popen[str]
-    address: str
-    lease: str
-    token: str
-    log: Path
-
-    def errors_logged(self) -> str:
-        text = self.log.read_text(errors="replace")
-        return text if ("Traceback" in text or "Exception in thread" in text) else ""
-
-    def fds(self) -> int:
-        return int(psutil.Process(self.proc.pid).num_fds())
-
-
-def start(lease: str, token: str, listen: str, log: Path) -> Worker:
-    """A worker as its agent starts it, its stderr kept to find tracebacks in."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GPUPOOL_WORKER_TOKEN": token}
-    argv = worker_argv(lease, listen=listen, memory_limit_mib=64, threads=1)
-    with log.open("w") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    assert proc.stdout is not None
-    ready = parse_ready(proc.stdout.readline())
-    return Worker(proc, str(ready.address), lease, token, log)
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +73,13 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, 
     logs = tmp_path_factory.mktemp("logs")
     # The hostile lease's worker listens on a Unix socket: descriptors (shared memory) travel
     # on it, and a refusal is never lost to a TCP reset when the worker closes on unread bytes.
-    hostile = start("lease-a", TOKEN_A, f"unix:{short}/a.sock", logs / "a.log")
-    victim = start("lease-b", TOKEN_B, "tcp://127.0.0.1:0", logs / "b.log")
+    hostile = start_worker(
+        "lease-a", TOKEN_A, logs / "a.log", listen=f"unix:{short}/a.sock", memory_limit_mib=64
+    )
+    victim = start_worker("lease-b", TOKEN_B, logs / "b.log", memory_limit_mib=64)
     yield hostile, victim
     for worker in (hostile, victim):
-        worker.proc.terminate()
-        worker.proc.wait(timeout=10)
+        worker.stop()
     for leftover in short.iterdir():
         leftover.unlink()
     short.rmdir()
@@ -142,25 +117,6 @@ def check_unharmed(workers: tuple[Worker, Worker], session: Session) -> None:
 
 
 # ---- talking to the hostile lease's worker ---------------------------------------------------
-
-
-def authenticate(worker: Worker, fds: list[int] | None = None) -> socket.socket:
-    sock = connect(parse_address(worker.address))
-    hello = {"v": VERSION, "lease": worker.lease, "token": worker.token, "shm": fds is not None}
-    send_handshake(sock, [Kind.HELLO, hello], fds or [])
-    reply = recv_handshake(sock)
-    for fd in reply.fds:
-        os.close(fd)
-    head = reply.head
-    if head[0] == Kind.ERROR:
-        sock.close()
-        raise RemoteRefusal(head[2])
-    assert head[0] == Kind.WELCOME, head
-    return sock
-
-
-class RemoteRefusal(Exception):
-    pass
 
 
 @dataclass
@@ -212,10 +168,6 @@ def converse(sock: socket.socket, hostile: bytes, complete: bool) -> Outcome:
         sock.close()
 
 
-def framed(body: bytes, tail: bytes = b"") -> bytes:
-    return HEADER.pack(len(body), len(tail)) + body + tail
-
-
 # ---- strategies --------------------------------------------------------------------------------
 
 OPS = [
@@ -238,10 +190,6 @@ any_ints = st.one_of(
 handles = st.one_of(st.integers(min_value=0, max_value=8), any_ints.filter(lambda i: i >= 0))
 
 
-def handle_ext(handle: int) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.TENSOR, (handle % 2**64).to_bytes(8, "big"))
-
-
 dtype_names = st.one_of(st.sampled_from(sorted(DTYPES)), st.text(max_size=12))
 shapes = st.lists(sizes, max_size=4)
 literals = st.builds(
@@ -251,7 +199,7 @@ literals = st.builds(
     st.binary(max_size=64),
 )
 extensions = st.one_of(
-    handles.map(handle_ext),
+    handles.map(tensor),
     st.builds(msgpack.ExtType, st.just(Ext.TENSOR), st.binary(max_size=12)),
     dtype_names.map(lambda n: msgpack.ExtType(Ext.DTYPE, n.encode(errors="surrogatepass"))),
     st.builds(msgpack.ExtType, st.sampled_from(list(Ext)), st.binary(max_size=16)),
@@ -298,7 +246,7 @@ records = st.one_of(
         st.one_of(sizes, values),
         st.one_of(st.none(), sizes, any_ints),
     ),
-    record(Rec.READ, ints_or_anything, st.one_of(handles.map(handle_ext), values)),
+    record(Rec.READ, ints_or_anything, st.one_of(handles.map(tensor), values)),
     record(
         Rec.CALL,
         ints_or_anything,

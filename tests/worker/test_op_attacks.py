@@ -11,12 +11,8 @@ environment must never come back.
 
 from __future__ import annotations
 
-import os
 import struct
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -24,35 +20,32 @@ import pytest
 
 from gpupool.protocol.v1.dataplane import (
     PROGRAM_VERSION,
-    VERSION,
     Connection,
+    ErrorKind,
     Ext,
     Kind,
     Rec,
-    connect,
     pack,
     pack_records,
-    parse_address,
-    parse_ready,
-    recv_handshake,
-    send_handshake,
-    worker_argv,
+)
+from tests.worker.raw_frames import (
+    Worker,
+    authenticate,
+    ext,
+    framed,
+    literal,
+    longs,
+    slot,
+    start_worker,
+    tensor,
 )
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "op-attack-lease-token"
 SECRET = "planted-secret-7f3a9c0e1d2b4a68"
-HEADER = struct.Struct(">II")
 INTACT = list(range(16))
 """Handle 1 of every session: arange(16), which no attack may change."""
-
-
-@dataclass
-class Worker:
-    proc: subprocess.Popen[str]
-    address: str
-    log: Path
 
 
 @pytest.fixture(scope="module")
@@ -60,28 +53,16 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """A worker as an agent starts it, a secret in its environment and its stdout a pipe that
     nobody reads (as the agent's is, after the ready line)."""
     log = tmp_path_factory.mktemp("logs") / "worker.log"
-    env = {
-        **os.environ, "OMP_NUM_THREADS": "1", "GPUPOOL_WORKER_TOKEN": TOKEN,
-        "GPUPOOL_PLANTED_SECRET": SECRET,
-    }  # fmt: skip
-    argv = worker_argv("lease-attack", listen="tcp://127.0.0.1:0", threads=1)
-    with log.open("w") as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-    assert proc.stdout is not None
-    ready = parse_ready(proc.stdout.readline())
-    yield Worker(proc, str(ready.address), log)
-    proc.terminate()
-    proc.wait(timeout=10)
+    worker = start_worker("lease-attack", TOKEN, log, env={"GPUPOOL_PLANTED_SECRET": SECRET})
+    yield worker
+    worker.stop()
 
 
 class Raw:
     """A hostile client: records packed by hand, every reply kept to look for the secret."""
 
     def __init__(self, worker: Worker) -> None:
-        self.sock = connect(parse_address(worker.address))
-        hello = {"v": VERSION, "lease": "lease-attack", "token": TOKEN, "shm": False}
-        send_handshake(self.sock, [Kind.HELLO, hello])
-        assert recv_handshake(self.sock).head[0] == Kind.WELCOME
+        self.sock = authenticate(worker)
         self.sock.settimeout(30)
         self.conn = Connection(self.sock)
         self.received = bytearray()
@@ -90,7 +71,7 @@ class Raw:
 
     def send(self, records: list[Any]) -> None:
         body = pack_records([Kind.BATCH], records)
-        self.sock.sendall(HEADER.pack(len(body), 0) + body)
+        self.sock.sendall(framed(body))
 
     def op(self, name: str) -> int:
         """The op id for `name`, DEF'd on first use."""
@@ -126,26 +107,6 @@ class Raw:
         self.sock.close()
 
 
-def slot(index: int) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.SLOT, index.to_bytes(4, "big"))
-
-
-def tensor(handle: int) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.TENSOR, handle.to_bytes(8, "big"))
-
-
-def literal(dtype: str, shape: list[int], fmt: str, values: list[Any]) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.LITERAL, pack([dtype, shape, struct.pack(fmt, *values)]))
-
-
-def longs(values: list[int], shape: list[int] | None = None) -> msgpack.ExtType:
-    return literal("int64", shape or [len(values)], f"<{len(values)}q", values)
-
-
-def ext(code: Ext, name: str) -> msgpack.ExtType:
-    return msgpack.ExtType(code, name.encode())
-
-
 @pytest.fixture
 def raw(worker: Worker) -> Iterator[Raw]:
     client = Raw(worker)
@@ -172,8 +133,7 @@ def assert_unharmed(worker: Worker, client: Raw) -> None:
     assert worker.proc.poll() is None, "the worker died"
     assert client.read_floats(1) == INTACT, "another tensor of the lease changed"
     assert SECRET.encode() not in client.received, "the worker's environment leaked"
-    log = worker.log.read_text(errors="replace")
-    assert "Traceback" not in log and "Segmentation" not in log, log[-3000:]
+    assert not worker.errors_logged(), worker.errors_logged()[-3000:]
 
 
 def test_segment_reduce_unsafe_cannot_read_past_its_data(raw: Raw) -> None:
@@ -259,13 +219,12 @@ def test_print_is_refused_and_the_worker_keeps_answering(raw: Raw) -> None:
 
 
 def test_as_strided_past_its_storage_is_refused(raw: Raw) -> None:
-    """PyTorch checks `as_strided` against the storage (a test in test_oppolicy pins it)."""
     raw.run("aten::as_strided", [tensor(1), [1 << 20], [1], 0], {}, [2])
-    refused(raw, "out of bounds")
+    refused(raw, "as_strided refused", "storage of 64 bytes")
     raw.run("aten::as_strided", [tensor(1), [4], [1], 1 << 40], {}, [2])
-    refused(raw, "out of bounds")
+    refused(raw, "as_strided refused", "storage of 64 bytes")
     raw.run("aten::as_strided_", [tensor(1), [4], [-1], 8], {}, [1])
-    refused(raw, "Negative strides")
+    refused(raw, "as_strided_ refused", "negative")
 
 
 def test_set_past_its_source_storage_is_refused(raw: Raw) -> None:
@@ -304,3 +263,240 @@ def test_an_op_of_another_namespace_or_a_scripting_op_is_refused(raw: Raw) -> No
     refused(raw, "TorchScript interpreter op")
     raw.run("prim::device", [tensor(1)], {}, [None])
     refused(raw, "not allowed")
+
+
+# ---- what the op fuzzer crashed workers with (bench/worker_fuzz.py), one test per cause -------
+
+
+def float32() -> msgpack.ExtType:
+    return ext(Ext.DTYPE, "float32")
+
+
+def test_a_bare_int_where_a_dtype_goes_is_refused(raw: Raw) -> None:
+    """PyTorch's binding casts an int given for a ScalarType unchecked: dtype -1 segfaulted
+    `new_full`, `_to_copy`, `randn`, `log_softmax` (positional) and a dozen more."""
+    raw.run("aten::new_full", [tensor(1), [4], 2.0], {"dtype": -1}, [2])
+    refused(raw, "aten::new_full refused", "dtype must be a torch.dtype, not int")
+    raw.run("aten::_to_copy", [tensor(1)], {"dtype": -1}, [2])
+    refused(raw, "aten::_to_copy refused", "dtype")
+    raw.run("aten::log_softmax.int", [tensor(1), 0, -1], {}, [2])
+    refused(raw, "aten::log_softmax.int refused", "dtype")
+    raw.run("aten::empty.memory_format", [[4]], {"memory_format": 99}, [2])
+    refused(raw, "memory_format must be a torch.memory_format")
+    raw.run("aten::new_full", [tensor(1), [2], 2.0], {"dtype": float32()}, [2])
+    assert raw.read_floats(2) == [2.0, 2.0]
+
+
+def test_fft_dims_out_of_range_or_repeated_are_refused(raw: Raw) -> None:
+    """`_fft_r2c` (what `torch.fft.rfft` runs) took dim -2 of a 1-d tensor as an index before
+    its sizes and [0, 0] freed its plan twice: both crashed the worker."""
+    raw.run("aten::_fft_r2c", [tensor(1), [-2], 0, True], {}, [2])
+    refused(raw, "aten::_fft_r2c refused", "out of range")
+    raw.run("aten::_fft_r2c", [tensor(1), [0, 0], 0, False], {}, [2])
+    refused(raw, "aten::_fft_r2c refused", "twice")
+    raw.run("aten::_fft_r2c", [tensor(1), [-1], 0, True], {}, [2])  # wrapped, as rfft does
+    raw.run("aten::_fft_c2r", [tensor(2), [0], 2, 16], {}, [3])
+    assert [round(v, 4) for v in raw.read_floats(3)] == INTACT
+
+
+def test_a_count_of_batch_dims_past_the_tensors_dims_is_refused(raw: Raw) -> None:
+    """`_new_zeros_with_same_feature_meta` copied 255 sizes of a 1-d tensor (a crash)."""
+    raw.run("aten::_new_zeros_with_same_feature_meta", [tensor(1), tensor(1)],
+            {"self_num_batch_dims": 255}, [2])  # fmt: skip
+    refused(raw, "_new_zeros_with_same_feature_meta refused", "outside [0, 1]")
+
+
+def test_sizes_a_kernel_takes_from_its_public_op_unchecked_are_refused(raw: Raw) -> None:
+    """Each crashed a worker: `_pad_packed_sequence` with batch sizes that grow wrote before a
+    buffer, `repeat_interleave` wrote int32 repeats summing to 6 (by wrapping) into 6 slots,
+    `_chunk_cat` read the size of a 0-d tensor's dimension -1."""
+    raw.run("aten::_pad_packed_sequence", [tensor(1), longs([2, 14]), True, 0.0, 4], {}, [2, 3])
+    refused(raw, "_pad_packed_sequence refused", "must not grow")
+    wrapped = literal("int32", [3], "<3i", [2**31 - 1, -(2**31), 7])
+    raw.run("aten::repeat_interleave.Tensor", [wrapped], {"output_size": 6}, [2])
+    refused(raw, "repeat_interleave.Tensor refused", "negative")
+    raw.run("aten::select.int", [tensor(1), 0, 0], {}, [4])
+    raw.run("aten::_chunk_cat", [[tensor(4)], -1, 1 << 31], {}, [2])
+    refused(raw, "_chunk_cat refused", "0 dimensions")
+    raw.run("aten::repeat_interleave.Tensor", [longs([1, 2])], {"output_size": 3}, [2])
+    raw.run("aten::_to_copy", [tensor(2)], {"dtype": float32()}, [3])
+    assert raw.read_floats(3) == [0.0, 1.0, 1.0]
+
+
+def test_a_view_whose_reach_overflows_int64_is_refused(raw: Raw) -> None:
+    """`as_strided_` with a stride of 2**63 - 1 passed torch's bounds check (the product
+    overflowed) and a READ of the view crashed the worker."""
+    raw.run("aten::as_strided_", [tensor(1), [5], [(1 << 63) - 1], None], {}, [2])
+    refused(raw, "aten::as_strided_ refused", "storage of 64 bytes")
+    raw.run("aten::as_strided", [tensor(1), [2], [4], 1], {}, [2])
+    assert raw.read_floats(2) == [1.0, 5.0]
+
+
+def test_round_to_decimals_no_float_has_is_refused(raw: Raw) -> None:
+    """`round.decimals_out` with decimals -2**62: the Python reference that charges it
+    computed 10**(2**62) exactly, and the worker never answered again."""
+    raw.run("aten::round.decimals_out", [tensor(1)], {"decimals": -(1 << 62), "out": tensor(1)},
+            [2])  # fmt: skip
+    refused(raw, "aten::round.decimals_out refused", "decimals")
+    raw.run("aten::round.decimals", [tensor(1)], {"decimals": 2}, [2])
+    assert raw.read_floats(2) == INTACT
+
+
+def test_integer_overflow_in_a_truncating_division_is_refused(raw: Raw) -> None:
+    """int32 -2**31 // -1 with rounding_mode="trunc": the divide instruction raised SIGFPE."""
+    smallest = literal("int32", [2], "<2i", [-(2**31), 7])
+    raw.run("aten::div.Scalar_mode", [smallest, -1], {"rounding_mode": "trunc"}, [2])
+    refused(raw, "div.Scalar_mode refused", "overflows")
+
+
+def test_unfold_backward_of_a_forged_gradient_is_refused(raw: Raw) -> None:
+    """`unfold_backward` read a gradient of the wrong shape past its end: heap addresses came
+    back in the reply."""
+    raw.run("aten::unfold_backward", [tensor(1), [64], 0, 8, 1], {}, [2])
+    refused(raw, "unfold_backward refused", "grad_in has shape")
+
+
+def test_weight_norm_of_an_empty_weight_is_refused(raw: Raw) -> None:
+    """`_weight_norm_interface` divided by v.size(dim): an empty v raised SIGFPE."""
+    raw.run("aten::zeros", [[0, 4]], {"dtype": float32()}, [2])
+    raw.run("aten::zeros", [[0, 1]], {"dtype": float32()}, [3])
+    raw.run("aten::_weight_norm_interface", [tensor(2), tensor(3), 0], {}, [4, 5])
+    refused(raw, "aten::_weight_norm_interface refused", "no slices")
+    raw.run("aten::_weight_norm_interface", [tensor(1), longs([1])], {}, [4, 5])
+    refused(raw, "aten::_weight_norm_interface refused")
+    raw.run("aten::_weight_norm", [tensor(2), tensor(3), 0], {}, [4])  # the composite calls it
+    refused(raw, "aten::_weight_norm refused", "no slices")
+
+
+def test_stack_internals_are_refused_and_stack_runs(raw: Raw) -> None:
+    """`_stack` trusts that its inputs already have stack's size-1 dimension: a transposed
+    4x4 input at dim 1 corrupted the worker's heap (it aborted in free)."""
+    raw.run("aten::view", [tensor(1), [4, 4]], {}, [2])
+    raw.run("aten::t", [tensor(2)], {}, [3])
+    raw.run("aten::_stack", [[tensor(3)], 1], {}, [4])
+    refused(raw, "aten::_stack is not allowed", "stack runs")
+    raw.run("aten::stack", [[tensor(3)], 1], {}, [4])
+    assert raw.read_floats(4) == [float(4 * j + i) for i in range(4) for j in range(4)]
+
+
+@pytest.mark.parametrize(
+    ("name", "args"),
+    [
+        ("aten::_nnpack_spatial_convolution", [tensor(1), tensor(1), None, [4096], [5, 6]]),
+        ("aten::_remove_batch_dim", [tensor(1), 1 << 24, -1, 256]),
+        ("aten::_add_batch_dim", [tensor(1), 0, 1 << 24]),
+        ("aten::_compute_linear_combination", [tensor(1), longs([1] * 64, [2, 32])]),
+        (
+            "aten::mkldnn_rnn_layer",
+            [tensor(1)] * 7 + [False, [3, 6, 1 << 20], 3, 2, 63] + [True] * 4,
+        ),
+    ],
+)
+def test_internal_kernels_that_trust_their_caller_are_refused(
+    raw: Raw, name: str, args: list[Any]
+) -> None:
+    """Kernels that only their public op calls, with arguments it prepared: a forged padding
+    (`_nnpack_spatial_convolution`) or batch level (`_remove_batch_dim`) crashed the worker;
+    `_compute_linear_combination` (matrix_exp's) read its input past its storage with the
+    coefficients' dtype and sizes, and a reply held an address of the worker's heap."""
+    raw.run(name, args, {}, [2])
+    refused(raw, f"{name} is not allowed on a gpupool worker")
+
+
+def test_a_call_returning_a_nested_tensor_fails_cleanly_and_the_stream_goes_on(raw: Raw) -> None:
+    """A CALL's outputs are described to the client: a nested tensor has no sizes to describe,
+    and the exception ended the whole stream with a PROTOCOL error. Now the op fails alone."""
+    raw.req += 1
+    nested = raw.op("aten::_nested_tensor_from_tensor_list")
+    head, _ = raw.answer([Rec.CALL, raw.req, nested, [[tensor(1), tensor(1)]], {}, 100])
+    assert head[0] == Kind.ERROR and head[2]["kind"] == ErrorKind.UNSUPPORTED, head
+    assert "nested tensor" in head[2]["message"], head
+    assert raw.sync()[0] == Kind.RESULT
+
+
+@pytest.fixture(scope="module")
+def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
+    """A worker with a memory limit: it charges every op before it runs, from the op's meta
+    kernel (`gpupool.worker.admission`)."""
+    log = tmp_path_factory.mktemp("logs") / "limited.log"
+    worker = start_worker("lease-attack", TOKEN, log, memory_limit_mib=64)
+    yield worker
+    worker.stop()
+
+
+@pytest.fixture
+def limited_raw(limited: Worker) -> Iterator[Raw]:
+    client = Raw(limited)
+    client.run("aten::arange.start_step", [0, 16, 1], {"dtype": float32()}, [1])
+    yield client
+    try:
+        assert_unharmed(limited, client)
+    finally:
+        client.close()
+
+
+def test_an_ops_check_runs_before_the_meta_kernel_that_charges_it(limited_raw: Raw) -> None:
+    """`_foreach_copy.out` with lists of one, two and three tensors segfaulted in its meta
+    kernel, which the admission ran before the op's own check (lists of one length) could
+    refuse it. The check comes first now; the valid call is charged and runs."""
+    raw = limited_raw
+    call = raw.op("aten::_foreach_copy.out")
+    lists = [[tensor(1)], [tensor(1), tensor(1)]]
+    raw.send([[Rec.CALL, 99, call, [*lists, True], {"out": [tensor(1)] * 3}, 100]])
+    head = raw.conn.recv().head()
+    assert head[0] == Kind.ERROR and "_foreach_copy.out refused" in head[2]["message"], head
+    raw.run("aten::zeros", [[16]], {"dtype": float32()}, [2])
+    raw.send([[Rec.CALL, 98, call, [[tensor(1)], [tensor(1)], True], {"out": [tensor(2)]}, 100]])
+    assert raw.conn.recv().head()[:2] == [Kind.RESULT, 98]
+    assert raw.read_floats(2) == INTACT
+    raw.run("aten::new_full", [tensor(1), [4], 2.0], {"dtype": -1}, [3])  # the meta kernel too
+    refused(raw, "dtype must be a torch.dtype")
+
+
+def test_an_out_tensor_a_failed_op_left_half_resized_is_emptied(raw: Raw) -> None:
+    """`randn.out` with sizes [2, 2, -1, 2**63 - 1, 2**53] set them on `out` before their
+    product overflowed: the tensor kept a negative size, and `count_nonzero` of it crashed the
+    worker. The failed op's written tensors are checked; an unsound one is emptied."""
+    raw.run("aten::zeros", [[4]], {"dtype": ext(Ext.DTYPE, "float64")}, [2])
+    raw.run("aten::randn.out", [[2, 2, -1, (1 << 63) - 1, 1 << 53]], {"out": tensor(2)}, [2])
+    refused(raw, "overflow")
+    raw.send([[Rec.CALL, 97, raw.op("aten::count_nonzero"), [tensor(2)], {}, 100]])
+    head = raw.conn.recv().head()
+    assert head[:2] == [Kind.RESULT, 97] and head[2][3] == [], head
+    raw.req += 1
+    assert raw.answer([Rec.READ, raw.req, tensor(100)])[1] == (0).to_bytes(8, "little")
+
+
+def test_the_ops_real_programs_run_through_these_checks_still_match_local(limited: Worker) -> None:
+    """The client keeps working where the checks sit: `torch.fft`, `weight_norm` (forward and
+    backward), `stack` of a transposed tensor, factories and casts with a dtype, `out=` ops, on
+    a worker that charges every op first."""
+    torch = pytest.importorskip("torch")
+    import gpupool.torch
+
+    def program(device: str) -> dict[str, Any]:
+        torch.manual_seed(0)  # the Linear's initial weights, made on the host
+        x = torch.randn(6, 8).to(device)
+        layer = torch.nn.utils.parametrizations.weight_norm(torch.nn.Linear(8, 4)).to(device)
+        out = layer(x)
+        out.sum().backward()
+        spectrum = torch.fft.rfft(x, dim=-1)
+        grid = torch.fft.fftn(x.to(torch.complex64), dim=(0, 1))
+        buf = torch.empty(0, device=device)
+        torch.add(x, 1, out=buf)
+        return {
+            "weight_norm": out, "grad": layer.parametrizations.weight.original1.grad,
+            "rfft": torch.view_as_real(spectrum), "irfft": torch.fft.irfft(spectrum, n=8),
+            "fftn": torch.view_as_real(grid), "stack": torch.stack([x.t(), x.t()], dim=1),
+            "log_softmax": torch.log_softmax(x, -1, dtype=torch.float64),
+            "ones": torch.ones(3, dtype=torch.int32, device=device), "out": buf,
+        }  # fmt: skip
+
+    local = program("cpu")
+    gpupool.torch.attach(workers=[limited.address], token=limited.token, lease=limited.lease)
+    try:
+        remote = {k: v.cpu() for k, v in program("cuda").items()}
+    finally:
+        gpupool.torch.detach()
+    for key, expected in local.items():
+        torch.testing.assert_close(remote[key], expected, msg=lambda m, k=key: f"{k}: {m}")

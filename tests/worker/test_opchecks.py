@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from gpupool.protocol.v1.tensors import op_overload
-from gpupool.worker.opchecks import CHECKS, OpRefused, guard, reach_bytes
+from gpupool.worker.opchecks import CHECKS, OpRefused, argument_guard, guard, reach_bytes, sound
 from gpupool.worker.oppolicy import Decision, ruling
 
 aten = torch.ops.aten
@@ -403,10 +403,159 @@ def test_unsafe_index_and_index_put_check_their_indices() -> None:
     assert base[0].tolist() == [0.0, 1.0, 2.0, 3.0]
 
 
-def test_stack_of_no_tensors_is_refused_not_a_crash() -> None:
-    refuses("aten::_stack", [], -2, match="non-empty")
-    refuses("aten::_stack.out", [], 0, out=torch.empty(0), match="non-empty")
-    assert checked("aten::_stack")([torch.ones(2), torch.zeros(2)], -2).shape == (2, 2)
+def test_fft_kernels_take_only_distinct_dims_in_range() -> None:
+    """`_fft_r2c`/`_fft_c2r`/`_fft_c2c` never wrap nor compare their dims: -2 of a 2-d tensor
+    read before its sizes, 4 after them, [1, 1] freed a plan twice (each crashed a worker)."""
+    x = torch.arange(12.0).reshape(3, 4)
+    r2c = checked("aten::_fft_r2c")
+    assert r2c(x, [1], 0, True).equal(aten._fft_r2c.default(x, [1], 0, True))
+    assert r2c(x, [-1], 2, True).equal(aten._fft_r2c.default(x, [1], 2, True))  # wrapped
+    refuses("aten::_fft_r2c", x, [-3], 0, True, match="out of range")
+    refuses("aten::_fft_r2c", x, [2], 0, True, match="out of range")
+    refuses("aten::_fft_r2c", x, [1, 1], 0, False, match="twice")
+    refuses("aten::_fft_r2c", x, [1, -1], 0, False, match="twice")
+    refuses("aten::_fft_r2c", x, [], 0, False, match="at least one")
+    refuses("aten::_fft_r2c", x, [1], 255, False, match="normalization")
+    refuses("aten::_fft_r2c.out", x, [3], 0, False, out=torch.empty(0, dtype=torch.complex64),
+            match="out of range")  # fmt: skip
+    c = torch.fft.rfft(x)
+    assert checked("aten::_fft_c2r")(c, [1], 2, 4).allclose(x)
+    refuses("aten::_fft_c2r", c[0], [-2], 1, 2, match="out of range")
+    refuses("aten::_fft_c2r", c, [1], 2, 0, match="last_dim_size")
+    z = torch.tensor([1 + 2j, -3j])
+    assert checked("aten::_fft_c2c")(z, [0], 0, True).equal(aten._fft_c2c.default(z, [0], 0, True))
+    refuses("aten::_fft_c2c", z, [1], 0, True, match="out of range")
+
+
+def test_forward_ad_tangents_take_at_most_the_batch_dims_self_has() -> None:
+    x, other = torch.ones(2, 3), torch.arange(4.0)
+    make = checked("aten::_new_zeros_with_same_feature_meta")
+    assert make(x, other, self_num_batch_dims=1).shape == (2, 4)
+    assert make(x, other).shape == (4,)
+    refuses("aten::_new_zeros_with_same_feature_meta", x, other, self_num_batch_dims=255,
+            match=r"outside \[0, 2\]")  # fmt: skip
+    refuses("aten::_new_zeros_with_same_feature_meta", x, other, self_num_batch_dims=-1)
+
+
+def test_packed_sequences_repeats_and_chunk_cat_take_what_their_public_ops_make() -> None:
+    data, sizes = torch.arange(15.0).reshape(5, 3), torch.tensor([3, 2])
+    pad = checked("aten::_pad_packed_sequence")
+    padded, lengths = pad(data, sizes, True, 0.0, 4)
+    assert padded.shape == (3, 4, 3) and lengths.tolist() == [2, 2, 1]
+    refuses("aten::_pad_packed_sequence", data, torch.tensor([2, 3]), True, 0.0, 4, match="grow")
+    refuses("aten::_pad_packed_sequence", data, torch.tensor([3, 3]), True, 0.0, 4, match="sum")
+    refuses("aten::_pad_packed_sequence", data, torch.tensor([5, 0]), True, 0.0, 4,
+            match="positive")  # fmt: skip
+    repeat = checked("aten::repeat_interleave.Tensor")
+    assert repeat(torch.tensor([1, 2]), output_size=3).tolist() == [0, 1, 1]
+    wrapped = torch.tensor([2**31 - 1, -(2**31), 7], dtype=torch.int32)  # sums to 6
+    refuses("aten::repeat_interleave.Tensor", wrapped, output_size=6, match="negative")
+    refuses("aten::repeat_interleave.Tensor", torch.tensor([1, 2]), output_size=2, match="sum|make")
+    x = torch.arange(4.0)
+    assert checked("aten::repeat_interleave.self_int")(x, 2, output_size=8).shape == (8,)
+    refuses("aten::repeat_interleave.self_int", x, 2, output_size=9, match="make")
+    chunk_cat = checked("aten::_chunk_cat")
+    assert chunk_cat([torch.ones(4, 2)], 0, 2).shape == (2, 4)
+    refuses("aten::_chunk_cat", [torch.tensor(1.0)], -1, 1 << 31, match="0 dimensions")
+    refuses("aten::_chunk_cat", [torch.ones(2)], 0, 0, match="num_chunks")
+
+
+def test_as_strided_views_stay_in_their_storage_counted_without_overflow() -> None:
+    base = torch.arange(16.0)
+    assert checked("aten::as_strided")(base, [2, 2], [4, 1], 1).tolist() == [[1, 2], [5, 6]]
+    refuses("aten::as_strided_", base.clone(), [5], [(1 << 63) - 1], match="reach byte")
+    refuses("aten::as_strided", base, [4], [1], 13, match="storage of 64 bytes")
+    refuses("aten::as_strided_copy", base, [4], [1], -1, match="negative")
+
+
+def test_round_takes_at_most_the_decimals_a_float_has() -> None:
+    x = torch.tensor([1.2345])
+    assert checked("aten::round.decimals")(x, decimals=2).tolist() == [pytest.approx(1.23)]
+    refuses("aten::round.decimals_out", x, decimals=-(1 << 62), out=x.clone(), match="decimals")
+    assert checked("aten::round")(x).tolist() == [1.0]
+
+
+def test_truncated_integer_division_of_the_smallest_value_by_minus_one_is_refused() -> None:
+    x = torch.tensor([-(2**31), 7], dtype=torch.int32)
+    refuses("aten::div.Scalar_mode", x, -1, rounding_mode="trunc", match="overflows")
+    refuses("aten::div.Tensor_mode", x, torch.tensor(-1), rounding_mode="trunc", match="overflows")
+    assert checked("aten::div.Scalar_mode")(x, -1, rounding_mode="floor").dtype == torch.int32
+    assert checked("aten::div.Scalar_mode")(x, 2, rounding_mode="trunc").tolist() == [-(2**30), 3]
+
+
+def test_unfold_backward_needs_grad_in_of_the_unfolded_shape() -> None:
+    x = torch.arange(10.0)
+    grad = torch.ones_like(x.unfold(0, 4, 2))
+    back = checked("aten::unfold_backward")
+    assert back(grad, [10], 0, 4, 2).equal(aten.unfold_backward.default(grad, [10], 0, 4, 2))
+    refuses("aten::unfold_backward", torch.ones(2, 4), [10], 0, 4, 2, match="grad_in has shape")
+    refuses("aten::unfold_backward", grad, [10], 3, 4, 2, match="invalid unfold")
+
+
+def test_weight_norm_needs_a_magnitude_per_slice_of_v() -> None:
+    """`_weight_norm_interface` divided by an empty v's size along dim (SIGFPE), read g at
+    v.size(dim) elements whatever g held, and took dim -1 unwrapped."""
+    v, g = torch.arange(1.0, 13.0).reshape(3, 4), torch.ones(3, 1)
+    fused = checked("aten::_weight_norm_interface")
+    assert fused(v, g, 0)[0].allclose(aten._weight_norm_interface.default(v, g, 0)[0])
+    last = torch.ones(1, 4)
+    assert fused(v, last, -1)[0].allclose(aten._weight_norm_interface.default(v, last, 1)[0])
+    refuses(
+        "aten::_weight_norm_interface", torch.ones(0, 4), torch.ones(0, 1), 0, match="no slices"
+    )
+    refuses("aten::_weight_norm_interface", torch.empty(0), torch.empty(0), match="no slices")
+    refuses("aten::_weight_norm_interface", v, torch.ones(2), 0, match="g has 2 elements")
+    refuses("aten::_weight_norm_interface", v, g, 2, match="out of range")
+    refuses("aten::_weight_norm_interface", torch.ones(2, 3, 4), g, 1, match="first or last")
+    refuses("aten::_weight_norm_interface", torch.tensor(1.0), g, 0, match="out of range")
+    composite = checked("aten::_weight_norm")
+    assert composite(v, g, 0).allclose(aten._weight_norm.default(v, g, 0))
+    assert composite(v, torch.tensor(2.0), -1).allclose(
+        aten._weight_norm.default(v, torch.tensor(2.0), -1)
+    )
+    refuses("aten::_weight_norm", torch.ones(0, 4), torch.ones(0, 1), 0, match="no slices")
+
+
+def test_enum_arguments_must_have_their_torch_type() -> None:
+    """PyTorch's binding casts a bare int where a dtype goes (dtype -1 segfaulted `new_full`,
+    `_to_copy`, `log_softmax` ...): every op with a dtype, layout, memory format or device
+    argument runs behind a type check, whether the policy allows or checks it."""
+    base = torch.ones(2)
+    new_full = argument_guard("aten::new_full", aten.new_full.default, aten.new_full.default._op)
+    assert new_full(base, [2], 3.0, dtype=torch.float64).dtype == torch.float64
+    assert new_full(base, [2], 3.0).dtype == torch.float32
+    with pytest.raises(OpRefused, match=r"dtype must be a torch\.dtype, not int"):
+        new_full(base, [2], 3.0, dtype=-1)
+    log_softmax = aten.log_softmax.int
+    typed = argument_guard("aten::log_softmax.int", log_softmax, log_softmax._op)
+    with pytest.raises(OpRefused, match=r"dtype must be a torch\.dtype"):
+        typed(base, 0, -1)  # positional
+    assert typed(base, 0, torch.float64).dtype == torch.float64
+    empty = aten.empty.memory_format
+    typed = argument_guard("aten::empty.memory_format", empty, empty._op)
+    for bad in ({"layout": 0}, {"memory_format": 99}, {"device": "cpu"}, {"dtype": 1 << 40}):
+        with pytest.raises(OpRefused, match="must be a torch"):
+            typed([2], **bad)
+    for name in ("aten::add.Tensor", "aten::add_.Tensor", "aten::copy_"):
+        fn = op_overload(name)
+        assert argument_guard(name, fn, fn._op) is fn._op  # nothing to check: no wrapper
+
+
+def test_a_tensor_a_failed_op_left_unsound_is_emptied() -> None:
+    """`randn.out` set impossible sizes on its `out` before their product overflowed."""
+    randn = aten.randn.out
+    guarded = argument_guard("aten::randn.out", randn, randn._op)
+    out = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="overflow"):
+        guarded([2, -1, (1 << 63) - 1], out=out)
+    assert out.shape == (0,) and sound(out)
+    bare = torch.zeros(4, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="overflow"):
+        randn([2, -1, (1 << 63) - 1], out=bare)
+    assert not sound(bare)  # what torch leaves without the guard
+    assert guarded([3], out=out).shape == (3,)
+    base = torch.arange(8.0)
+    assert sound(base[2:5]) and sound(base.as_strided([2, 2], [0, 4], 1))
 
 
 def test_foreach_ops_need_lists_of_the_same_length() -> None:

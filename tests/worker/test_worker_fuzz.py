@@ -80,16 +80,22 @@ def test_a_secret_is_found_in_a_reply_raw_as_text_and_through_dtype_views() -> N
 
 def test_an_address_of_the_workers_memory_in_a_reply_is_seen() -> None:
     ranges = np.array(
-        [[0x5500_0000_0000, 0x5500_0100_0000], [0x7F00_0000_0000, 0x7F00_0000_1000]],
+        [
+            [0x5500_0000_0000, 0x5500_0100_0000],
+            [0x7F00_0000_0000, 0x7F00_0000_1000],
+            [0x7F01_0000_0000, 0x7F80_0000_0000],
+        ],
         dtype=np.uint64,
     )
-    pointer = np.array([1.5, 0.0], dtype=np.float64).tobytes() + (0x5500_0000_1234).to_bytes(
+    pointer = np.array([1.5, 0.0], dtype=np.float64).tobytes() + (0x5500_0012_3456).to_bytes(
         8, "little"
     )
-    assert [int(a) for a in addresses_in(pointer, ranges)] == [0x5500_0000_1234]
+    assert [int(a) for a in addresses_in(pointer, ranges)] == [0x5500_0012_3456]
     assert len(addresses_in((0x7F00_0000_1000).to_bytes(8, "little"), ranges)) == 0  # end is open
     assert len(addresses_in(np.arange(512, dtype=np.float64).tobytes(), ranges)) == 0
     assert len(addresses_in(np.arange(512, dtype=np.int64).tobytes(), ranges)) == 0
+    # An int32 arange over 0x7f00 holds words 0x7f01_00007f00 ...: values, not addresses.
+    assert len(addresses_in(np.arange(0x7E00, 0x8100, dtype=np.int32).tobytes(), ranges)) == 0
 
 
 # ---- what the fuzzer draws ----------------------------------------------------------------------

@@ -44,7 +44,6 @@ import re
 import resource
 import secrets
 import signal
-import struct
 import subprocess
 import sys
 import time
@@ -74,8 +73,9 @@ from gpupool.protocol.v1.dataplane import (
     worker_argv,
 )
 from gpupool.protocol.v1.tensors import DTYPES, op_overload
+from tests.worker.raw_frames import HEADER, framed
+from tests.worker.raw_frames import tensor as tensor_ext
 
-HEADER = struct.Struct(">II")
 ENV_SECRET_VAR = "GPUPOOL_TOKEN"
 """The variable whose value (the agent's controller token) a worker once leaked."""
 HEAP_SECRET_VAR = "GPUPOOL_FUZZ_HEAP_SECRET"
@@ -198,9 +198,13 @@ def needles_of(label: str, secret: bytes) -> list[tuple[str, bytes]]:
 def addresses_in(data: bytes, ranges: np.ndarray) -> np.ndarray:
     """The aligned 64-bit words of `data` that point into one of `ranges` ([start, end) rows):
     a heap, stack or library address of the worker, which a tensor's values never are (user
-    space ends at 2^47; random data hits a mapping with odds of about 2^-32 a word)."""
+    space ends at 2^47; random data hits a mapping with odds of about 2^-32 a word). A word
+    whose low half is below 2^16 as well is two small int32 values side by side (an int32
+    `range` over 32,660 made 0x7f95_00007f94, inside a mapping): not counted, which misses a
+    real address with odds of 2^-16 a word (a leak of pointers leaks many)."""
     words = np.frombuffer(data[: len(data) // 8 * 8], dtype=np.uint64)
     words = words[(words > 0x10000) & (words < np.uint64(1 << 47))]
+    words = words[(words & np.uint64(0xFFFFFFFF)) >= 0x10000]
     if not len(words) or not len(ranges):
         return words[:0]
     slot = np.searchsorted(ranges[:, 0], words, side="right") - 1
@@ -417,14 +421,6 @@ class Wire:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.sock.close()
-
-
-def framed(body: bytes) -> bytes:
-    return HEADER.pack(len(body), 0) + body
-
-
-def tensor_ext(handle: int) -> msgpack.ExtType:
-    return msgpack.ExtType(Ext.TENSOR, (handle % 2**64).to_bytes(8, "big"))
 
 
 def dtype_ext(name: str) -> msgpack.ExtType:
@@ -958,6 +954,9 @@ class Tally:
     worker_starts: int = 0
     findings: list[Finding] = field(default_factory=list)
     policy_refused: int = 0
+    other_lease_checks: int = 0
+    """Times the other lease's worker was checked (after every op): alive, answering, its
+    tensor unchanged."""
 
     def summary(self, top: int = 40) -> dict[str, Any]:
         kinds = Counter(f.kind for f in self.findings)
@@ -977,6 +976,8 @@ class Tally:
             "hangs": kinds["hang"],
             "leaks": kinds["leak"],
             "address_leaks": kinds["address"],
+            "other_lease_checks": self.other_lease_checks,
+            "other_lease_harmed": kinds["victim"],
             "findings_by_kind": dict(kinds),
         }
 
@@ -1327,6 +1328,7 @@ class Fuzzer:
         except Closed:
             return self._closed(case, session, index, sent)
         problem = self._victim_problem(self.victim)
+        self.tally.other_lease_checks += 1
         if problem is not None:
             self._find("victim", case.op, session, index, problem, sent)
             self.victim.wire.close()

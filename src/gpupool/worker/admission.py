@@ -97,7 +97,7 @@ class Admission:
                     return call(*args, **kwargs) if kwargs else call(*args)
                 finally:
                     if writes:
-                        memory.recount(_written(args, kwargs, positions, names))
+                        memory.recount(written_tensors(args, kwargs, positions, names))
             key = signature(args, kwargs, writes)
             need = _UNPREDICTABLE if key is None else cache.get(key)
             if need is None:
@@ -111,7 +111,7 @@ class Admission:
             finally:
                 reservation.release()
                 if writes:  # an op that failed halfway may have grown its output already
-                    memory.recount(_written(args, kwargs, positions, names))
+                    memory.recount(written_tensors(args, kwargs, positions, names))
 
         return admitted
 
@@ -204,9 +204,10 @@ def _to_meta(value: Any, storages: dict[int, tuple[torch.UntypedStorage, int]]) 
     return value
 
 
-def _written(
+def written_tensors(
     args: Any, kwargs: dict[str, Any], positions: tuple[int, ...], names: tuple[str, ...]
 ) -> list[torch.Tensor]:
+    """The tensors of a call that its op writes (`written_arguments` of its schema)."""
     values = [args[i] for i in positions if i < len(args)]
     values += [kwargs[name] for name in names if name in kwargs]
     return [t for t in _leaves(values) if isinstance(t, torch.Tensor)]

@@ -46,7 +46,7 @@ from gpupool.worker.memory import (
     Reservation,
     is_out_of_memory,
 )
-from gpupool.worker.opchecks import CHECKS, guard, zero_fill_cpu_allocations
+from gpupool.worker.opchecks import CHECKS, argument_guard, guard, zero_fill_cpu_allocations
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
 from gpupool.worker.streams import StreamError, Streams
@@ -107,9 +107,8 @@ class Unsupported(Exception):
 def _movable_dtype(tensor: torch.Tensor) -> str:
     """The wire name of a tensor's dtype, or Unsupported where the wire cannot carry it."""
     if tensor.is_nested or tensor.layout is not torch.strided:
-        raise Unsupported(
-            f"gpupool cannot read a tensor of layout {tensor.layout} (nested or sparse)"
-        )
+        kind = "a nested tensor" if tensor.is_nested else f"a tensor of layout {tensor.layout}"
+        raise Unsupported(f"gpupool cannot move {kind} (only strided ones)")
     try:
         return dtype_name(tensor.dtype)
     except TypeError as exc:
@@ -341,25 +340,30 @@ class Executor:
         _, op_id, name = rec
         if not isinstance(op_id, int) or not isinstance(name, str):
             raise ProtocolError("DEF needs an op id and a name")
-        self.ops[op_id] = self._admit(self._resolve_op(name))
+        self.ops[op_id] = self._keep_geometry(self._resolve_op(name, self._admission))
 
-    def _admit(self, op: _Op) -> _Op:
-        """Where the memory limit counts storages, the op's outputs and in-place growth are
-        charged before it runs (`gpupool.worker.admission`): it runs only if they fit. An op
-        that may resize a tensor it writes puts that tensor's geometry back when it fails
-        (`gpupool.worker.geometry`)."""
+    def _keep_geometry(self, op: _Op) -> _Op:
+        """An op that may resize a tensor it writes puts that tensor's sizes, strides and
+        offset back when it fails (`gpupool.worker.geometry`): outermost, so whatever inside
+        raised (the argument guard, the check, the admission, the kernel), the tensor is as it
+        was before the op."""
         if op.fn is None or op.call is None:
             return op
-        if self._admission is not None:
-            op.call = self._admission.wrap(op.fn, op.call)
         written = written_arguments(op.fn)
         if written:
             op.call = keeping_geometry(op.call, written)
         return op
 
-    def _resolve_op(self, name: str) -> _Op:
+    def _resolve_op(self, name: str, admission: Admission | None = None) -> _Op:
         """The op a DEF names, as the op policy decides it: refused ops keep their reason (the
-        client hears it when it runs them), checked ops run behind their check."""
+        client hears it when it runs them), checked ops run behind their check.
+
+        With `admission` (where the memory limit counts storages), the op's outputs and in-place
+        growth are charged before it runs (`gpupool.worker.admission`): it runs only if they
+        fit. What runs, outermost first: the enum arguments' types (`opchecks.argument_guard`), the
+        op's check, the admission's meta call, the kernel. The meta call comes after the check:
+        meta kernels trust what the real ones trust (`_foreach_copy.out`'s segfaulted on lists
+        of three lengths), and after the types (a bare-int dtype crashed them too)."""
         namespace = name.partition("::")[0]
         if namespace not in ALLOWED_NAMESPACES:
             return _Op(name, None, f"{name} is not allowed on a gpupool worker")
@@ -377,11 +381,15 @@ class Executor:
                     name, None, f"{name} is unknown to the worker's torch {torch.__version__}"
                 )
         op = _Op(name, fn)
+        call = op.call or fn
+        if admission is not None:
+            call = admission.wrap(fn, call)
         if decided.decision is Decision.CHECK:
             check = CHECKS.get(decided.detail)
             if check is None:
                 return _Op(name, None, f"{name}: the op policy names an unknown check")
-            op.call = guard(name, check, fn, op.call or fn)
+            call = guard(name, check, fn, call)
+        op.call = argument_guard(name, fn, call)
         return op
 
     def _op(self, rec: list[Any], link: Link) -> None:
@@ -601,14 +609,15 @@ class Executor:
             outs = [
                 handle_base + i if isinstance(v, torch.Tensor) else None for i, v in enumerate(flat)
             ]
+            # Described before it is stored: an output the wire cannot describe (a nested or
+            # sparse tensor, a dtype it cannot carry) fails the op, not the stream.
+            described = _describe(result, iter(range(handle_base, handle_base + len(flat))))
             self._store(result, outs)
         except Exception as exc:
             self._fail(exc, op.name, args, kwargs)
             self._report_error(req, link)
             return
-        link.reply(
-            [Kind.RESULT, req, _describe(result, iter(range(handle_base, handle_base + len(flat))))]
-        )
+        link.reply([Kind.RESULT, req, described])
 
     # ---- captured steps (gpupool.worker.program) -------------------------------------------
 
@@ -908,7 +917,10 @@ class Executor:
         self.tensors = restore(state, self.device)
         self.memory.reset()
         self.memory.charge(list(self.tensors.values()))
-        self.ops = {op_id: self._admit(self._resolve_op(name)) for op_id, name in state.ops.items()}
+        self.ops = {
+            op_id: self._keep_geometry(self._resolve_op(name, self._admission))
+            for op_id, name in state.ops.items()
+        }
         if state.rng is not None:
             rng = torch.frombuffer(bytearray(state.rng), dtype=torch.uint8)
             if self.device.type == "cuda":
@@ -1029,7 +1041,7 @@ def _describe(value: Any, handles: Iterator[int]) -> Any:
     """Output of a CALL for the client: tensors as [T, handle, dtype, shape, stride, offset]."""
     if isinstance(value, torch.Tensor):
         return [
-            "T", next(handles), dtype_name(value.dtype), list(value.shape),
+            "T", next(handles), _movable_dtype(value), list(value.shape),
             list(value.stride()), value.storage_offset(),
         ]  # fmt: skip
     if isinstance(value, list | tuple):

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from gpupool.worker.admission import written_arguments, written_tensors
+
 
 class OpRefused(RuntimeError):
     """An op's arguments would make its kernel reach outside its tensors."""
@@ -100,6 +102,110 @@ def guard(name: str, check: Check, fn: Any, call: Callable[..., Any]) -> Callabl
     return checked
 
 
+# ---- enum arguments ----------------------------------------------------------------------------
+
+ENUM_TYPES: dict[str, type] = {
+    "ScalarType": torch.dtype,
+    "Layout": torch.layout,
+    "MemoryFormat": torch.memory_format,
+    "Device": torch.device,
+}
+"""Schema types whose values the client sends as extensions (DTYPE, LAYOUT, MEMORY_FORMAT,
+DEVICE). PyTorch's binding also takes a bare int for them and casts it unchecked: dtype -1
+segfaulted `new_full`, `randn`, `_to_copy`, `log_softmax` and a dozen more (the fuzzer's most
+common crash), 2**40 was truncated to another dtype."""
+
+
+def _enum_arguments(schema: Any) -> tuple[tuple[int | None, str, type], ...]:
+    """(position or None for keyword-only, name, type) of each enum-typed argument."""
+    found: list[tuple[int | None, str, type]] = []
+    position = 0
+    for argument in schema.arguments:
+        kind = str(argument.real_type).removeprefix("Optional[").removesuffix("]")
+        expected = ENUM_TYPES.get(kind)
+        if expected is not None:
+            found.append((None if argument.kwarg_only else position, argument.name, expected))
+        if not argument.kwarg_only:
+            position += 1
+    return tuple(found)
+
+
+def argument_guard(name: str, fn: Any, call: Callable[..., Any]) -> Callable[..., Any]:
+    """`call` behind what every op with such arguments needs, whatever the policy says of it:
+    its enum arguments (dtype, layout, memory format, device) must be of their torch type, and
+    a tensor it writes that it left unsound when it raised is emptied (`mend_written`). Ops
+    with neither keep `call` itself; the others pay one Python frame and a few type checks."""
+    enums = _enum_arguments(fn._schema)
+    positions, names = written_arguments(fn._schema) if _may_resize(fn._schema) else ((), ())
+    if not enums and not names:
+        return call
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        for position, arg, expected in enums:
+            if position is not None and position < len(args):
+                value = args[position]
+            else:
+                value = kwargs.get(arg)
+            if value is not None and type(value) is not expected:
+                raise OpRefused(
+                    f"{name} refused: {arg} must be a torch.{expected.__name__}, "
+                    f"not {type(value).__name__}"
+                )
+        if not names:
+            return call(*args, **kwargs)
+        try:
+            return call(*args, **kwargs)
+        except Exception:
+            mend_written(written_tensors(args, kwargs, positions, names))
+            raise
+
+    guarded.__name__ = f"guarded_{name.replace('::', '_').replace('.', '_')}"
+    return guarded
+
+
+_RESIZING_IN_PLACE = ("resize", "set_", "as_strided_", "_resize_output")
+
+
+def _may_resize(schema: Any) -> bool:
+    """Whether an op may change the sizes of a tensor it writes: one that writes an argument
+    other than `self` (`out=`, `grad_input=` ...: resized to the result), or one of the
+    in-place ops that change `self`'s sizes. In-place arithmetic (`add_`, `copy_`) only
+    writes values: it keeps the bare call."""
+    written = [
+        a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write
+    ]
+    if any(name != "self" for name in written):
+        return True
+    base = schema.name.partition("::")[2]
+    return bool(written) and base.startswith(_RESIZING_IN_PLACE)
+
+
+def sound(tensor: torch.Tensor) -> bool:
+    """Whether a strided tensor's sizes, strides and offset stay inside its storage."""
+    if tensor.is_nested or tensor.layout != torch.strided:
+        return True
+    sizes, strides, offset = list(tensor.shape), list(tensor.stride()), tensor.storage_offset()
+    if any(size < 0 for size in sizes) or offset < 0:
+        return False
+    if any(size == 0 for size in sizes):
+        return True
+    lowest = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True) if s < 0)
+    highest = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True) if s > 0)
+    return (
+        lowest >= 0 and (highest + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
+    )
+
+
+def mend_written(tensors: Sequence[torch.Tensor]) -> None:
+    """An op that raised may have left a tensor it writes half-resized: `randn.out` with sizes
+    [2, -1, 2**63 - 1] set them on its `out` before computing their product overflowed, and the
+    next op that read that tensor crashed the worker. Such a tensor is made empty (its values
+    are undefined after a failed op anyway; its storage stays as it was)."""
+    for tensor in tensors:
+        if not sound(tensor):
+            tensor.set_(tensor.untyped_storage(), 0, (0,), (1,))
+
+
 # ---- small facts about tensors -----------------------------------------------------------------
 
 
@@ -173,14 +279,19 @@ def reach_bytes(sizes: Sequence[int], strides: Sequence[int], offset: int, items
 
 
 def _within_storage(a: Args) -> None:
-    """`_reshape_alias` takes sizes and strides as given: the view must stay in its storage."""
+    """`_reshape_alias` takes sizes and strides as given, and `as_strided_` with a stride of
+    2**63 - 1 got past torch's bounds check (its product overflowed; a READ of the view then
+    crashed the worker): the view must stay in its storage, counted without overflow."""
     tensor = _tensor(a["self"], "self")
     sizes, strides = _ints(a["size"], "size"), _ints(a["stride"], "stride")
     if len(sizes) != len(strides):
         raise OpRefused(f"{len(sizes)} sizes and {len(strides)} strides")
     if any(s < 0 for s in sizes) or any(s < 0 for s in strides):
         raise OpRefused(f"negative sizes or strides {sizes} {strides}")
-    offset = int(tensor.storage_offset())
+    given = a.get("storage_offset")
+    offset = int(tensor.storage_offset()) if given is None else _int(given, "storage_offset")
+    if offset < 0:
+        raise OpRefused(f"negative storage offset {offset}")
     needed = reach_bytes(sizes, strides, offset, tensor.element_size())
     held = tensor.untyped_storage().nbytes()
     if needed > held:
@@ -374,13 +485,6 @@ def _unchecked_indices(a: Args) -> None:
         size = inp.size(dim)
         _in_range(index, -size, size, f"indices[{i}]")
         dim += 1
-
-
-def _nonempty_tensors(a: Args) -> None:
-    """`_stack` reads the first tensor of its list to wrap `dim`: an empty list crashed it."""
-    tensors = a["tensors"]
-    if not isinstance(tensors, list | tuple) or not tensors:
-        raise OpRefused("tensors must be a non-empty list")
 
 
 def _same_lengths(a: Args) -> None:
@@ -609,6 +713,188 @@ def _weight_norm_backward(a: Args) -> None:
     _numel(norms, v.size(dim) if v.dim() else 1, "saved_norms")
 
 
+def _weight_norm(a: Args) -> None:
+    """`_weight_norm_interface` (weight_norm's fused forward) takes `dim` unwrapped (-1 read
+    past its tensors), divides by `v.size(dim)` (0 raised SIGFPE) and reads one element of `g`
+    per slice of `v` along `dim` without comparing sizes. `dim` is wrapped here, as
+    `torch._weight_norm` wraps it before calling."""
+    v, g = _tensor(a["v"], "v"), _tensor(a["g"], "g")
+    dim = _int(a.get("dim", 0), "dim")
+    if v.dim() == 0 or not -v.dim() <= dim < v.dim():
+        raise OpRefused(f"dim {dim} out of range for v of {v.dim()} dimensions")
+    dim %= v.dim()
+    if dim not in (0, v.dim() - 1):
+        raise OpRefused(f"dim {dim}: the fused kernel normalises along the first or last dim")
+    a["dim"] = dim
+    slices = v.size(dim)
+    if slices == 0:
+        raise OpRefused(f"v has no slices along dim {dim}")
+    _numel(g, slices, "g")
+    _covers(g, slices, "g")
+
+
+def _batch_dims(a: Args) -> None:
+    """`_new_zeros_with_same_feature_meta` (forward-mode AD's tangent maker) copies the first
+    `self_num_batch_dims` sizes of `self` without comparing it with `self.dim()`: 255 read past
+    the sizes and crashed the worker."""
+    inp = _tensor(a["self"], "self")
+    dims = _int(a.get("self_num_batch_dims", 0), "self_num_batch_dims")
+    if not 0 <= dims <= inp.dim():
+        raise OpRefused(f"self_num_batch_dims {dims} outside [0, {inp.dim()}]")
+
+
+def _packed_batch_sizes(a: Args) -> None:
+    """`_pad_packed_sequence` (`pad_packed_sequence`'s kernel) walks `batch_sizes` as
+    `pack_padded_sequence` makes them and writes each sequence's length backwards from the end
+    of a buffer of `batch_sizes[0]` entries: batch sizes that grow again wrote before that
+    buffer (the worker crashed). They must be positive, never grow, and sum to the rows of
+    `data`."""
+    data, sizes = _tensor(a["data"], "data"), _tensor(a["batch_sizes"], "batch_sizes")
+    if sizes.dim() != 1 or sizes.numel() == 0 or sizes.dtype != torch.int64:
+        raise OpRefused("batch_sizes must be a non-empty 1-d int64 tensor")
+    if data.dim() == 0:
+        raise OpRefused("data must have at least one dimension")
+    if int(sizes.min()) < 1:
+        raise OpRefused("batch_sizes must be positive")
+    if sizes.numel() > 1 and bool((sizes[1:] > sizes[:-1]).any()):
+        raise OpRefused("batch_sizes must not grow")
+    if int(sizes.sum()) != data.size(0):
+        raise OpRefused(f"batch_sizes sum to {int(sizes.sum())}, data has {data.size(0)} rows")
+
+
+def _repeats(a: Args) -> None:
+    """`repeat_interleave` with `output_size` writes `sum(repeats)` elements into an output of
+    `output_size` without comparing them, and takes negative repeats there: int32 repeats
+    [2**31 - 1, -2**31, 7] sum to 6 and wrote far past it (the worker crashed). Repeats must
+    not be negative and `output_size`, where given, must be their sum (for the `self` forms,
+    each repeat counts once per element it repeats)."""
+    repeats, inp = a["repeats"], a.get("self")
+    if isinstance(repeats, torch.Tensor):
+        _integral(repeats, "repeats")
+        if repeats.dim() > 1:
+            raise OpRefused("repeats must be 0-d or 1-d")
+        if repeats.numel() and int(repeats.min()) < 0:
+            raise OpRefused("repeats must not be negative")
+        total = int(repeats.to(torch.int64).sum()) if repeats.numel() else 0
+        single = repeats.numel() == 1
+    else:
+        total = _int(repeats, "repeats")
+        if total < 0:
+            raise OpRefused("repeats must not be negative")
+        single = True
+    size = a.get("output_size")
+    if size is None:
+        return
+    if inp is not None and single:
+        inp = _tensor(inp, "self")
+        dim = a.get("dim")
+        if dim is None:
+            total *= inp.numel()
+        else:
+            dim = _int(dim, "dim")
+            if not -max(inp.dim(), 1) <= dim < max(inp.dim(), 1):
+                raise OpRefused(f"dim {dim} out of range for {inp.dim()} dimensions")
+            total *= inp.size(dim) if inp.dim() else 1
+    if _int(size, "output_size") != total:
+        raise OpRefused(f"output_size {size} is not what repeats make ({total})")
+
+
+def _chunk_cat(a: Args) -> None:
+    """`_chunk_cat` (FSDP's) wraps `dim` as if a 0-d tensor had one dimension, then reads its
+    size there: a 0-d input crashed the worker. Every input needs the dimension `dim` names."""
+    tensors = a["tensors"]
+    if not isinstance(tensors, list | tuple) or not tensors:
+        raise OpRefused("tensors must be a non-empty list")
+    dim = _int(a["dim"], "dim")
+    for i, tensor in enumerate(tensors):
+        ndim = _tensor(tensor, f"tensors[{i}]").dim()
+        if not -ndim <= dim < ndim:
+            raise OpRefused(f"dim {dim} out of range for tensors[{i}] of {ndim} dimensions")
+    if _int(a["num_chunks"], "num_chunks") < 1:
+        raise OpRefused("num_chunks must be positive")
+
+
+MAX_ROUND_DECIMALS = 1024
+"""The most decimals `round` takes on a worker: past about 308 a float64 rounds to itself or
+to nan anyway, and the Python reference the worker's admission runs computes `10**-decimals`
+as an exact integer (decimals -2**62 held the worker for good)."""
+
+
+def _round_decimals(a: Args) -> None:
+    decimals = a.get("decimals", 0)
+    if abs(_int(decimals, "decimals")) > MAX_ROUND_DECIMALS:
+        raise OpRefused(f"decimals {decimals} past +-{MAX_ROUND_DECIMALS}")
+
+
+def _weight_norm_composite(a: Args) -> None:
+    """`_weight_norm` runs the fused `_weight_norm_interface` (unguarded, below the worker's
+    checks) when `dim` is 0 or the last dim: the same check then applies. Any other dim (-1
+    normalises the whole tensor) goes through ordinary broadcasting ops."""
+    v = _tensor(a["v"], "v")
+    dim = _int(a.get("dim", 0), "dim")
+    if v.dim() and dim in (0, v.dim() - 1):
+        _weight_norm(a)
+
+
+def _truncated_division(a: Args) -> None:
+    """Integer `div(..., rounding_mode="trunc")` of the dtype's smallest value by -1 overflows
+    in the CPU's divide instruction (SIGFPE killed the worker; "floor" handles it)."""
+    if a.get("rounding_mode") != "trunc":
+        return
+    inp, other = a["self"], a["other"]
+    if not isinstance(inp, torch.Tensor) or inp.dtype.is_floating_point or inp.dtype.is_complex:
+        return
+    if inp.dtype == torch.bool or inp.numel() == 0:
+        return
+    if isinstance(other, torch.Tensor):
+        minus_one = other.numel() > 0 and bool((other == -1).any())
+    else:
+        minus_one = other == -1
+    if minus_one and int(inp.min()) == torch.iinfo(inp.dtype).min:
+        raise OpRefused(f"{torch.iinfo(inp.dtype).min} // -1 overflows {inp.dtype}")
+
+
+def _unfold_backward(a: Args) -> None:
+    """`unfold_backward` scatters `grad_in` into a tensor of `input_sizes` as `unfold(dim,
+    size, step)` laid it out, without comparing `grad_in`'s shape: a forged one read past it
+    (addresses of the worker's heap came back) and aborted. It must have the shape unfold
+    makes (run on a meta tensor, whose checks apply too)."""
+    grad = _tensor(a["grad_in"], "grad_in")
+    sizes = _ints(a["input_sizes"], "input_sizes")
+    dim, size, step = _int(a["dim"], "dim"), _int(a["size"], "size"), _int(a["step"], "step")
+    try:
+        expected = torch.empty(sizes, device="meta").unfold(dim, size, step).shape
+    except (RuntimeError, ValueError, IndexError) as exc:
+        raise OpRefused(f"invalid unfold: {str(exc).splitlines()[0]}") from None
+    _shape(grad, expected, "grad_in")
+
+
+FFT_NORMALIZATIONS = range(3)
+"""`_fft_*`'s `normalization`: none, by 1/sqrt(n), by 1/n (aten's fft_norm_mode)."""
+
+
+def _fft_dims(a: Args) -> None:
+    """`_fft_r2c`, `_fft_c2r` and `_fft_c2c` (what every `torch.fft` function runs) take the
+    dims as `torch.fft` wrapped them: a negative dim indexed before the tensor's sizes, one
+    past the last after them, a repeated one freed a plan twice (all crashed the worker). The
+    dims are wrapped here, must be distinct, and the transform sizes positive."""
+    inp = _tensor(a["self"], "self")
+    dims = _ints(a["dim"], "dim")
+    if not dims:
+        raise OpRefused("dim must name at least one dimension")
+    ndim = inp.dim()
+    if any(not -ndim <= d < ndim for d in dims):
+        raise OpRefused(f"dim {dims} out of range for {ndim} dimensions")
+    wrapped = [d % ndim for d in dims]
+    if len(set(wrapped)) != len(wrapped):
+        raise OpRefused(f"dim {dims} names a dimension twice")
+    a["dim"] = wrapped
+    if _int(a["normalization"], "normalization") not in FFT_NORMALIZATIONS:
+        raise OpRefused(f"normalization {a['normalization']} is not 0, 1 or 2")
+    if "last_dim_size" in a and _int(a["last_dim_size"], "last_dim_size") < 1:
+        raise OpRefused(f"last_dim_size {a['last_dim_size']} must be positive")
+
+
 def _cum_helper(a: Args) -> None:
     inp = _tensor(a["self"], "self")
     _shape(_tensor(a["values"], "values"), inp.shape, "values")
@@ -672,6 +958,10 @@ def _meta(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
+PADDINGS = tuple(f"{mode}_pad{n}d" for mode in ("reflection", "replication") for n in (1, 2, 3))
+"""The padding forwards whose backward ops (`<forward>_backward`) `_pad_backward` checks."""
+
+
 def _pad_backward(a: Args, forward: str) -> None:
     """Padding backward ops (`reflection_pad*d_backward`, `replication_pad*d_backward`) walk
     grad_output with the padded sizes of `self` and never compare them: grad_output must have
@@ -727,7 +1017,6 @@ CHECKS: dict[str, Check] = {
     "force_safe": Check(pre=_force_safe, needs=_needs("unsafe")),
     "segments": Check(pre=_segment_forward, needs=_needs("data", "unsafe", "axis")),
     "unchecked_indices": Check(pre=_unchecked_indices, needs=_needs("self", "indices")),
-    "nonempty_tensors": Check(pre=_nonempty_tensors, needs=_needs("tensors")),
     "same_lengths": Check(pre=_same_lengths),
     "polynomial_degree": Check(pre=_polynomial_degree, needs=_needs("n")),
     "valid_sparse": Check(pre=_uncoalesced, post=_valid_sparse),
@@ -777,30 +1066,25 @@ CHECKS: dict[str, Check] = {
         pre=_slow_conv2d_backward,
         needs=_needs("grad_output", "self", "weight", "kernel_size", "stride", "padding"),
     ),
-    "reflection_pad1d_backward": Check(
-        pre=partial(_pad_backward, forward="reflection_pad1d"),
-        needs=_needs("grad_output", "self", "padding"),
+    **{
+        f"{forward}_backward": Check(
+            pre=partial(_pad_backward, forward=forward),
+            needs=_needs("grad_output", "self", "padding"),
+        )
+        for forward in PADDINGS
+    },
+    "weight_norm": Check(pre=_weight_norm, needs=_needs("v", "g", "dim")),
+    "weight_norm_composite": Check(pre=_weight_norm_composite, needs=_needs("v", "g", "dim")),
+    "round_decimals": Check(pre=_round_decimals),
+    "truncated_division": Check(pre=_truncated_division, needs=_needs("self", "other")),
+    "unfold_backward": Check(
+        pre=_unfold_backward, needs=_needs("grad_in", "input_sizes", "dim", "size", "step")
     ),
-    "reflection_pad2d_backward": Check(
-        pre=partial(_pad_backward, forward="reflection_pad2d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
-    "reflection_pad3d_backward": Check(
-        pre=partial(_pad_backward, forward="reflection_pad3d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
-    "replication_pad1d_backward": Check(
-        pre=partial(_pad_backward, forward="replication_pad1d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
-    "replication_pad2d_backward": Check(
-        pre=partial(_pad_backward, forward="replication_pad2d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
-    "replication_pad3d_backward": Check(
-        pre=partial(_pad_backward, forward="replication_pad3d"),
-        needs=_needs("grad_output", "self", "padding"),
-    ),
+    "fft_dims": Check(pre=_fft_dims, needs=_needs("self", "dim", "normalization")),
+    "batch_dims": Check(pre=_batch_dims, needs=_needs("self", "self_num_batch_dims")),
+    "packed_batch_sizes": Check(pre=_packed_batch_sizes, needs=_needs("data", "batch_sizes")),
+    "repeats": Check(pre=_repeats, needs=_needs("repeats")),
+    "chunk_cat": Check(pre=_chunk_cat, needs=_needs("tensors", "dim", "num_chunks")),
     "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices")),
     "fused_optimizer": Check(pre=_fused_optimizer, needs=_needs("self")),
     "no_varlen": Check(pre=_no_varlen),

@@ -73,12 +73,15 @@ CHECKED: dict[str, str] = {
     # views that take sizes and strides as given
     "_reshape_alias": "within_storage",
     "_reshape_alias_copy": "within_storage",
+    "as_strided": "within_storage",
+    "as_strided_": "within_storage",
+    "as_strided_copy": "within_storage",
     # bounds checks switched off by an argument
     "segment_reduce": "segments",
     "_unsafe_index": "unchecked_indices",
     "_unsafe_index_put": "unchecked_indices",
-    "_stack": "nonempty_tensors",
     "_index_put_impl": "force_safe",
+    "repeat_interleave": "repeats",
     "_index_put_impl_": "force_safe",
     # index tensors a sparse or nested tensor keeps inside (a write would move them)
     "_indices": "copy_outputs",
@@ -149,6 +152,11 @@ CHECKED: dict[str, str] = {
     "_ctc_loss_backward": "ctc_backward",
     "_pdist_backward": "pdist_backward",
     "_cdist_backward": "cdist_backward",
+    "_weight_norm_interface": "weight_norm",
+    "_weight_norm": "weight_norm_composite",
+    "round": "round_decimals",
+    "special_round": "round_decimals",
+    "unfold_backward": "unfold_backward",
     "_weight_norm_interface_backward": "weight_norm_backward",
     "_weight_norm_differentiable_backward": "weight_norm_backward",
     "_slow_conv2d_backward": "slow_conv2d_backward",
@@ -158,6 +166,13 @@ CHECKED: dict[str, str] = {
     "replication_pad1d_backward": "replication_pad1d_backward",
     "replication_pad2d_backward": "replication_pad2d_backward",
     "replication_pad3d_backward": "replication_pad3d_backward",
+    # internal kernels that take their arguments as their public op prepared them
+    "_fft_r2c": "fft_dims",
+    "_fft_c2r": "fft_dims",
+    "_fft_c2c": "fft_dims",
+    "_new_zeros_with_same_feature_meta": "batch_dims",
+    "_pad_packed_sequence": "packed_batch_sizes",
+    "_chunk_cat": "chunk_cat",
     "_cummax_helper": "cum_helper",
     "_cummin_helper": "cum_helper",
     "_fused_adam": "fused_optimizer",
@@ -183,6 +198,14 @@ CHECKED: dict[str, str] = {
     "_scaled_dot_product_fused_attention_overrideable_backward": "attention_backward",
 }
 """Ops (all overloads of a base name) that run behind a check of `opchecks.CHECKS`."""
+
+CHECKED_OVERLOADS: dict[str, str] = {
+    f"aten::{op}.{overload}": "truncated_division"
+    for op in ("div", "div_", "divide", "divide_")
+    for overload in ("Tensor_mode", "Scalar_mode", "out_mode", "Tensor_mode_out", "Scalar_mode_out")
+}
+"""Single overloads behind a check, before `CHECKED` (the rest of their op is hot and needs
+none: `div` with a rounding mode only)."""
 
 CHECKED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("_foreach_", "same_lengths"),
@@ -233,6 +256,29 @@ REFUSED: dict[str, str] = {
     "_mixed_dtypes_linear": _PACKED,
     "_weight_int8pack_mm": _PACKED,
     "_to_sparse_semi_structured": _PACKED,
+    "_stack": "the kernel behind stack, which trusts that its inputs already have a size-1 "
+    "dimension at dim (a transposed input corrupted the worker's heap); stack runs",
+    "_nnpack_spatial_convolution": "an NNPACK kernel that convolution picks itself; it trusts "
+    "its weight, padding and stride (a forged padding crashed the worker); convolution runs",
+    "_compute_linear_combination": "a matrix_exp internal that reads its input with the "
+    "coefficients' dtype and sizes unchecked (past the input's storage: heap bytes came back); "
+    "linalg_matrix_exp runs",
+    "_thnn_differentiable_lstm_cell_backward": "a double-backward internal of the fused RNN "
+    "cells that trusts its gates' shapes (forged ones crashed the worker)",
+    "_thnn_differentiable_gru_cell_backward": "a double-backward internal of the fused RNN "
+    "cells that trusts its gates' shapes (forged ones crashed the worker)",
+    "_cholesky_solve_helper": "the kernel behind cholesky_solve, which checks its arguments "
+    "for it (forged ones crashed the worker); cholesky_solve runs",
+    "_logcumsumexp": "the kernel behind logcumsumexp, which wraps dim for it (the raw one "
+    "aborted the worker); logcumsumexp runs",
+    "mkldnn_rnn_layer": "the oneDNN kernel behind lstm on a CPU, which trusts its weights' "
+    "shapes (forged ones crashed the worker); lstm runs",
+    "mkldnn_rnn_layer_backward": "the oneDNN kernel behind lstm on a CPU, which trusts its "
+    "weights' shapes; lstm runs",
+    "_add_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
+    "the client",
+    "_remove_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
+    "the client (an unknown level crashed the worker)",
     "_propagate_xla_data": "an XLA-only op",
     "_foobar": "a test-only op",
 }
@@ -271,6 +317,13 @@ def decide(op: OpInfo) -> Ruling:
     """The rules, in order; the first that matches decides."""
     base = base_name(op.name)
     overload = op.name.partition("::")[2].partition(".")[2]
+    if not op.dispatcher:  # before the checks: `round.int` is a scalar op, not `round`
+        return Ruling(
+            Decision.REFUSE, "a TorchScript interpreter op (lists, strings, dicts), not a tensor op"
+        )
+    overload_check = CHECKED_OVERLOADS.get(op.name)
+    if overload_check is not None:
+        return Ruling(Decision.CHECK, overload_check)
     check = CHECKED.get(base)
     if check is not None and not (check in CHECKED_EXCEPT_OUT and overload.startswith("out")):
         return Ruling(Decision.CHECK, check)
@@ -283,10 +336,6 @@ def decide(op: OpInfo) -> Ruling:
     for prefix, why in REFUSED_PREFIXES:
         if base.startswith(prefix):
             return Ruling(Decision.REFUSE, why)
-    if not op.dispatcher:
-        return Ruling(
-            Decision.REFUSE, "a TorchScript interpreter op (lists, strings, dicts), not a tensor op"
-        )
     schema = op.schema or ""
     if _argument_names(schema) & _FILE_ARGUMENTS:
         return Ruling(Decision.REFUSE, "takes a file name")

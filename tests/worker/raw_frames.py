@@ -1,0 +1,133 @@
+"""A hostile client's tools: data-plane frames and values packed by hand, and worker processes
+started as an agent starts them. Shared by the tests that attack workers with raw frames
+(test_op_attacks, test_frame_fuzz) and by the op fuzzer (worker_fuzzing)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import psutil
+
+from gpupool.protocol.v1.dataplane import (
+    TOKEN_ENV,
+    VERSION,
+    Ext,
+    Kind,
+    connect,
+    pack,
+    parse_address,
+    parse_ready,
+    recv_handshake,
+    send_handshake,
+    worker_argv,
+)
+
+HEADER = struct.Struct(">II")
+"""A frame's lengths: its body's, then its tail's (big-endian)."""
+
+
+def framed(body: bytes, tail: bytes = b"") -> bytes:
+    return HEADER.pack(len(body), len(tail)) + body + tail
+
+
+# ---- values as the client encodes them ---------------------------------------------------------
+
+
+def tensor(handle: int) -> msgpack.ExtType:
+    """A handle, any int (taken modulo 2**64, as the wire's 8 bytes hold it)."""
+    return msgpack.ExtType(Ext.TENSOR, (handle % 2**64).to_bytes(8, "big"))
+
+
+def slot(index: int) -> msgpack.ExtType:
+    """A captured program's slot."""
+    return msgpack.ExtType(Ext.SLOT, index.to_bytes(4, "big"))
+
+
+def literal(dtype: str, shape: list[int], fmt: str, values: list[Any]) -> msgpack.ExtType:
+    """A small tensor carried in the record: `values` packed little-endian with `fmt`."""
+    return msgpack.ExtType(Ext.LITERAL, pack([dtype, shape, struct.pack(fmt, *values)]))
+
+
+def longs(values: list[int], shape: list[int] | None = None) -> msgpack.ExtType:
+    return literal("int64", shape or [len(values)], f"<{len(values)}q", values)
+
+
+def floats(values: list[float], shape: list[int] | None = None) -> msgpack.ExtType:
+    return literal("float32", shape or [len(values)], f"<{len(values)}f", values)
+
+
+def ext(code: Ext, name: str) -> msgpack.ExtType:
+    """A named value: a dtype, layout, memory format or device."""
+    return msgpack.ExtType(code, name.encode())
+
+
+# ---- workers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Worker:
+    proc: subprocess.Popen[str]
+    address: str
+    lease: str
+    token: str
+    log: Path
+
+    def errors_logged(self) -> str:
+        """Its stderr, if a traceback or a crash is in it."""
+        text = self.log.read_text(errors="replace")
+        markers = ("Traceback", "Exception in thread", "Segmentation", "Fatal Python error")
+        return text if any(marker in text for marker in markers) else ""
+
+    def fds(self) -> int:
+        return int(psutil.Process(self.proc.pid).num_fds())
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def start_worker(
+    lease: str,
+    token: str,
+    log: Path,
+    *,
+    listen: str = "tcp://127.0.0.1:0",
+    memory_limit_mib: int | None = None,
+    env: dict[str, str] | None = None,
+) -> Worker:
+    """A worker as its agent starts it (one thread, the lease token in TOKEN_ENV), its stdout
+    a pipe nobody reads after the ready line and its stderr kept in `log`."""
+    environ = {**os.environ, "OMP_NUM_THREADS": "1", TOKEN_ENV: token, **(env or {})}
+    argv = worker_argv(lease, listen=listen, memory_limit_mib=memory_limit_mib, threads=1)
+    with log.open("w") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=environ)
+    assert proc.stdout is not None
+    ready = parse_ready(proc.stdout.readline())
+    return Worker(proc, str(ready.address), lease, token, log)
+
+
+class RemoteRefusal(Exception):
+    """The worker answered a HELLO with an ERROR (its body is the exception's argument)."""
+
+
+def authenticate(worker: Worker, fds: list[int] | None = None) -> socket.socket:
+    """A client connection of the worker's lease: HELLO with its token, WELCOME back."""
+    sock = connect(parse_address(worker.address))
+    hello = {"v": VERSION, "lease": worker.lease, "token": worker.token, "shm": fds is not None}
+    send_handshake(sock, [Kind.HELLO, hello], fds or [])
+    reply = recv_handshake(sock)
+    for fd in reply.fds:
+        os.close(fd)
+    head = reply.head
+    if head[0] == Kind.ERROR:
+        sock.close()
+        raise RemoteRefusal(head[2])
+    assert head[0] == Kind.WELCOME, head
+    return sock
