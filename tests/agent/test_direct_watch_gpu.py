@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from tests.conftest import ControllerProcess
+from tests.timing import scaled
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -63,7 +64,7 @@ time.sleep(60)
 
 
 def _wait(what: str, check: Any, timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         value = check()
         if value:

@@ -13,6 +13,7 @@ import pytest
 from e2e_pool import free_port, gpu_count, gpupool_argv
 
 from tests.conftest import AUTH
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +26,7 @@ def test_up_starts_a_local_agent_and_stops_it_on_ctrl_c(tmp_path: Path) -> None:
     )
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while gpu_count(url) < 2:
             assert up.poll() is None, up.communicate()[0]
             assert time.monotonic() < deadline, "no GPUs registered"

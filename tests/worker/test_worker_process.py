@@ -26,6 +26,7 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
     start_worker_process,
 )
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 TOKEN = "worker-test-token"
@@ -53,7 +54,7 @@ def hello(
 
 
 def wait_for(predicate: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():  # type: ignore[operator]
             return

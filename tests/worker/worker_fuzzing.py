@@ -74,6 +74,7 @@ from gpupool.protocol.v1.dataplane import (
     worker_argv,
 )
 from gpupool.protocol.v1.tensors import DTYPES, op_overload
+from tests.timing import scaled
 
 HEADER = struct.Struct(">II")
 ENV_SECRET_VAR = "GPUPOOL_TOKEN"
@@ -376,7 +377,7 @@ class Wire:
     """One client connection, spoken frame by frame as a hostile client would."""
 
     def __init__(self, worker: FuzzWorker, timeout_s: float) -> None:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while True:
             self.sock = connect(parse_address(worker.address))
             self.sock.settimeout(timeout_s)
