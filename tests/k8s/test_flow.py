@@ -133,7 +133,7 @@ def test_pod_gets_the_slice_the_scheduler_chose(
 
     # 4. The pod ends: its lease goes back to the pool.
     api.set_phase("team-a", "notebook", "Running")
-    time.sleep(1.5)  # a few sweeps: a running pod keeps its claim
+    time.sleep(scaled(1.5))  # a few sweeps: a running pod keeps its claim
     assert k8s_node.client.claim(claim).state == "allocated"
     api.delete_pod("team-a", "notebook")
     deadline = time.monotonic() + scaled(20)
