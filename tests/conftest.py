@@ -55,6 +55,11 @@ def pytest_report_header(config: pytest.Config) -> str:
     )
 
 
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The factor again at the end, where `-q` (which hides the header) still shows it."""
+    terminalreporter.write_line(f"gpupool slowdown: x{slowdown():g}")
+
+
 def _default_timeout(config: pytest.Config) -> float:
     """pytest-timeout's resolved setting: --timeout, else PYTEST_TIMEOUT, else the ini file's."""
     return float(getattr(config, "_env_timeout", None) or 0)
