@@ -125,7 +125,7 @@ def gpu_pool(start_controller, tmp_path: Path) -> Iterator[tuple[ControllerProce
         yield ctl, log_path, gpu["uuid"]
     finally:
         agent.terminate()
-        agent.wait(timeout=60)
+        agent.wait(timeout=scaled(60))
     assert daemons and not any(_alive(pid) for pid in daemons), (
         "the agent stopped its MPS daemon on the way out"
     )

@@ -45,7 +45,7 @@ def pool(start_controller, tmp_path: Path) -> Iterator[tuple[ControllerProcess, 
         yield ctl, agent_url
     finally:
         agent.terminate()
-        agent.wait(timeout=15)
+        agent.wait(timeout=scaled(15))
         log.close()
 
 

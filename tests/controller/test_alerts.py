@@ -339,4 +339,4 @@ def test_gpupool_controller_alert_webhook_option_reaches_the_receiver(
         assert fired["generatorURL"] == f"http://127.0.0.1:{port}/#/alerts"
     finally:
         proc.terminate()
-        proc.wait(timeout=15)
+        proc.wait(timeout=scaled(15))

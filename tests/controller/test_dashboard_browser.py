@@ -137,7 +137,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePool]:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 try:
-                    proc.wait(timeout=15)
+                    proc.wait(timeout=scaled(15))
                 except subprocess.TimeoutExpired:
                     proc.kill()
         for log in logs:

@@ -103,7 +103,7 @@ def test_kill9_of_the_leader_under_load_loses_nothing_and_everyone_reconnects(
     assert takeover_s < scaled(20)
     assert ended == [], "no held lease ended"
 
-    _, err = run.communicate(timeout=60)
+    _, err = run.communicate(timeout=scaled(60))
     assert run.returncode == 0, err
 
     with psycopg.connect(db_of(pool)) as conn:

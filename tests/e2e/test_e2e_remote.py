@@ -83,7 +83,7 @@ def test_workers_stop_when_the_lease_ends(pool: Pool, tmp_path: Path) -> None:
             time.sleep(0.3)
         assert lease is not None, "the worker never started"
         pool.ok("lease", "release", "--operator", lease["id"])
-        assert run.wait(timeout=60) != 0, "the program lost its lease and was stopped"
+        assert run.wait(timeout=scaled(60)) != 0, "the program lost its lease and was stopped"
         deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline:
             ps = subprocess.run(["pgrep", "-f", f"gpupool.worker --lease {lease['id']}"], capture_output=True)

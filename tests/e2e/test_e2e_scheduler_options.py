@@ -39,4 +39,4 @@ def test_controller_starts_with_scheduler_settings(tmp_path: Path) -> None:
         assert proc.poll() is None
     finally:
         proc.terminate()
-        proc.wait(timeout=20)
+        proc.wait(timeout=scaled(20))

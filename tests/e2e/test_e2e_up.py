@@ -36,7 +36,7 @@ def test_up_starts_a_local_agent_and_stops_it_on_ctrl_c(tmp_path: Path) -> None:
         agents = psutil.Process(up.pid).children()
         assert agents, "the agent runs as a child of `gpupool up`"
         up.send_signal(signal.SIGINT)
-        output, _ = up.communicate(timeout=30)
+        output, _ = up.communicate(timeout=scaled(30))
     finally:
         if up.poll() is None:
             up.kill()

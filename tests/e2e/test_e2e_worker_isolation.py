@@ -111,7 +111,7 @@ def test_an_agents_worker_holds_no_token_runs_confined_and_admits_its_token_as_c
         assert _welcome_limit(endpoint, lease.id, token) == MEMORY_MIB << 20
 
         api.release_lease(lease.id)
-    worker.wait(timeout=60)
+    worker.wait(timeout=scaled(60))
     if group is not None:  # the agent removes the cgroup once the worker is gone
         deadline = time.monotonic() + scaled(30)
         while group.exists():

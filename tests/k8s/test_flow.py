@@ -71,7 +71,7 @@ def served(k8s_node: K8sNode, tmp_path: Path) -> Iterator[tuple[httpx.Client, Fa
     finally:
         client.close()
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
         api.stop()
 
 

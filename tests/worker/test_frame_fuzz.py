@@ -105,7 +105,7 @@ def workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Worker, 
     yield hostile, victim
     for worker in (hostile, victim):
         worker.proc.terminate()
-        worker.proc.wait(timeout=10)
+        worker.proc.wait(timeout=scaled(10))
     for leftover in short.iterdir():
         leftover.unlink()
     short.rmdir()

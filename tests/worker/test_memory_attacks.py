@@ -88,7 +88,7 @@ def running_worker(**options: Any) -> Iterator[WorkerProcess]:
         yield WorkerProcess(proc, str(ready.address), ready.credentials.peer)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
 
 
 @pytest.fixture(scope="module")

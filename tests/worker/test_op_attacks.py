@@ -38,6 +38,7 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
     worker_argv,
 )
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +72,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     ready = parse_ready(proc.stdout.readline())
     yield Worker(proc, str(ready.address), log)
     proc.terminate()
-    proc.wait(timeout=10)
+    proc.wait(timeout=scaled(10))
 
 
 class Raw:

@@ -42,7 +42,7 @@ def worker(
     assert ready.lease == "lease-w" and ready.device == "cpu" and ready.pid == proc.pid
     yield proc, str(ready.address), status
     proc.terminate()
-    proc.wait(timeout=10)
+    proc.wait(timeout=scaled(10))
 
 
 def hello(
@@ -115,7 +115,7 @@ def test_worker_stops_on_sigterm_and_removes_its_socket(tmp_path: Path) -> None:
     assert ready.address.path == str(path) and path.exists()
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=10) == 0
+    assert proc.wait(timeout=scaled(10)) == 0
     assert not path.exists()
 
 
@@ -170,7 +170,7 @@ def test_cpus_confines_every_thread_of_the_worker() -> None:
     finally:
         gpupool.torch.detach()
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
 
 
 @pytest.mark.parametrize(

@@ -254,7 +254,7 @@ class FuzzWorker:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=scaled(10))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -1238,7 +1238,7 @@ class Fuzzer:
             return Wire(self.fuzzed, self.guard.reply_timeout_s)
         except (Closed, OSError) as exc:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.fuzzed.proc.wait(timeout=5)
+                self.fuzzed.proc.wait(timeout=scaled(5))
             code = self.fuzzed.proc.poll()
             after = "(after the session, as its tensors were freed)"
             if code is None:
@@ -1338,7 +1338,7 @@ class Fuzzer:
     def _closed(self, case: Case, session: int, index: int, sent: list[str]) -> str:
         assert self.fuzzed is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.fuzzed.proc.wait(timeout=5)
+            self.fuzzed.proc.wait(timeout=scaled(5))
         code = self.fuzzed.proc.poll()
         if code is None:
             self._find(
