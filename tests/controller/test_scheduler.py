@@ -129,8 +129,12 @@ def test_dual_pool_switches_an_idle_gpu_for_a_waiting_physical_request(start_con
 
 def test_preempted_lease_survives_a_restart_and_is_released_after_grace(start_controller) -> None:
     # The grace outlasts a restart on a busy machine, so the restarted controller must find
-    # the preemption still running, and end it on time.
-    ctl = start_controller(None, preempt_grace_s=scaled(12.0), reconcile_interval_s=0.2)
+    # the preemption still running, and end it on time; the node (registered once, with no
+    # heartbeats) must outlast the grace.
+    grace_s = scaled(12.0)
+    ctl = start_controller(
+        None, preempt_grace_s=grace_s, node_timeout_s=grace_s + 60, reconcile_interval_s=0.2
+    )
     with ctl.client() as client:
         register_fake_node(client, gpus=1)
         low = client.post("/leases", json={"compute_pct": 100, "ttl_s": 600}).json()
