@@ -31,6 +31,9 @@ os.environ.setdefault("GPUPOOL_TOKEN", ADMIN_TOKEN)
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
+_FACTOR_SOURCE = pytest.StashKey[str]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Take the slowdown factor before any test runs: measured here in the main process (and
     put in the environment), read from it in pytest-xdist's workers."""
@@ -41,9 +44,6 @@ def pytest_configure(config: pytest.Config) -> None:
         slowdown()
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
-
-
-_FACTOR_SOURCE = pytest.StashKey[str]()
 
 
 def pytest_report_header(config: pytest.Config) -> str:
