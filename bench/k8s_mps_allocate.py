@@ -28,6 +28,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "k8s"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # fake_kubelet uses tests.timing
 from _pool import GP, finish, free_port, machine, wait
 from fake_kubelet import FakeKubelet
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: free ports, fresh PostgreSQL databases, and real controller processes."""
+"""Shared fixtures: free ports, fresh PostgreSQL databases, and real controller processes;
+and the suite's slowdown factor (tests/timing.py), which stretches every test's timeout."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from gpupool.cli.pool import stop_process
 from gpupool.protocol.v1.tokens import new_token
+from tests.timing import SLOWDOWN_ENV, scaled, slowdown
 
 PG_ADMIN = os.environ.get("GPUPOOL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
 
@@ -33,6 +35,62 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 os.environ["GPUPOOL_CONFIG"] = str(
     Path(tempfile.mkdtemp(prefix="gpupool-test-config-")) / "config.toml"
 )
+
+
+_FACTOR_SOURCE = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Take the slowdown factor before any test runs: measured here in the main process (and
+    put in the environment), read from it in pytest-xdist's workers."""
+    given = os.environ.get(SLOWDOWN_ENV)
+    source = f"from {SLOWDOWN_ENV}" if given else f"measured (set {SLOWDOWN_ENV} to choose it)"
+    config.stash[_FACTOR_SOURCE] = source
+    try:
+        slowdown()
+    except ValueError as exc:
+        raise pytest.UsageError(str(exc)) from None
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    default = _default_timeout(config)
+    stretched = f" (timeout {default:g} s -> {default * slowdown():g} s)" if default else ""
+    return (
+        f"gpupool slowdown: x{slowdown():g}, {config.stash[_FACTOR_SOURCE]}: "
+        f"test timeouts and waits scaled by it{stretched}"
+    )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The factor again at the end, where `-q` (which hides the header) still shows it."""
+    terminalreporter.write_line(f"gpupool slowdown: x{slowdown():g}")
+
+
+def _default_timeout(config: pytest.Config) -> float:
+    """pytest-timeout's resolved setting: --timeout, else PYTEST_TIMEOUT, else the ini file's."""
+    return float(getattr(config, "_env_timeout", None) or 0)
+
+
+def _timeout_of(marker: pytest.Mark | None, default: float) -> float:
+    if marker is None:
+        return default
+    if marker.args:
+        return float(marker.args[0])
+    return float(marker.kwargs.get("timeout", default))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Stretch each test's pytest-timeout limit (its own `timeout` marker, else the configured
+    one) by the slowdown factor: a marker put first wins over any other."""
+    factor = slowdown()
+    default = _default_timeout(config)
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        timeout = _timeout_of(marker, default)
+        if timeout <= 0:  # no timeout asked for: nothing to stretch
+            continue
+        kwargs = {k: v for k, v in (marker.kwargs if marker else {}).items() if k != "timeout"}
+        item.add_marker(pytest.mark.timeout(round(timeout * factor, 1), **kwargs), append=False)
 
 
 def free_port() -> int:
@@ -108,11 +166,11 @@ class ControllerProcess:
     extra: dict[str, object]
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.url + "/api/v1", timeout=30, headers=AUTH)
+        return httpx.Client(base_url=self.url + "/api/v1", timeout=scaled(30), headers=AUTH)
 
     def kill9(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=scaled(10))
 
     def stop(self) -> None:
         stop_process(self.proc)
@@ -141,17 +199,17 @@ def _spawn(
 
 
 def _wait_ready(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"controller exited with {proc.returncode}")
         try:
-            if httpx.get(url + "/api/v1/health", timeout=2).status_code == 200:
+            if httpx.get(url + "/api/v1/health", timeout=scaled(2)).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.1)
-    raise RuntimeError("controller did not become ready")
+    raise RuntimeError(f"controller did not become ready within {scaled(timeout_s):.0f} s")
 
 
 @pytest.fixture

@@ -26,6 +26,7 @@ import psutil
 import pytest
 
 from tests.conftest import ControllerProcess
+from tests.timing import scaled
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -63,7 +64,7 @@ time.sleep(60)
 
 
 def _wait(what: str, check: Any, timeout_s: float = 60) -> Any:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         value = check()
         if value:
@@ -124,7 +125,7 @@ def gpu_pool(start_controller, tmp_path: Path) -> Iterator[tuple[ControllerProce
         yield ctl, log_path, gpu["uuid"]
     finally:
         agent.terminate()
-        agent.wait(timeout=60)
+        agent.wait(timeout=scaled(60))
     assert daemons and not any(_alive(pid) for pid in daemons), (
         "the agent stopped its MPS daemon on the way out"
     )

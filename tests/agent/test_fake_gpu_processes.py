@@ -11,6 +11,7 @@ from pathlib import Path
 
 from gpupool.agent.backends import FakeBackend, GpuProcess
 from gpupool.agent.backends.fake import SimulatedGpuUse
+from tests.timing import scaled
 
 HOLDER = (
     "import sys, time\n"
@@ -40,7 +41,7 @@ def test_a_real_process_holding_its_use_file_is_on_the_gpu(tmp_path: Path) -> No
     finally:
         assert holder.stdin is not None
         holder.stdin.close()
-        holder.wait(timeout=30)
+        holder.wait(timeout=scaled(30))
     assert fake.gpu_processes() == [], "gone with the process"
 
 
@@ -58,7 +59,7 @@ def test_a_use_file_its_pid_does_not_hold_is_ignored(tmp_path: Path) -> None:
     finally:
         assert bystander.stdin is not None
         bystander.stdin.close()
-        bystander.wait(timeout=30)
+        bystander.wait(timeout=scaled(30))
 
 
 def test_use_files_are_read_within_bounds(tmp_path: Path) -> None:

@@ -12,17 +12,18 @@ import httpx
 import pytest
 
 from tests.conftest import ControllerProcess
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
 
 def _wait(predicate, timeout_s: float) -> float:  # type: ignore[no-untyped-def]
     start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
+    while time.monotonic() - start < scaled(timeout_s):
         if predicate():
             return time.monotonic() - start
         time.sleep(0.05)
-    raise AssertionError(f"condition not met within {timeout_s}s")
+    raise AssertionError(f"condition not met within {scaled(timeout_s):.1f}s")
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def pool(start_controller, tmp_path: Path) -> Iterator[tuple[ControllerProcess, 
         yield ctl, agent_url
     finally:
         agent.terminate()
-        agent.wait(timeout=15)
+        agent.wait(timeout=scaled(15))
         log.close()
 
 
@@ -70,7 +71,7 @@ def test_injected_fault_isolates_the_gpu_within_five_seconds(
         injected = httpx.post(f"{agent_url}/agent/v1/faults", json={"index": index, **fault}).json()
         assert injected["gpu_uuid"] == uuid
         took = _wait(lambda: client.get(f"/gpus/{uuid}").json()["mode"] == "isolated", 5.0)
-        assert took < 5.0
+        assert took < scaled(5.0)
         gpu = client.get(f"/gpus/{uuid}").json()
         assert gpu["healthy"] is False and gpu["isolation_reason"]
         if victim == uuid:
@@ -100,5 +101,5 @@ def test_application_xid_does_not_isolate(pool) -> None:
     ctl, agent_url = pool
     with ctl.client() as client:
         httpx.post(f"{agent_url}/agent/v1/faults", json={"index": 1, "kind": "xid", "value": 13})
-        time.sleep(2.0)
+        time.sleep(scaled(2.0))  # the agent's reports, none of which may isolate
         assert client.get("/gpus/GPU-sim-sim-node-1").json()["mode"] == "virtual"

@@ -27,6 +27,7 @@ from gpupool.agent.mps import (
     shared_root,
     wants_mps,
 )
+from tests.timing import scaled
 
 FAKE_CONTROL = """#!{python}
 # Stand-in for nvidia-cuda-mps-control with its command-line interface (tests only).
@@ -144,7 +145,7 @@ def test_a_daemon_that_quit_but_was_never_reaped_is_not_running(
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     try:
         stat_file = Path(f"/proc/{child.pid}/stat")
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while stat_file.read_text().rpartition(")")[2].split()[0] != "Z":
             assert time.monotonic() < deadline, "the child never exited"
             time.sleep(0.01)

@@ -24,6 +24,7 @@ import gpupool.agent.service as service
 from gpupool.agent.backends import FakeBackend
 from gpupool.agent.service import Agent, AgentSettings, NoGpuFound
 from gpupool.protocol.v1.api import GpuInventory, NodeHeartbeat, NodeRegister
+from tests.timing import scaled
 
 NODE = "node-a"
 WAIT_S = 10.0  # generous: the suite must pass on a loaded two-core machine
@@ -64,7 +65,7 @@ def free_port() -> int:
 
 
 async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
@@ -336,7 +337,7 @@ def test_run_agent_stops_cleanly_on_sigterm(tmp_path: Path) -> None:
     with log_path.open("wb") as log_file:
         proc = subprocess.Popen([sys.executable, "-c", code], stderr=log_file, stdout=log_file)
         try:
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + scaled(20)
             while "unreachable" not in log_path.read_text():
                 assert proc.poll() is None, log_path.read_text()
                 assert time.monotonic() < deadline, log_path.read_text()

@@ -16,6 +16,7 @@ from gpupool.agent.backends import FakeBackend
 from gpupool.agent.watch import UNSEEN_POLLS, DirectWatch, WatchMode
 from gpupool.protocol.v1.api import DirectLease, DirectSlice
 from gpupool.protocol.v1.attach import AttachRefused, token_sha256
+from tests.timing import scaled
 
 TOKEN = "lease-token-a"
 SLEEPER = "import time; time.sleep(120)"
@@ -117,7 +118,7 @@ def test_a_process_over_its_lease_memory_gets_sigterm_with_an_event(
     )
     assert (event.used_memory_mib, event.limit_memory_mib) == (2048, 1024)
     assert "time.sleep" in event.command and str(child.pid) in event.message
-    assert child.wait(timeout=30) == -signal.SIGTERM
+    assert child.wait(timeout=scaled(30)) == -signal.SIGTERM
     assert watch.stopped["over_memory"] == 1
 
 
@@ -154,7 +155,7 @@ def test_a_process_that_ignores_sigterm_gets_sigkill_after_the_grace(
     assert stubborn.poll() is None
     clock.now += watch.grace_s
     watch.poll(backend)
-    assert stubborn.wait(timeout=30) == -signal.SIGKILL
+    assert stubborn.wait(timeout=scaled(30)) == -signal.SIGKILL
 
 
 def test_a_compliant_process_and_an_exempt_one_are_untouched(backend: FakeBackend, spawn) -> None:  # type: ignore[no-untyped-def]
@@ -228,7 +229,7 @@ def test_when_the_lease_ends_its_processes_are_stopped(backend: FakeBackend, spa
     assert watch.roots() == []
     (event,) = watch.poll(backend)
     assert (event.kind, event.reason) == ("process_stopped", "no_lease")
-    assert child.wait(timeout=30) == -signal.SIGTERM
+    assert child.wait(timeout=scaled(30)) == -signal.SIGTERM
 
 
 def test_nothing_is_judged_before_the_controller_names_the_leases(

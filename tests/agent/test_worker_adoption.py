@@ -13,6 +13,7 @@ import pytest
 from gpupool.agent.mps import MpsSupervisor
 from gpupool.agent.workers import GONE_WHILE_AWAY, WorkerSupervisor
 from gpupool.protocol.v1.api import RemoteLease, RemoteSlice
+from tests.timing import scaled
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
@@ -40,7 +41,7 @@ def _gone(pid: int) -> bool:
 
 
 def _wait_gone(pid: int) -> None:
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + scaled(20)
     while not _gone(pid):
         assert time.monotonic() < deadline, f"worker {pid} still runs"
         time.sleep(0.1)

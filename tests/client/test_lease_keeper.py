@@ -8,6 +8,7 @@ import threading
 
 from gpupool.client.sdk import LeaseKeeper
 from gpupool.protocol.v1.api import LeaseOut
+from tests.timing import scaled
 
 
 def _dead_url() -> str:
@@ -32,7 +33,7 @@ def test_keeper_ends_the_lease_after_its_ttl_without_an_answer() -> None:
     )  # fmt: skip
     keeper.start()
     try:
-        assert ended.wait(timeout=15), "the keeper never gave the lease up"
+        assert ended.wait(timeout=scaled(15)), "the keeper never gave the lease up"
     finally:
         keeper.stop()
     assert errors, "each failed heartbeat was reported first"

@@ -29,6 +29,7 @@ from gpupool.controller.services.alerts import RULES, Alerts, Notice, rules_docu
 from gpupool.controller.services.snapshot import GpuReading, NodeReading, PoolSnapshot
 from tests.conftest import AUTH
 from tests.controller.inprocess import API, controller, register
+from tests.timing import scaled
 
 RULES_FILE = Path(__file__).parents[2] / "deploy" / "prometheus" / "gpupool-rules.yml"
 DURATION = re.compile(r"^(0|[0-9]+(ms|s|m|h|d|w|y))+$")
@@ -265,7 +266,7 @@ class Receiver:
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def wait_for(self, status: str, name: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while time.monotonic() < deadline:
             for body in self.bodies:
                 for alert in body["alerts"]:
@@ -321,7 +322,7 @@ def test_gpupool_controller_alert_webhook_option_reaches_the_receiver(
         proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT)
     try:
         api = f"http://127.0.0.1:{port}/api/v1"
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while True:
             assert proc.poll() is None and time.monotonic() < deadline, "controller did not start"
             try:
@@ -338,4 +339,4 @@ def test_gpupool_controller_alert_webhook_option_reaches_the_receiver(
         assert fired["generatorURL"] == f"http://127.0.0.1:{port}/#/alerts"
     finally:
         proc.terminate()
-        proc.wait(timeout=15)
+        proc.wait(timeout=scaled(15))

@@ -12,6 +12,7 @@ import pytest
 
 from gpupool.controller.services.history import History, Ring, TierSpec, load, save
 from tests.controller.inprocess import API, TestClient, controller, register
+from tests.timing import scaled
 
 STATIC = Path(__file__).parents[2] / "src" / "gpupool" / "controller" / "dashboard" / "static"
 
@@ -23,7 +24,7 @@ def client(tmp_path: Path) -> Iterator[TestClient]:
 
 
 def wait_for(check, timeout_s: float = 10.0):  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         value = check()
         if value:

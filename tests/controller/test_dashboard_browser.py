@@ -18,6 +18,7 @@ import httpx
 import pytest
 
 from tests.conftest import AUTH
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +76,7 @@ class LivePool:
 def _wait(
     check: Any, what: str, timeout_s: float = 30.0, proc: subprocess.Popen[bytes] | None = None
 ) -> Any:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise AssertionError(f"{what}: the process exited with {proc.returncode}")
@@ -136,7 +137,7 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LivePool]:
             if proc is not None and proc.poll() is None:
                 proc.terminate()
                 try:
-                    proc.wait(timeout=15)
+                    proc.wait(timeout=scaled(15))
                 except subprocess.TimeoutExpired:
                     proc.kill()
         for log in logs:

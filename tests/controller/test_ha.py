@@ -25,6 +25,7 @@ from gpupool.controller.models import TenantRow
 from gpupool.controller.settings import ControllerSettings
 from gpupool.protocol.v1.api import LeaseCreate, TenantCreate
 from tests.conftest import AUTH, ControllerProcess, register_fake_node
+from tests.timing import scaled
 
 pytestmark = [pytest.mark.postgres]
 
@@ -41,7 +42,7 @@ def ha_status(url: str) -> dict[str, Any] | None:
 
 def wait_for_leader(urls: list[str], timeout_s: float = 30, not_: str | None = None) -> str:
     """The URL every controller of `urls` names as leader (and that leads by its own word)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         seen = {u: ha_status(u) for u in urls}
         leaders = {s["leader"] for s in seen.values() if s is not None}
@@ -228,7 +229,7 @@ def test_after_kill9_of_the_leader_a_standby_leads_with_every_lease_and_the_queu
         new_leader = wait_for_leader(survivors, timeout_s=15, not_=leader)
         takeover_s = time.monotonic() - killed_at
         assert new_leader in survivors
-        assert takeover_s < 15
+        assert takeover_s < scaled(15)
 
         assert lease_states(ha_pg_url) == before
         assert [e.lease.id for e in sdk.queue()] == queue_before
@@ -257,7 +258,7 @@ def test_a_leader_whose_lock_connection_dies_stops_leading_and_another_takes_ove
             (ha.LOCK_KEY,),
         ).fetchall()
         conn.execute("SELECT pg_terminate_backend(%s)", (pid,))
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + scaled(15)
     while time.monotonic() < deadline:
         status = ha_status(urls[0])
         if status is not None and status["epoch"] >= 2 and status["leader"]:
@@ -268,7 +269,7 @@ def test_a_leader_whose_lock_connection_dies_stops_leading_and_another_takes_ove
     new_leader = wait_for_leader(urls)
     # The old leader finds out by itself (its lock connection fails) and stands by, unless
     # it won the lead back: either way exactly one leads.
-    deadline = time.monotonic() + 15
+    deadline = time.monotonic() + scaled(15)
     while sorted((ha_status(u) or {}).get("role", "") for u in urls) != ["leader", "standby"]:
         assert time.monotonic() < deadline, "the two controllers disagree on who leads"
         time.sleep(0.1)
@@ -410,7 +411,7 @@ def test_a_leader_cut_off_from_the_database_stops_writing_and_comes_back_as_a_st
             before = sdk.create_lease(LeaseCreate(compute_pct=50, memory="1GiB"))
 
             link.cut()
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + scaled(20)
             while (ha_status(second.url) or {}).get("role") != "leader":
                 assert time.monotonic() < deadline, "the standby did not take over"
                 time.sleep(0.1)
@@ -421,7 +422,7 @@ def test_a_leader_cut_off_from_the_database_stops_writing_and_comes_back_as_a_st
             assert states == {before.id: "granted", after.id: "granted"}
 
             link.heal()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + scaled(30)
             while (ha_status(first.url) or {}).get("role") != "standby":
                 assert time.monotonic() < deadline, "the old leader did not come back"
                 time.sleep(0.2)

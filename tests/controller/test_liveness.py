@@ -7,10 +7,11 @@ import time
 import httpx
 
 from tests.conftest import AUTH, register_fake_node
+from tests.timing import scaled
 
 
 def _wait(predicate, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():
             return

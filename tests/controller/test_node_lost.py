@@ -8,10 +8,11 @@ import pytest
 
 from gpupool.controller.settings import ControllerSettings
 from tests.conftest import register_fake_node
+from tests.timing import scaled
 
 
 def _wait(predicate, timeout_s: float = 20.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():
             return

@@ -15,6 +15,7 @@ import pytest
 from gpupool.controller.services import leases
 from gpupool.controller.store import Store
 from tests.controller.inprocess import API, TestClient, controller, register
+from tests.timing import scaled
 
 SLICE = {"compute_pct": 100, "memory": "8GiB"}
 
@@ -33,7 +34,7 @@ def tenant_token(admin: TestClient, tenant: str, **quota: object) -> dict[str, s
 
 def wait_for(check: Callable[[], Any], timeout_s: float = 30.0) -> Any:
     """Poll until `check()` is truthy (the reconcile loop acts on its own schedule)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         found = check()
         if found:

@@ -6,10 +6,11 @@ from __future__ import annotations
 import time
 
 from tests.conftest import register_fake_node
+from tests.timing import scaled
 
 
 def _wait(predicate, timeout_s: float = 15.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():
             return
@@ -64,7 +65,7 @@ def test_equal_priority_never_preempts(start_controller) -> None:
         register_fake_node(client, gpus=1)
         first = client.post("/leases", json={"compute_pct": 100, "priority": 3}).json()
         client.post("/leases", json={"compute_pct": 100, "priority": 3})
-        time.sleep(1.0)
+        time.sleep(scaled(1.0))  # reconcile passes, each of which could wrongly preempt
         assert client.get(f"/leases/{first['id']}").json()["state"] == "granted"
 
 
@@ -128,8 +129,12 @@ def test_dual_pool_switches_an_idle_gpu_for_a_waiting_physical_request(start_con
 
 def test_preempted_lease_survives_a_restart_and_is_released_after_grace(start_controller) -> None:
     # The grace outlasts a restart on a busy machine, so the restarted controller must find
-    # the preemption still running, and end it on time.
-    ctl = start_controller(None, preempt_grace_s=12.0, reconcile_interval_s=0.2)
+    # the preemption still running, and end it on time; the node (registered once, with no
+    # heartbeats) must outlast the grace.
+    grace_s = scaled(12.0)
+    ctl = start_controller(
+        None, preempt_grace_s=grace_s, node_timeout_s=grace_s + 60, reconcile_interval_s=0.2
+    )
     with ctl.client() as client:
         register_fake_node(client, gpus=1)
         low = client.post("/leases", json={"compute_pct": 100, "ttl_s": 600}).json()

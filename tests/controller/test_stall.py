@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from tests.conftest import register_fake_node
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -20,7 +21,7 @@ STOPPED_S = 3 * TTL_S
 
 
 def _wait(predicate, timeout_s: float = 30.0) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():
             return

@@ -18,6 +18,7 @@ from gpupool.controller import store as store_module
 from gpupool.controller.store import Store
 from tests.conftest import AUTH, register_fake_node
 from tests.controller.inprocess import API, controller, register
+from tests.timing import scaled
 
 
 def _names(client: Any, prefix: str = "") -> set[str]:
@@ -169,7 +170,7 @@ def test_read_only_shared_memory_file_stops_the_controller_loudly_not_silently(
         _chattr("+i", *files)
         with contextlib.suppress(httpx.HTTPError):
             client.post("/tenants", json={"name": "t-during"})
-    assert ctl.proc.wait(timeout=30) != 0
+    assert ctl.proc.wait(timeout=scaled(30)) != 0
     log = (ctl.data_dir / f"controller-{ctl.port}.log").read_text()
     assert "Fatal Python error" in log
     for path in files:
@@ -302,7 +303,7 @@ serve(ControllerSettings(port={port}, data_dir=Path({str(tmp_path / "data")!r}))
         ) as client:
             first = client.post("/tenants", json={"name": "t-a"})
             assert first.status_code == 503, first.text
-        assert proc.wait(timeout=60) != 0
+        assert proc.wait(timeout=scaled(60)) != 0
     finally:
         if proc.poll() is None:
             proc.kill()

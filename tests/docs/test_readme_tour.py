@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import free_port
+from tests.timing import scaled
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -152,7 +153,7 @@ def end_processes(pids: list[int]) -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, sig)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while time.monotonic() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
             time.sleep(0.1)
 

@@ -16,11 +16,13 @@ import httpx
 
 from gpupool.cli.pool import stop_process
 from tests.conftest import AUTH
+from tests.timing import scaled
 
 FAKE_SPEC = "2xH100-80GB"
 ACTOR = "admin:bootstrap"
 """Who the e2e commands act as: the admin token every test controller installs."""
 START_TIMEOUT_S = 60.0
+"""On an idle machine; every deadline here is stretched by the suite's slowdown factor."""
 
 
 def free_port() -> int:
@@ -47,7 +49,7 @@ class Pool:
             gpupool_argv("--url", self.url, *args),
             capture_output=True,
             text=True,
-            timeout=timeout,
+            timeout=scaled(timeout),
             env=env,
         )
 
@@ -72,7 +74,7 @@ class Pool:
         return result
 
     def wait_for(self, what: str, check: Any, timeout_s: float = 20) -> Any:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while time.monotonic() < deadline:
             value = check()
             if value:
@@ -89,14 +91,14 @@ class Pool:
 
 def healthy(url: str) -> bool:
     try:
-        return httpx.get(url + "/api/v1/health", timeout=2).status_code == 200
+        return httpx.get(url + "/api/v1/health", timeout=scaled(2)).status_code == 200
     except httpx.HTTPError:
         return False
 
 
 def gpu_count(url: str) -> int:
     try:
-        return len(httpx.get(url + "/api/v1/gpus", timeout=2, headers=AUTH).json())
+        return len(httpx.get(url + "/api/v1/gpus", timeout=scaled(2), headers=AUTH).json())
     except (httpx.HTTPError, ValueError):
         return 0
 
@@ -110,7 +112,7 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
     if proc.poll() is None:
         proc.terminate()
     try:
-        proc.communicate(timeout=timeout_s)
+        proc.communicate(timeout=scaled(timeout_s))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()
@@ -128,7 +130,7 @@ def start_pool(workdir: Path, fake_spec: str = FAKE_SPEC, *controller_args: str)
         )
     pool = Pool(url, workdir, controller, controller)
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + scaled(START_TIMEOUT_S)
         while not healthy(url):
             assert controller.poll() is None, (workdir / "controller.log").read_text()
             assert time.monotonic() < deadline, "controller did not start"
@@ -165,14 +167,14 @@ class HaPool(Pool):
 
     def status(self, url: str) -> dict[str, Any] | None:
         try:
-            response = httpx.get(url + "/api/v1/ha", timeout=2, headers=AUTH)
+            response = httpx.get(url + "/api/v1/ha", timeout=scaled(2), headers=AUTH)
         except httpx.HTTPError:
             return None
         return dict(response.json()) if response.status_code == 200 else None
 
     def leader(self, timeout_s: float = 30, not_: str | None = None) -> str:
         """The controller that leads by its own word and by every live controller's."""
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while time.monotonic() < deadline:
             alive = [u for u, p in self.controllers.items() if p.poll() is None]
             seen = [self.status(u) for u in alive]
@@ -186,12 +188,12 @@ class HaPool(Pool):
                 ):
                     return str(leader)
             time.sleep(0.05)
-        raise AssertionError(f"no agreed leader within {timeout_s} s\n{self.logs()}")
+        raise AssertionError(f"no agreed leader within {scaled(timeout_s):.0f} s\n{self.logs()}")
 
     def kill9(self, url: str) -> None:
         proc = self.controllers[url]
         proc.kill()
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
 
 
 def start_ha_pool(
@@ -207,7 +209,7 @@ def start_ha_pool(
         with (workdir / f"controller-{port}.log").open("wb") as log:
             procs[url] = subprocess.Popen(gpupool_argv(*args), stdout=log, stderr=subprocess.STDOUT)
     urls = list(procs)
-    deadline = time.monotonic() + START_TIMEOUT_S
+    deadline = time.monotonic() + scaled(START_TIMEOUT_S)
     for url, proc in procs.items():
         while not healthy(url):
             assert proc.poll() is None, f"controller {url} exited"

@@ -22,6 +22,7 @@ import httpx
 from netns import Fabric, Host
 
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
+from tests.timing import scaled
 
 CTL_PORT = 8900
 ACTOR = "netns-tester"
@@ -71,11 +72,11 @@ class NetPool:
     def kill9_controller(self) -> None:
         assert self.controller is not None
         self.controller.send_signal(signal.SIGKILL)
-        self.controller.wait(timeout=10)
+        self.controller.wait(timeout=scaled(10))
 
     def _health(self) -> bool:
         try:
-            with self.api(timeout=2) as api:
+            with self.api(timeout=scaled(2)) as api:
                 api.health()
             return True
         except (ApiError, ControllerUnreachable):
@@ -97,7 +98,7 @@ class NetPool:
     def kill9_agent(self, name: str) -> None:
         proc = self.agent_procs[name]
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
 
     def wait_nodes_up(self, *names: str) -> None:
         def up() -> bool:
@@ -123,7 +124,7 @@ class NetPool:
     def cli(self, *args: str, host: Host | None = None, timeout: float = 120) -> Any:
         """Run `gpupool ARGS` in the client host (or `host`), as a user would."""
         return (host or self.client).run(
-            gpupool_argv("--url", self.url, *args), timeout=timeout, env=self.env()
+            gpupool_argv("--url", self.url, *args), timeout=scaled(timeout), env=self.env()
         )
 
     def spawn(self, *args: str, log: str, host: Host | None = None) -> subprocess.Popen[bytes]:
@@ -153,7 +154,7 @@ class NetPool:
         return PoolClient(
             self.url,
             actor=ACTOR,
-            timeout=timeout,
+            timeout=scaled(timeout),
             transport=httpx.HTTPTransport(uds=str(self._uds)),
         )
 
@@ -162,7 +163,7 @@ class NetPool:
             return query(api)
 
     def wait_for(self, what: str, check: Callable[[], Any], timeout_s: float = 60) -> Any:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         while True:
             try:
                 value = check()

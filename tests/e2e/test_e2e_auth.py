@@ -12,6 +12,8 @@ import httpx
 import pytest
 from e2e_pool import FAKE_SPEC, Pool, free_port, gpupool_argv, stop
 
+from tests.timing import scaled
+
 
 def run_as(pool: Pool, token: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("GPUPOOL_URL", "GPUPOOL_TOKEN")}
@@ -98,7 +100,7 @@ def test_token_new_prints_a_token_a_controller_accepts_as_admin(tmp_path: Path) 
 
 
 def _wait(check: object, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         assert proc.poll() is None, "the process exited"
         try:
@@ -173,7 +175,7 @@ def test_the_api_and_an_agent_over_tls(tmp_path: Path) -> None:
             )
             return [] if done.returncode else list(__import__("json").loads(done.stdout))
 
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while not gpus():
             assert agent.poll() is None and time.monotonic() < deadline, "agent over TLS"
             time.sleep(0.3)

@@ -23,6 +23,7 @@ import pytest
 from e2e_pool import Pool, finish, start_pool, stop_pool
 
 from tests.conftest import AUTH
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -223,14 +224,14 @@ def test_a_compliant_program_runs_untouched_while_attackers_are_refused_and_stop
             answer = attacker.stdout.readline()
             assert answer.startswith("refused: wrong token"), answer
             used_at = float(attacker.stdout.readline())
-            assert attacker.wait(timeout=30) == -15
+            assert attacker.wait(timeout=scaled(30)) == -15
             assert time.time() - used_at < STOP_WITHIN_S
         status = httpx.get(status_url).json()["direct_watch"]
         assert status["attached"] == attached, "the refused attaches changed nothing"
         assert victim.poll() is None, "the victim still runs"
         pool.ok("lease", "release", own["id"])
         flag.write_text("end")
-        out, err = victim.communicate(timeout=60)
+        out, err = victim.communicate(timeout=scaled(60))
         assert victim.returncode == 0, err
         assert out.strip() == "done"
         assert direct_events(pool, lease_id) == [], "nothing was said against the victim"
@@ -249,7 +250,7 @@ def test_a_process_of_no_lease_on_a_gpu_is_stopped_within_2s(pool: Pool) -> None
     )  # fmt: skip
     assert stray.stdout is not None
     used_at = float(stray.stdout.readline())
-    assert stray.wait(timeout=30) == -15
+    assert stray.wait(timeout=scaled(30)) == -15
     assert time.time() - used_at < STOP_WITHIN_S
     stopped = [e for e in direct_events(pool, gpu) if e["data"].get("pid") == stray.pid]
     assert [(e["kind"], e["data"]["reason"]) for e in stopped] == [

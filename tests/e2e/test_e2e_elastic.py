@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from e2e_pool import FAKE_SPEC, Pool, finish, gpupool_argv, stop
 
+from tests.timing import scaled
+
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
@@ -103,7 +105,7 @@ class Run:
         return live[0]
 
     def result(self) -> dict[str, Any]:
-        out, err = self.proc.communicate(timeout=180)
+        out, err = self.proc.communicate(timeout=scaled(180))
         assert self.proc.returncode == 0, out + err + self.pool.logs()
         return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
 
@@ -111,7 +113,7 @@ class Run:
         return self.proc.poll() is not None
 
     def output(self) -> str:
-        out, err = self.proc.communicate(timeout=10)
+        out, err = self.proc.communicate(timeout=scaled(10))
         return out + err + self.pool.logs()
 
     def kill(self) -> None:
@@ -200,7 +202,7 @@ def test_node_drain_moves_a_running_program_away_and_undrain_returns_the_node(
     pool.ok("node", "undrain", node)
     modes = {g["uuid"]: g["mode"] for g in pool.json("gpus") if g["node"] == node}
     assert set(modes.values()) == {"virtual"}, modes
-    assert time.monotonic() - started < 300
+    assert time.monotonic() - started < scaled(300)
 
 
 def test_switching_a_gpu_to_physical_moves_its_remote_lease_away_and_the_gpu_switches(

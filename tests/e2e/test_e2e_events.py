@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 from e2e_pool import ACTOR, Pool
 
+from tests.timing import scaled
+
 pytestmark = pytest.mark.slow
 
 
@@ -42,4 +44,4 @@ def test_follow_prints_new_events(pool: Pool) -> None:
             seen.append(line)
     finally:
         follower.terminate()
-        follower.wait(timeout=10)
+        follower.wait(timeout=scaled(10))

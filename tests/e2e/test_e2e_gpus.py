@@ -7,6 +7,8 @@ import json
 import pytest
 from e2e_pool import Pool
 
+from tests.timing import scaled
+
 pytestmark = pytest.mark.slow
 
 
@@ -78,7 +80,7 @@ def test_mode_wait_shows_the_drain_and_ends_when_the_gpu_switched(pool: Pool) ->
         )
         assert waiting.poll() is None, "--wait returns only once the GPU has switched"
         pool.ok("lease", "release", lease["id"])
-        out, err = waiting.communicate(timeout=60)
+        out, err = waiting.communicate(timeout=scaled(60))
     finally:
         if waiting.poll() is None:
             waiting.kill()

@@ -14,6 +14,8 @@ from typing import Any
 import pytest
 from e2e_pool import Pool, finish, gpupool_argv
 
+from tests.timing import scaled
+
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
@@ -90,11 +92,11 @@ class Program:
         return self.stderr_path.read_text(errors="replace")
 
     def output(self) -> str:
-        out, _ = self.proc.communicate(timeout=30)
+        out, _ = self.proc.communicate(timeout=scaled(30))
         return out + self.stderr() + self.pool.logs()
 
     def result(self) -> dict[str, Any]:
-        out, _ = self.proc.communicate(timeout=180)
+        out, _ = self.proc.communicate(timeout=scaled(180))
         assert self.proc.returncode == 0, out + self.stderr() + self.pool.logs()
         return dict(json.loads(next(x for x in out.splitlines() if x.startswith("{"))))
 
@@ -168,7 +170,7 @@ def test_a_lazy_program_over_its_quota_gets_a_clear_error_at_its_first_gpu_op(
     try:
         lazy.at("cpu")  # it ran this far without asking
         lazy.go("cpu")
-        lazy.proc.communicate(timeout=120)
+        lazy.proc.communicate(timeout=scaled(120))
     finally:
         lazy.stop()
     assert lazy.proc.returncode != 0

@@ -7,6 +7,8 @@ import signal
 import pytest
 from e2e_pool import Pool
 
+from tests.timing import scaled
+
 pytestmark = pytest.mark.slow
 
 
@@ -78,7 +80,7 @@ def test_waiting_create_is_granted_when_another_lease_ends(pool: Pool) -> None:
     waiting = pool.spawn("lease", "create", "--compute", "100%", "-o", "json")
     pool.wait_for("the request to queue", lambda: pool.json("queue"))
     pool.ok("lease", "release", held["id"])
-    out, err = waiting.communicate(timeout=30)
+    out, err = waiting.communicate(timeout=scaled(30))
     assert waiting.returncode == 0, err
     assert '"state": "granted"' in out
     assert "queued at position" in err
@@ -96,7 +98,7 @@ def test_sigterm_while_waiting_cancels_the_request(pool: Pool) -> None:
     waiting = pool.spawn("lease", "create", "--compute", "10%")
     queued = pool.wait_for("the request to queue", lambda: pool.json("queue"))
     waiting.send_signal(signal.SIGTERM)
-    _, err = waiting.communicate(timeout=30)
+    _, err = waiting.communicate(timeout=scaled(30))
     assert waiting.returncode == 128 + signal.SIGTERM
     assert "cancelled lease" in err
     lease = pool.lease(queued[0]["lease"]["id"])

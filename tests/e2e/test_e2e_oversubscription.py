@@ -19,6 +19,7 @@ import pytest
 from e2e_pool import Pool, finish, start_pool, stop_pool
 
 from gpupool.worker.room import ROOM_TIMEOUT_S
+from tests.timing import scaled
 
 torch = pytest.importorskip("torch")
 # Each test runs three training programs against a controller and an agent: ~50 s alone,
@@ -106,7 +107,7 @@ class Program:
         return mine[0]
 
     def result(self) -> dict[str, Any]:
-        out, err = self.proc.communicate(timeout=120)
+        out, err = self.proc.communicate(timeout=scaled(120))
         assert self.proc.returncode == 0, out + err + self.pool.logs()
         return dict(json.loads(next(x for x in out.splitlines() if x.startswith("{"))))
 

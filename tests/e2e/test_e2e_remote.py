@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from e2e_pool import Pool
 
+from tests.timing import scaled
+
 pytest.importorskip("torch")
 pytestmark = pytest.mark.slow
 
@@ -71,7 +73,7 @@ def test_workers_stop_when_the_lease_ends(pool: Pool, tmp_path: Path) -> None:
 
     run = pool.spawn("run", "--remote", "--compute", "10%", "--memory", "1GiB", "--", sys.executable, str(program))
     try:
-        deadline = time.monotonic() + 90
+        deadline = time.monotonic() + scaled(90)
         lease = None
         while time.monotonic() < deadline:
             live = [x for x in pool.json("lease", "ls") if x["access"] == "remote"]
@@ -81,8 +83,8 @@ def test_workers_stop_when_the_lease_ends(pool: Pool, tmp_path: Path) -> None:
             time.sleep(0.3)
         assert lease is not None, "the worker never started"
         pool.ok("lease", "release", "--operator", lease["id"])
-        assert run.wait(timeout=60) != 0, "the program lost its lease and was stopped"
-        deadline = time.monotonic() + 30
+        assert run.wait(timeout=scaled(60)) != 0, "the program lost its lease and was stopped"
+        deadline = time.monotonic() + scaled(30)
         while time.monotonic() < deadline:
             ps = subprocess.run(["pgrep", "-f", f"gpupool.worker --lease {lease['id']}"], capture_output=True)
             if ps.returncode != 0:

@@ -10,6 +10,8 @@ import sys
 import pytest
 from e2e_pool import Pool
 
+from tests.timing import scaled
+
 pytestmark = pytest.mark.slow
 
 PRINT_ENV = (
@@ -64,7 +66,7 @@ def test_sigterm_stops_the_command_and_releases_the_lease(pool: Pool) -> None:
     live = pool.wait_for("the lease to be granted", lambda: pool.json("lease", "ls"))
     lease_id = live[0]["id"]
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=scaled(30))
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert pool.lease(lease_id)["state"] == "released"
 
@@ -74,7 +76,7 @@ def test_sigterm_while_queued_cancels_the_request(pool: Pool) -> None:
     proc = pool.spawn("run", "--compute", "10%", "--", sys.executable, "-c", "pass")
     queued = pool.wait_for("the request to queue", lambda: pool.json("queue"))
     proc.send_signal(signal.SIGTERM)
-    proc.communicate(timeout=30)
+    proc.communicate(timeout=scaled(30))
     assert proc.returncode == 128 + signal.SIGTERM
     assert pool.lease(queued[0]["lease"]["id"])["state"] == "released"
 
@@ -86,7 +88,7 @@ def test_command_is_stopped_when_the_lease_is_taken_away(pool: Pool) -> None:
     )  # fmt: skip
     live = pool.wait_for("the lease to be granted", lambda: pool.json("lease", "ls"))
     pool.ok("lease", "release", live[0]["id"])
-    _, err = proc.communicate(timeout=30)
+    _, err = proc.communicate(timeout=scaled(30))
     assert proc.returncode == 1
     last = err.strip().splitlines()[-1]
     assert last.startswith("error: lease ") and "taken away" in last

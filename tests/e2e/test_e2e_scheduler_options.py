@@ -10,6 +10,8 @@ import httpx
 import pytest
 from e2e_pool import free_port, gpupool_argv
 
+from tests.timing import scaled
+
 pytestmark = pytest.mark.slow
 
 
@@ -25,7 +27,7 @@ def test_controller_starts_with_scheduler_settings(tmp_path: Path) -> None:
         stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while time.monotonic() < deadline:
             try:
                 if httpx.get(f"http://127.0.0.1:{port}/api/v1/health", timeout=2).status_code == 200:
@@ -37,4 +39,4 @@ def test_controller_starts_with_scheduler_settings(tmp_path: Path) -> None:
         assert proc.poll() is None
     finally:
         proc.terminate()
-        proc.wait(timeout=20)
+        proc.wait(timeout=scaled(20))

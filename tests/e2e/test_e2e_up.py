@@ -18,6 +18,7 @@ from e2e_pool import free_port, gpu_count, gpupool_argv
 from gpupool.client.sdk import PoolClient
 from gpupool.protocol.v1.api import LeaseCreate
 from tests.conftest import AUTH
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +31,7 @@ def test_up_starts_a_local_agent_and_stops_it_on_ctrl_c(tmp_path: Path) -> None:
     )
     up = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while gpu_count(url) < 2:
             assert up.poll() is None, up.communicate()[0]
             assert time.monotonic() < deadline, "no GPUs registered"
@@ -40,7 +41,7 @@ def test_up_starts_a_local_agent_and_stops_it_on_ctrl_c(tmp_path: Path) -> None:
         agents = psutil.Process(up.pid).children()
         assert agents, "the agent runs as a child of `gpupool up`"
         up.send_signal(signal.SIGINT)
-        output, _ = up.communicate(timeout=30)
+        output, _ = up.communicate(timeout=scaled(30))
     finally:
         if up.poll() is None:
             up.kill()

@@ -30,6 +30,7 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
 )
 from tests.conftest import ADMIN_TOKEN
+from tests.timing import scaled
 
 pytest.importorskip("torch")
 pytestmark = [
@@ -110,9 +111,9 @@ def test_an_agents_worker_holds_no_token_runs_confined_and_admits_its_token_as_c
         assert _welcome_limit(endpoint, lease.id, token) == MEMORY_MIB << 20
 
         api.release_lease(lease.id)
-    worker.wait(timeout=60)
+    worker.wait(timeout=scaled(60))
     if group is not None:  # the agent removes the cgroup once the worker is gone
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + scaled(30)
         while group.exists():
             assert time.monotonic() < deadline, f"{group} is still there"
             time.sleep(0.2)

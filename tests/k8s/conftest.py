@@ -16,6 +16,7 @@ from fake_kubelet import FakeKubelet
 from k8s_node import START_TIMEOUT_S, K8sNode, gpupool_argv, stop
 
 from gpupool.client.sdk import PoolClient
+from tests.timing import scaled
 
 
 @pytest.fixture
@@ -32,7 +33,7 @@ def k8s_node(start_controller: Any, tmp_path: Path) -> Iterator[K8sNode]:
     client = PoolClient(url, actor="k8s-test")
     agent: subprocess.Popen[bytes] | None = None
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
+        deadline = time.monotonic() + scaled(START_TIMEOUT_S)
         args = ["agent", "--url", url, "--node", "k8s-node-1", "--fake", "2xH100-80GB"]
         args += ["--interval", "0.3", "--data-dir", str(tmp_path / "agent"), "--no-banner"]
         # No API server here: the fake kubelet calls Allocate for pods it does not list.

@@ -21,6 +21,7 @@ import grpc
 
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2 as pb
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2_grpc as pb_grpc
+from tests.timing import scaled
 
 
 @dataclass
@@ -119,7 +120,7 @@ class FakeKubelet(pb_grpc.RegistrationServicer):  # type: ignore[misc]
     # ---- what tests ask -----------------------------------------------------------------------
 
     def wait(self, what: str, check: Callable[[], Any], timeout_s: float = 20) -> Any:
-        deadline = time.monotonic() + timeout_s
+        deadline = time.monotonic() + scaled(timeout_s)
         with self.changed:
             while True:
                 value = check()

@@ -10,6 +10,7 @@ from pathlib import Path
 from fake_kubelet import FakeKubelet
 
 from gpupool.client.sdk import PoolClient
+from tests.timing import scaled
 
 START_TIMEOUT_S = 60.0
 
@@ -22,7 +23,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
     if proc.poll() is None:
         proc.terminate()
         try:
-            proc.wait(timeout=10)
+            proc.wait(timeout=scaled(10))
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
@@ -38,7 +39,10 @@ class K8sNode:
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         done = subprocess.run(
-            gpupool_argv("--url", self.url, *args), capture_output=True, text=True, timeout=60
+            gpupool_argv("--url", self.url, *args),
+            capture_output=True,
+            text=True,
+            timeout=scaled(60),
         )
         assert done.returncode == 0, f"{args}: {done.stdout}\n{done.stderr}"
         return done

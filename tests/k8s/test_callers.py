@@ -19,6 +19,8 @@ from admission import admission_review, pod
 from certs import Pem, make_ca, make_signed
 from fake_apiserver import FakeApiServer
 
+from tests.timing import scaled
+
 pytestmark = pytest.mark.slow
 
 WEBHOOK_TOKEN = "webhook-token-0123456789abcdef"
@@ -79,7 +81,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         log,
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         with served.client() as probe:
             while True:
                 try:
@@ -93,7 +95,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield served
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
         api.stop()
 
 

@@ -20,6 +20,7 @@ from fake_apiserver import FakeApiServer
 from k8s_node import K8sNode
 
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2 as pb
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -56,7 +57,7 @@ def served(k8s_node: K8sNode, tmp_path: Path) -> Iterator[tuple[httpx.Client, Fa
         headers={"Authorization": f"Bearer {token}"},
     )
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + scaled(60)
         while True:
             try:
                 if client.get("/healthz").status_code == 200:
@@ -70,7 +71,7 @@ def served(k8s_node: K8sNode, tmp_path: Path) -> Iterator[tuple[httpx.Client, Fa
     finally:
         client.close()
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
         api.stop()
 
 
@@ -132,10 +133,10 @@ def test_pod_gets_the_slice_the_scheduler_chose(
 
     # 4. The pod ends: its lease goes back to the pool.
     api.set_phase("team-a", "notebook", "Running")
-    time.sleep(1.5)  # a few sweeps: a running pod keeps its claim
+    time.sleep(scaled(1.5))  # a few sweeps: a running pod keeps its claim
     assert k8s_node.client.claim(claim).state == "allocated"
     api.delete_pod("team-a", "notebook")
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + scaled(20)
     while k8s_node.client.claims():
         assert time.monotonic() < deadline, "the claim of the deleted pod was not released"
         time.sleep(0.2)

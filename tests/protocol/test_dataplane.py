@@ -26,6 +26,7 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
     start_worker_process,
 )
+from tests.timing import scaled
 
 TOKEN = "protocol-test-token"
 
@@ -75,7 +76,7 @@ def worker_address() -> Iterator[str]:
     proc, ready = start_worker_process("lease-p", TOKEN, env=env, threads=1)
     yield str(ready.address)
     proc.terminate()
-    proc.wait(timeout=10)
+    proc.wait(timeout=scaled(10))
 
 
 def framed(body: bytes) -> bytes:

@@ -26,6 +26,7 @@ from gpupool.protocol.v1.dataplane import (
 )
 from gpupool.torch import runtime
 from gpupool.worker.handoff import Offer, host_key
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 LEASE = "lease-elastic"
@@ -77,7 +78,7 @@ def assert_equal(a: dict[str, Any], b: dict[str, Any]) -> None:
 
 
 def wait_until(predicate: Callable[[], bool], what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")

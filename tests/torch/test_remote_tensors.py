@@ -14,6 +14,7 @@ from torch import nn
 
 import gpupool.torch
 from gpupool.torch import runtime
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -282,7 +283,7 @@ def test_the_background_flusher_sends_what_a_quiet_program_left(
     x.add_(1)
     sent = stream._sends
     assert stream.records  # younger than a batch's age: still queued
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + scaled(5)
     while stream.records and time.monotonic() < deadline:
         time.sleep(0.005)
     assert not stream.records and stream._sends > sent

@@ -15,6 +15,7 @@ from gpupool.protocol.v1.dataplane import (
     send_control,
     start_worker_process,
 )
+from tests.timing import scaled
 
 TOKEN = "test-token"
 PEER_SECRET = "test-peer-secret"
@@ -53,6 +54,7 @@ def start_worker(lease: str, listen: str = "tcp://127.0.0.1:0", **options: objec
     if WORKER_DEVICE != "cpu":
         env["CUDA_VISIBLE_DEVICES"] = os.environ.get("GPUPOOL_TEST_WORKER_GPUS", "0")
     options.setdefault("device", WORKER_DEVICE)
+    options.setdefault("ready_timeout_s", scaled(120))
     credentials = WorkerCredentials.generate(TOKEN, PEER_SECRET)
     proc, ready = start_worker_process(
         lease, credentials, env=env, listen=listen, threads=1, **options
@@ -73,7 +75,7 @@ def cuda_device_count(visible: str) -> tuple[int, str]:
         env={**os.environ, "CUDA_VISIBLE_DEVICES": visible},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=scaled(120),
     )
     lines = probe.stdout.split()
     count = int(lines[-1]) if probe.returncode == 0 and lines and lines[-1].isdigit() else 0

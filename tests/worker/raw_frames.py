@@ -28,6 +28,7 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
     worker_argv,
 )
+from tests.timing import scaled
 
 HEADER = struct.Struct(">II")
 """A frame's lengths: its body's, then its tail's (big-endian)."""
@@ -90,7 +91,7 @@ class Worker:
 
     def stop(self) -> None:
         self.proc.terminate()
-        self.proc.wait(timeout=10)
+        self.proc.wait(timeout=scaled(10))
 
 
 def start_worker(

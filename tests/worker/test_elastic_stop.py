@@ -13,6 +13,7 @@ import time
 from types import SimpleNamespace
 
 from gpupool.worker.elastic import Elasticity
+from tests.timing import scaled
 
 
 def _elastic() -> Elasticity:
@@ -22,10 +23,19 @@ def _elastic() -> Elasticity:
 def test_stop_waits_for_a_handoff_reply_in_flight() -> None:
     elastic = _elastic()
     elastic._settled.clear()  # a handoff in flight
-    threading.Timer(0.3, elastic._settled.set).start()
-    started = time.monotonic()
-    assert elastic.finish_handoff(5.0)
-    assert 0.25 <= time.monotonic() - started < 3.0
+    returned = threading.Event()
+    returned_before_the_reply: list[bool] = []
+
+    def reply() -> None:
+        returned_before_the_reply.append(returned.is_set())
+        elastic._settled.set()
+
+    timer = threading.Timer(0.3, reply)
+    timer.start()
+    assert elastic.finish_handoff(scaled(5.0))
+    returned.set()
+    timer.join()
+    assert returned_before_the_reply == [False]
 
 
 def test_stop_gives_up_on_a_handoff_that_never_ends() -> None:
@@ -33,10 +43,10 @@ def test_stop_gives_up_on_a_handoff_that_never_ends() -> None:
     elastic._settled.clear()
     started = time.monotonic()
     assert not elastic.finish_handoff(0.2)
-    assert time.monotonic() - started < 2.0
+    assert time.monotonic() - started < scaled(2.0)
 
 
 def test_nothing_in_flight_means_no_wait() -> None:
     started = time.monotonic()
-    assert _elastic().finish_handoff(5.0)
-    assert time.monotonic() - started < 0.5
+    assert _elastic().finish_handoff(scaled(60.0))
+    assert time.monotonic() - started < scaled(0.5)

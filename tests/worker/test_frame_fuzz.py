@@ -46,6 +46,7 @@ from gpupool.protocol.v1.dataplane import (
     parse_address,
 )
 from gpupool.protocol.v1.tensors import DTYPES
+from tests.timing import scaled
 from tests.worker.raw_frames import (
     HEADER,
     RemoteRefusal,
@@ -470,7 +471,7 @@ def test_garbage_handshakes_to_a_busy_worker_leave_its_client_alone(
 
 def still_serves(worker: Worker) -> None:
     """A well-behaved client of the same lease is served after all that."""
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + scaled(10)
     while True:
         try:
             sock = authenticate(worker)

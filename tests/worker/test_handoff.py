@@ -25,6 +25,7 @@ from gpupool.protocol.v1.dataplane import (
 )
 from gpupool.worker.handoff import RING_SLOTS, Offer, host_key, paths_for, receive, send
 from gpupool.worker.swap import ClientState, Ring, restore, snapshot
+from tests.timing import scaled
 
 TOKEN = "handoff-token"
 CPU = torch.device("cpu")
@@ -160,7 +161,7 @@ def test_a_predecessor_lost_in_the_middle_leaves_a_successor_that_says_why() -> 
         assert proc.poll() is None  # the worker itself keeps running for the agent to stop
     finally:
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
 
 
 @pytest.mark.parametrize("path", ["stream", "shm"])

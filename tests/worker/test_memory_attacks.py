@@ -35,6 +35,7 @@ from gpupool.protocol.v1.dataplane import (
     start_worker_process,
 )
 from gpupool.protocol.v1.tensors import DTYPE_EXT, REMOTE_DEVICE_EXT, handle_ext
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +88,7 @@ def running_worker(**options: Any) -> Iterator[WorkerProcess]:
         yield WorkerProcess(proc, str(ready.address), ready.credentials.peer)
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=scaled(30))
 
 
 @pytest.fixture(scope="module")
@@ -360,7 +361,7 @@ def test_transfer_buffers_are_charged_until_their_recv_stores_them(
 
 def wait_for(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
     """Until `predicate` holds (a transfer is received on a thread of its own)."""
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while not predicate():
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")

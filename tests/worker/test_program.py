@@ -36,6 +36,7 @@ from gpupool.protocol.v1.dataplane import (
 from gpupool.protocol.v1.tensors import handle_ext
 from gpupool.worker.executor import SHIMS
 from gpupool.worker.program import GRAPH_AFTER_RUNS
+from tests.timing import scaled
 
 
 def slot(index: int) -> msgpack.ExtType:
@@ -278,7 +279,7 @@ def worker_address() -> Iterator[str]:
     yield str(ready.address)
     proc.terminate()
     try:
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
     except subprocess.TimeoutExpired:
         proc.kill()
 

@@ -26,6 +26,7 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
     start_worker_process,
 )
+from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
 TOKEN = "worker-test-token"
@@ -41,7 +42,7 @@ def worker(
     assert ready.lease == "lease-w" and ready.device == "cpu" and ready.pid == proc.pid
     yield proc, str(ready.address), status
     proc.terminate()
-    proc.wait(timeout=10)
+    proc.wait(timeout=scaled(10))
 
 
 def hello(
@@ -53,7 +54,7 @@ def hello(
 
 
 def wait_for(predicate: object, timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
+    deadline = time.monotonic() + scaled(timeout_s)
     while time.monotonic() < deadline:
         if predicate():  # type: ignore[operator]
             return
@@ -114,7 +115,7 @@ def test_worker_stops_on_sigterm_and_removes_its_socket(tmp_path: Path) -> None:
     assert ready.address.path == str(path) and path.exists()
     assert oct(path.stat().st_mode & 0o777) == "0o600"
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=10) == 0
+    assert proc.wait(timeout=scaled(10)) == 0
     assert not path.exists()
 
 
@@ -169,7 +170,7 @@ def test_cpus_confines_every_thread_of_the_worker() -> None:
     finally:
         gpupool.torch.detach()
         proc.terminate()
-        proc.wait(timeout=10)
+        proc.wait(timeout=scaled(10))
 
 
 @pytest.mark.parametrize(

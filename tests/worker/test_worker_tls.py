@@ -25,6 +25,7 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
     start_worker_process,
 )
+from tests.timing import scaled
 
 pytestmark = [
     pytest.mark.slow,
@@ -54,7 +55,7 @@ def tls_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, 
     )
     yield str(ready.address), cert
     proc.terminate()
-    proc.wait(timeout=10)
+    proc.wait(timeout=scaled(10))
 
 
 def test_the_worker_advertises_a_tls_address(tls_worker: tuple[str, Path]) -> None:

@@ -73,6 +73,7 @@ from gpupool.protocol.v1.dataplane import (
     worker_argv,
 )
 from gpupool.protocol.v1.tensors import DTYPES, op_overload
+from tests.timing import scaled
 from tests.worker.raw_frames import HEADER, framed
 from tests.worker.raw_frames import tensor as tensor_ext
 
@@ -257,7 +258,7 @@ class FuzzWorker:
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=10)
+                self.proc.wait(timeout=scaled(10))
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
@@ -380,7 +381,7 @@ class Wire:
     """One client connection, spoken frame by frame as a hostile client would."""
 
     def __init__(self, worker: FuzzWorker, timeout_s: float) -> None:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + scaled(10)
         while True:
             self.sock = connect(parse_address(worker.address))
             self.sock.settimeout(timeout_s)
@@ -1238,7 +1239,7 @@ class Fuzzer:
             return Wire(self.fuzzed, self.guard.reply_timeout_s)
         except (Closed, OSError) as exc:
             with contextlib.suppress(subprocess.TimeoutExpired):
-                self.fuzzed.proc.wait(timeout=5)
+                self.fuzzed.proc.wait(timeout=scaled(5))
             code = self.fuzzed.proc.poll()
             after = "(after the session, as its tensors were freed)"
             if code is None:
@@ -1339,7 +1340,7 @@ class Fuzzer:
     def _closed(self, case: Case, session: int, index: int, sent: list[str]) -> str:
         assert self.fuzzed is not None
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.fuzzed.proc.wait(timeout=5)
+            self.fuzzed.proc.wait(timeout=scaled(5))
         code = self.fuzzed.proc.poll()
         if code is None:
             self._find(
