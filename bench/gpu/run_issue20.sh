@@ -62,6 +62,12 @@ case "$part" in
     python3 -m gpupool.worker.oppolicy --check >> "$OUT/setup.log" 2>&1
     echo "oppolicy --check rc=$?" >> "$OUT/setup.log"
     attacks; isolation; worker_gpu; direct_watch ;;
+  sealed)  # what changed with the fuzzer's fixes: the table under this torch, the attacks, GPU tests
+    python3 -m gpupool.worker.oppolicy --check >> "$OUT/setup.log" 2>&1
+    echo "oppolicy --check rc=$?" >> "$OUT/setup.log"
+    attacks; worker_gpu; direct_watch
+    for f in attacks_torch211 worker_gpu direct_watch_gpu; do echo "##### $f"; grep -E "passed|failed|error|rc=" "$OUT/$f.log" | tail -4; done
+    grep "rc=" "$OUT/setup.log" ;;
   checks)
     python3 -m gpupool.worker.oppolicy --check >> "$OUT/setup.log" 2>&1
     echo "oppolicy --check rc=$?" >> "$OUT/setup.log"
