@@ -149,3 +149,14 @@ def test_outer_mps_pipe_directory_does_not_leak_into_a_physical_lease() -> None:
     )
     env = child_env(outer, inner)
     assert "CUDA_MPS_PIPE_DIRECTORY" not in env and "CUDA_MPS_LOG_DIRECTORY" not in env
+
+
+def test_a_long_command_names_its_lease_by_its_start() -> None:
+    """`gpupool run` names the lease after its command; the controller keeps 256 characters,
+    so a long `python -c` program is cut there, never refused (a --holder given by hand is)."""
+    from gpupool.cli.leases import HOLDER_MAX
+    from gpupool.cli.run import _holder
+
+    long = "me@host pid 1: python -c " + "x" * 1000
+    assert len(_holder(long)) == HOLDER_MAX and _holder(long).startswith("me@host pid 1: python")
+    assert _holder("me@host pid 1: true") == "me@host pid 1: true"

@@ -246,11 +246,18 @@ class FuzzWorker:
         return text if ("Traceback" in text or "Exception in thread" in text) else ""
 
     def address_ranges(self) -> np.ndarray:
-        """[start, end) of every mapping of the worker's address space (its /proc maps)."""
+        """[start, end) of every mapping of the worker's address space that holds anything
+        (its /proc maps). Reservations without access (`---p`) are left out: a CUDA build
+        reserves gigabytes of them low in the address space, where two float32 values side by
+        side (24.0 and 0.0 make 0x41c00000) landed on the H200 machine; nothing is readable
+        there, so a word pointing in is no pointer the worker holds."""
         ranges: list[tuple[int, int]] = []
         with contextlib.suppress(OSError):
             for line in Path(f"/proc/{self.proc.pid}/maps").read_text().splitlines():
-                low, _, high = line.split(" ", 1)[0].partition("-")
+                span, _, rest = line.partition(" ")
+                if rest.startswith("---"):
+                    continue
+                low, _, high = span.partition("-")
                 ranges.append((int(low, 16), int(high, 16)))
         return np.array(sorted(ranges), dtype=np.uint64).reshape(-1, 2)
 

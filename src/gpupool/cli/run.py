@@ -23,6 +23,7 @@ from rich.markup import escape
 from gpupool.cli.context import CliContext, cli_context
 from gpupool.cli.errors import BadInput, CommandFailed
 from gpupool.cli.leases import (
+    HOLDER_MAX,
     CpuOption,
     HostMemoryOption,
     await_grant,
@@ -472,7 +473,7 @@ def run(
         # A direct program must run beside its GPU; a remote one prefers it but takes any.
         node=node if remote else (node or host),
         gpu_models=gpu_model,
-        holder=f"{context.actor}@{host} pid {os.getpid()}: {shlex.join(cmd)}",
+        holder=_holder(f"{context.actor}@{host} pid {os.getpid()}: {shlex.join(cmd)}"),
         ttl_s=ttl,
         wait=wait,
         access="remote" if remote else "direct",
@@ -585,3 +586,11 @@ def _run_remote(
     where = ", ".join(f"{p.node}:{p.gpu_index} via {p.endpoint}" for p in lease.slices)
     note(escape(f"{granted_text(lease)} (remote: {where})"))
     return _supervise(context, lease, cmd, env, grace_s)
+
+
+def _holder(words: str) -> str:
+    """The lease's holder as `gpupool run` names it: who, where, and the command, cut to the
+    controller's limit (a long `python -c` program is still a fine name, only its start)."""
+    if len(words) <= HOLDER_MAX:
+        return words
+    return words[: HOLDER_MAX - 1] + "…"
