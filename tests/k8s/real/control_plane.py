@@ -11,6 +11,10 @@ away at the end). A process that runs as one of the chart's pods gets, in a moun
 of its own, the files its pod would have mounted (its service account's token, its Secrets)
 at the pod's paths, so it runs with the chart's own arguments.
 
+The chart is installed as `helm install` does it (`ControlPlane.helm_install`): the chart
+renders no Secret, so its pre-install hook's `gpupool k8s init-secrets` makes them in the
+cluster, and the processes get them from the API server, never from the render.
+
 Binaries come from scripts/k8s-control-plane.sh (built from Debian's kubernetes source
 package, cached under ~/.cache/gpupool-k8s). The tests talk to the namespace through
 `nsenter` (kubectl, the gpupool CLI) and through sockets opened from a thread that joined
