@@ -12,6 +12,9 @@ import yaml
 from control_plane import NAMESPACE, CannotRun, ControlPlane, binaries, control_plane
 
 CHART = Path(__file__).resolve().parents[3] / "deploy" / "helm" / "gpupool"
+# The control plane's version: the chart renders its API versions (the scheduler's
+# configuration v1beta1, PodDisruptionBudget policy/v1beta1) for it.
+KUBE_VERSION = "1.20.2"
 
 
 def render_chart(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
@@ -35,5 +38,5 @@ def cluster() -> Iterator[ControlPlane]:
         binaries()
     except CannotRun as exc:
         pytest.skip(f"no real Kubernetes control plane here: {exc}")
-    with control_plane(render_chart) as cp:
+    with control_plane(lambda: render_chart({"kubeVersion": KUBE_VERSION})) as cp:
         yield cp

@@ -11,6 +11,10 @@ away at the end). A process that runs as one of the chart's pods gets, in a moun
 of its own, the files its pod would have mounted (its service account's token, its Secrets)
 at the pod's paths, so it runs with the chart's own arguments.
 
+The chart is installed as `helm install` does it (`ControlPlane.helm_install`): the chart
+renders no Secret, so its pre-install hook's `gpupool k8s init-secrets` makes them in the
+cluster, and the processes get them from the API server, never from the render.
+
 Binaries come from scripts/k8s-control-plane.sh (built from Debian's kubernetes source
 package, cached under ~/.cache/gpupool-k8s). The tests talk to the namespace through
 `nsenter` (kubectl, the gpupool CLI) and through sockets opened from a thread that joined
@@ -61,6 +65,11 @@ TOKENS = {
         "system:serviceaccounts",
     ),
     "agent": (f"system:serviceaccount:{NAMESPACE}:gpupool-agent", "system:serviceaccounts"),
+    # The chart's pre-install hook Job (`gpupool k8s init-secrets`), with its Role.
+    "init-secrets": (
+        f"system:serviceaccount:{NAMESPACE}:gpupool-init-secrets",
+        "system:serviceaccounts",
+    ),
     "node": (f"system:node:{NODE}", "system:nodes"),
 }
 
@@ -86,6 +95,8 @@ CLUSTER_SCOPED = frozenset(
     }
 )
 HOST_DIRS = ("/var/lib/kubelet", "/var/log/pods", "/var/log/containers")
+HOOK = "helm.sh/hook"
+WEBHOOK_CONFIGURATION = "gpupool-k8s"
 
 T = TypeVar("T")
 
@@ -144,6 +155,7 @@ class ControlPlane:
     holder: subprocess.Popen[bytes] | None = None
     holder_pid: int = 0
     tokens: dict[str, str] = field(default_factory=dict)
+    secrets: dict[str, dict[str, bytes]] = field(default_factory=dict)
     made_dirs: list[Path] = field(default_factory=list)
     _ns_thread: ThreadPoolExecutor | None = None
 
@@ -242,7 +254,14 @@ class ControlPlane:
         command = list(argv)
         if mounts:
             binds = []
-            for target, source in mounts.items():
+            sources = [str(source) for source in mounts.values()]
+
+            def shadows(target: str) -> bool:  # a pod's /tmp hides this run's files
+                return any(
+                    src == target or src.startswith(target.rstrip("/") + "/") for src in sources
+                )
+
+            for target, source in sorted(mounts.items(), key=lambda m: shadows(m[0])):
                 if source.is_dir():
                     self._ensure_dir(Path(target))
                 binds.append(f"mount --bind {source} {target}")
@@ -444,27 +463,29 @@ class ControlPlane:
 
     @property
     def admin_token(self) -> str:
-        secret = self.chart_object("Secret", "gpupool-admin-token")
-        data = secret.get("stringData") or {}
-        if "token" in data:
-            return str(data["token"])
-        return base64.b64decode(secret["data"]["token"]).decode()
+        return self.secret("gpupool-admin-token")["token"].decode().strip()
 
     def chart_object(self, kind: str, name: str) -> dict[str, Any]:
         found = [d for d in self.chart_docs if d["kind"] == kind and d["metadata"]["name"] == name]
         assert len(found) == 1, f"{kind}/{name}: {len(found)} in the rendered chart"
         return found[0]
 
+    def secret(self, name: str) -> dict[str, bytes]:
+        """A Secret's data as the API server holds it: the chart renders none, its
+        init-secrets hook made them in the cluster (`helm_install`)."""
+        if name not in self.secrets:
+            secret = self.kubectl_json("-n", NAMESPACE, "get", "secret", name)
+            data = secret.get("data") or {}
+            self.secrets[name] = {k: base64.b64decode(v) for k, v in data.items()}
+        return self.secrets[name]
+
     def secret_dir(self, name: str) -> Path:
-        """A Secret of the rendered chart as the files a pod mounting it would see."""
+        """A Secret of the cluster as the files a pod mounting it would see."""
         directory = self.work / "secrets" / name
         if not directory.exists():
             directory.mkdir(parents=True)
-            secret = self.chart_object("Secret", name)
-            for key, value in (secret.get("data") or {}).items():
-                (directory / key).write_bytes(base64.b64decode(value))
-            for key, value in (secret.get("stringData") or {}).items():
-                (directory / key).write_text(value)
+            for key, value in self.secret(name).items():
+                (directory / key).write_bytes(value)
         return directory
 
     # ---- the processes ----------------------------------------------------------------
@@ -516,10 +537,15 @@ class ControlPlane:
         admission_path.write_text(yaml.safe_dump(admission))
         return admission_path
 
-    def start_apiserver(self) -> None:
-        """kube-apiserver with TLS, static tokens, Node+RBAC, and the webhook's credentials."""
+    def start_apiserver(self, webhook_credentials: bool = False) -> None:
+        """kube-apiserver with TLS, static tokens, Node+RBAC and, once the chart's hook made
+        the webhook's token, the webhook's credentials (the doc's AdmissionConfiguration)."""
         pki = self.work / "pki"
-        admission = self._webhook_admission_config()
+        admission = (
+            [f"--admission-control-config-file={self._webhook_admission_config()}"]
+            if webhook_credentials
+            else []
+        )
         self.spawn(
             "kube-apiserver",
             [
@@ -542,7 +568,7 @@ class ControlPlane:
                 # No controller-manager makes service-account tokens, and hand-made nodes would
                 # stay tainted not-ready: both admission plugins off.
                 "--disable-admission-plugins=ServiceAccount,TaintNodesByCondition",
-                f"--admission-control-config-file={admission}",
+                *admission,
             ],
         )
         self.wait_for(
@@ -550,6 +576,73 @@ class ControlPlane:
             lambda: self._http_ok(f"https://127.0.0.1:{API_PORT}/readyz", self.tokens["admin"]),
             watch=["kube-apiserver"],
         )
+
+    def give_apiserver_the_webhook_token(self) -> None:
+        """What docs/kubernetes.md asks of the operator after the install: the API server
+        gets the Secret's token in its webhook kubeconfig, read at its start (a restart)."""
+        self.secret("gpupool-k8s-webhook-token")  # read while the API server still runs
+        apiserver = self.processes["kube-apiserver"].proc
+        apiserver.terminate()
+        apiserver.wait(timeout=30)
+        self.start_apiserver(webhook_credentials=True)
+
+    # ---- `helm install` ---------------------------------------------------------------
+
+    def helm_install(self) -> None:
+        """What `helm install -n gpupool` does with the rendered chart: its pre-install hooks
+        applied in the order of their weights, the hook Job's command run (no
+        controller-manager starts the Job's pod: its process runs here, as its service
+        account), the hooks deleted once they succeeded (their delete policy), then the
+        rest of the chart applied."""
+        hooks = [d for d in self.chart_docs if HOOK in (d["metadata"].get("annotations") or {})]
+        assert all("pre-install" in d["metadata"]["annotations"][HOOK] for d in hooks), hooks
+        for weight in sorted({_hook_weight(d) for d in hooks}):
+            apply_docs(self, [d for d in hooks if _hook_weight(d) == weight and d["kind"] != "Job"])
+            for job in (d for d in hooks if _hook_weight(d) == weight and d["kind"] == "Job"):
+                apply_docs(self, [job])
+                self._run_hook_job(job)
+        for doc in reversed(hooks):
+            policy = doc["metadata"]["annotations"].get(f"{HOOK}-delete-policy", "")
+            if "hook-succeeded" in policy:
+                self.kubectl(
+                    "-n", NAMESPACE, "delete", doc["kind"], doc["metadata"]["name"], "--wait=true"
+                )
+        apply_docs(self, [d for d in self.chart_docs if d not in hooks])
+
+    def _run_hook_job(self, job: dict[str, Any]) -> None:
+        """The Job's container command with its pod's service account, told where the API
+        server is by flags (the pod would find it through KUBERNETES_SERVICE_HOST)."""
+        spec = job["spec"]["template"]["spec"]
+        assert spec["serviceAccountName"] == "gpupool-init-secrets", spec
+        assert not spec.get("volumes"), "the hook's volumes are not mounted here"
+        (container,) = spec["containers"]
+        account = self.service_account("init-secrets")
+        done = subprocess.run(
+            self.nsenter(
+                sys.executable,
+                "-m",
+                "gpupool.cli",
+                *container["args"],
+                f"--kube-api=https://127.0.0.1:{API_PORT}",
+                f"--kube-token-file={account / 'token'}",
+                f"--kube-ca-file={account / 'ca.crt'}",
+            ),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert done.returncode == 0, f"hook {job['metadata']['name']}: {done.stdout}{done.stderr}"
+        assert done.stdout.startswith("created: "), done.stdout
+
+    def wait_for_ca_bundle(self) -> None:
+        """`k8s serve` sets its webhooks' caBundle at start: GPU pods wait for it."""
+        ca = base64.b64encode(self.secret("gpupool-k8s-tls")["ca.crt"]).decode()
+
+        def set_() -> bool:
+            config = self.kubectl_json("get", "mutatingwebhookconfiguration", WEBHOOK_CONFIGURATION)
+            return all(w["clientConfig"].get("caBundle") == ca for w in config["webhooks"])
+
+        self.wait_for("the webhooks' caBundle", set_, watch=["k8s-serve"])
 
     def start_controller(self) -> None:
         data = self.work / "controller"
@@ -588,8 +681,11 @@ class ControlPlane:
         }
         volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
         for mount in container["volumeMounts"]:
-            secret = volumes[mount["name"]]["secret"]["secretName"]
-            mounts[mount["mountPath"]] = self.secret_dir(secret)
+            volume = volumes[mount["name"]]
+            if "emptyDir" in volume:
+                mounts[mount["mountPath"]] = self._empty_dir(f"k8s-serve-{mount['name']}")
+            else:
+                mounts[mount["mountPath"]] = self.secret_dir(volume["secret"]["secretName"])
         self.spawn(
             "k8s-serve",
             [sys.executable, "-m", "gpupool.cli", *container["args"]],
@@ -608,12 +704,11 @@ class ControlPlane:
         )
 
     def start_scheduler(self) -> None:
-        """The chart's second scheduler with its own configuration (v1beta1: 1.20 has no v1)."""
+        """The chart's second scheduler with its own configuration (rendered for 1.20:
+        v1beta1)."""
         config = self.chart_object("ConfigMap", "gpupool-scheduler-config")
         text = config["data"]["scheduler-config.yaml"]
-        text = text.replace(
-            "kubescheduler.config.k8s.io/v1\n", "kubescheduler.config.k8s.io/v1beta1\n"
-        )
+        assert "apiVersion: kubescheduler.config.k8s.io/v1beta1\n" in text, text
         config_dir = self.work / "scheduler-config"
         config_dir.mkdir()
         (config_dir / "scheduler-config.yaml").write_text(text)
@@ -627,6 +722,8 @@ class ControlPlane:
             volume = volumes[mount["name"]]
             if "configMap" in volume:
                 mounts[mount["mountPath"]] = config_dir
+            elif "emptyDir" in volume:
+                mounts[mount["mountPath"]] = self._empty_dir(f"kube-scheduler-{mount['name']}")
             else:
                 mounts[mount["mountPath"]] = self.secret_dir(volume["secret"]["secretName"])
         command = list(spec["containers"][0]["command"])
@@ -862,9 +959,11 @@ def control_plane(render: Callable[[], list[dict[str, Any]]]) -> Iterator[Contro
         cp.kubectl("create", "namespace", NAMESPACE)
         for ns in ("default", "kube-system", "kube-public", "kube-node-lease", NAMESPACE):
             cp.kubectl("label", "namespace", ns, f"kubernetes.io/metadata.name={ns}", "--overwrite")
+        cp.helm_install()
+        cp.give_apiserver_the_webhook_token()
         cp.start_controller()
         cp.start_k8s_serve()
-        apply_chart(cp)
+        cp.wait_for_ca_bundle()
         cp.start_scheduler()
         cp.start_kubelet()
         cp.start_agent()
@@ -876,12 +975,17 @@ def control_plane(render: Callable[[], list[dict[str, Any]]]) -> Iterator[Contro
         cp.stop()
 
 
-def apply_chart(cp: ControlPlane) -> None:
-    """The rendered chart, applied with server-side apply (the API server validates it)."""
-    docs = []
-    for doc in cp.chart_docs:
+def _hook_weight(doc: dict[str, Any]) -> int:
+    return int(doc["metadata"]["annotations"].get(f"{HOOK}-weight", "0"))
+
+
+def apply_docs(cp: ControlPlane, docs: Sequence[dict[str, Any]]) -> None:
+    """Rendered objects, applied with server-side apply (the API server validates them)."""
+    placed = []
+    for doc in docs:
         if doc["kind"] not in CLUSTER_SCOPED:  # what `helm install -n gpupool` does
             doc = {**doc, "metadata": {"namespace": NAMESPACE, **doc["metadata"]}}
-        docs.append(doc)
-    text = yaml.safe_dump_all(docs)
-    cp.kubectl("apply", "--server-side", "--field-manager=helm", "-f", "-", input_text=text)
+        placed.append(doc)
+    if placed:
+        text = yaml.safe_dump_all(placed)
+        cp.kubectl("apply", "--server-side", "--field-manager=helm", "-f", "-", input_text=text)

@@ -107,9 +107,30 @@ def test_the_chart_is_applied_with_server_side_validation(cluster: ControlPlane)
     webhook = cluster.kubectl_json(
         "get", "mutatingwebhookconfiguration", "gpupool-k8s", "--show-managed-fields"
     )
-    hook = webhook["webhooks"][0]
+    # Rendered for 1.20: no matchConditions (1.28), so one entry takes every pod, with
+    # otherPodsFailurePolicy (the chart's values.yaml says so).
+    (hook,) = webhook["webhooks"]
+    assert hook["name"] == "pods.gpupool.io"
     assert hook["clientConfig"]["service"]["name"] == "gpupool-k8s"
-    assert hook["reinvocationPolicy"] == "IfNeeded" and hook["failurePolicy"] == "Fail"
+    assert hook["reinvocationPolicy"] == "IfNeeded" and hook["failurePolicy"] == "Ignore"
+    # No rendered manifest carries the CA (made in the cluster): `k8s serve` set it.
+    ca = cluster.secret("gpupool-k8s-tls")["ca.crt"]
+    assert base64.b64decode(hook["clientConfig"]["caBundle"]) == ca
+    # The chart renders no Secret: its pre-install hook made them, then was deleted.
+    made = cluster.kubectl(
+        "-n",
+        "gpupool",
+        "get",
+        "secret",
+        "-l",
+        "app.kubernetes.io/managed-by=gpupool-init-secrets",
+        "-o",
+        "name",
+    ).stdout.split()
+    assert {"secret/gpupool-admin-token", "secret/gpupool-k8s-webhook-token"} <= set(made)
+    assert not [d for d in cluster.chart_docs if d["kind"] == "Secret"]
+    gone = cluster.kubectl("-n", "gpupool", "get", "job", "gpupool-init-secrets", check=False)
+    assert gone.returncode != 0 and "NotFound" in gone.stderr
     managers = {m["manager"] for m in webhook["metadata"]["managedFields"]}
     assert "helm" in managers  # applied server-side, under the name it was applied with
     for kind, name in [

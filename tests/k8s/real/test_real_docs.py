@@ -23,8 +23,10 @@ DOC = Path(__file__).resolve().parents[3] / "docs" / "kubernetes.md"
 NOT_HERE = {
     "docker build": "no image registry or container runtime here; the harness runs the "
     "image's program (gpupool) as host processes of the cluster's namespace",
-    "helm install": "no helm binary; Helm's Go SDK renders the chart and `kubectl apply "
-    "--server-side` applies it (control_plane.apply_chart), the objects `helm install` makes",
+    "helm install": "no helm binary; Helm's Go SDK renders the chart and the harness does "
+    "what `helm install` does with it (ControlPlane.helm_install): the pre-install hooks "
+    "applied, the init-secrets Job's command run, the hooks deleted, the rest applied "
+    "with `kubectl apply --server-side`",
     "kubectl -n gpupool rollout status": "no controller-manager starts the chart's pods; the "
     "harness runs each pod's process with that pod's arguments, Secrets and service account",
     "kubectl -n gpupool port-forward": "the controller already listens on 127.0.0.1:8900 in "
