@@ -166,6 +166,21 @@ def test_batch_norm_needs_a_statistic_per_channel() -> None:
         "aten::native_batch_norm", x, None, None, torch.zeros(2), torch.ones(2), True, 0.1, 1e-5,
         match="running_mean",
     )  # fmt: skip
+    # An empty weight or bias is read once per channel too (the fuzzer crashed workers with
+    # it); empty saved statistics, what eval mode saves, stay allowed in backward.
+    refuses(
+        "aten::native_batch_norm", x, torch.empty(0), None, running_mean, running_var, True, 0.1,
+        1e-5, match="weight holds 0 elements, needs 8",
+    )  # fmt: skip
+    refuses(
+        "aten::_batch_norm_impl_index_backward", 0, x, torch.ones(4, 8), torch.empty(0),
+        running_mean, running_var, save_mean, save_invstd, True, 1e-5, [True, True, True],
+        torch.empty(0), match="weight holds 0",
+    )  # fmt: skip
+    checked("aten::native_batch_norm_backward")(
+        torch.ones(4, 8), x, torch.ones(8), running_mean, running_var, torch.empty(0),
+        torch.empty(0), False, 1e-5, [True, True, True],
+    )  # fmt: skip
 
 
 def test_group_norm_backward_needs_its_sizes_to_describe_the_input() -> None:

@@ -548,6 +548,9 @@ _PER_CHANNEL = (
 )  # fmt: skip
 
 
+_PARAMETERS = frozenset({"weight", "bias", "running_mean", "running_var"})
+
+
 def _batch_norm(a: Args) -> None:
     """Batch-norm kernels (forward and backward) walk every per-channel tensor with the
     input's channel count and the gradient with the input's shape."""
@@ -558,7 +561,10 @@ def _batch_norm(a: Args) -> None:
             _shape(a[name], inp.shape, name)
     for name in _PER_CHANNEL:
         value = a.get(name)
-        if isinstance(value, torch.Tensor) and value.numel() > 0:
+        # Saved statistics may be empty (eval mode saves none); a parameter or running
+        # statistic that is given is read once per channel, empty or not (an empty weight
+        # was read past its storage: the fuzzer's last two crashes).
+        if isinstance(value, torch.Tensor) and (value.numel() > 0 or name in _PARAMETERS):
             _covers(value, channels, name)
 
 
