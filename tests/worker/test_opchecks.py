@@ -658,3 +658,14 @@ def test_slow_conv2d_backward_needs_the_forwards_weight_and_grad_output() -> Non
     refuses("aten::_slow_conv2d_backward.grad_input", grad, x, w, [3, 3], [2, 2], [0, 0],
             grad_input=torch.empty(0), grad_weight=torch.empty(0), grad_bias=torch.empty(0),
             match="grad_output")  # fmt: skip
+
+
+def test_a_split_returns_a_bounded_number_of_tensors() -> None:
+    """`tensor_split(x, 2**40)` held a worker for ever building views (the fuzzer's hang)."""
+    x = torch.ones(10)
+    assert len(checked("aten::tensor_split.sections")(x, 3)) == 3
+    assert len(checked("aten::split.Tensor")(x, 3)) == 4
+    assert len(checked("aten::unbind.int")(x, 0)) == 10
+    refuses("aten::tensor_split.sections", x, 1 << 40, match="past 65536")
+    refuses("aten::split.Tensor", torch.ones(1).expand(1 << 20), 1, match="1048576 tensors")
+    refuses("aten::unbind.int", torch.ones(1).expand(1 << 20), 0, match="past 65536")

@@ -105,7 +105,7 @@ def test_checked_ops_run_behind_their_check() -> None:
 
 def test_the_rules_judge_by_what_an_op_does_not_its_name() -> None:
     assert ruling("aten::_unsafe_view").decision is Decision.ALLOW  # a view that checks numel
-    assert ruling("aten::unsafe_split.Tensor").decision is Decision.ALLOW  # no version counter
+    assert ruling("aten::unsafe_split.Tensor").detail == "few_views"  # "unsafe": no version counter
     assert ruling("aten::segment_reduce").decision is Decision.CHECK  # unsafe= skips checks
     assert ruling("aten::_segment_reduce_backward").decision is Decision.CHECK  # no unsafe=
     assert ruling("aten::Int.str").decision is Decision.REFUSE  # not a dispatcher op

@@ -506,6 +506,38 @@ need to kill the worker mid-kernel, losing the lease's tensors: refusing the arg
 and costs one reduction."""
 
 
+MAX_VIEWS = 1 << 16
+"""How many tensors one split may return: each is a Python object and a reply entry, and a
+count the tenant picks (`tensor_split(x, 2**40)`, `split(x.expand(2**40), 1)`) held the worker
+for ever (the fuzzer's hang)."""
+
+
+def _few_views(a: Args) -> None:
+    """The split family returns a list whose length the arguments choose: bounded."""
+    inp = a.get("self")
+    dim = a.get("dim", 0)
+    size = 0
+    if isinstance(inp, torch.Tensor) and isinstance(dim, int) and -inp.dim() <= dim < inp.dim():
+        size = int(inp.size(dim))
+    choosers = ("sections", "chunks", "split_size", "split_sizes", "indices", "indices_or_sections")
+    # unbind: one tensor per element along dim
+    counts = [size] if not any(k in a for k in choosers) else []
+    for name in ("sections", "chunks"):
+        value = a.get(name)
+        if isinstance(value, int) and not isinstance(value, bool):
+            counts.append(value)
+    split_size = a.get("split_size")
+    if isinstance(split_size, int) and not isinstance(split_size, bool) and split_size > 0:
+        counts.append(-(-size // split_size))
+    for name in ("split_size", "split_sizes", "indices"):
+        value = a.get(name)
+        if isinstance(value, list | tuple):
+            counts.append(len(value) + 1)
+    many = max(counts, default=0)
+    if many > MAX_VIEWS:
+        raise OpRefused(f"it would return {many} tensors, past {MAX_VIEWS}")
+
+
 def _polynomial_degree(a: Args) -> None:
     n = a["n"]
     if isinstance(n, torch.Tensor):
@@ -1025,6 +1057,7 @@ CHECKS: dict[str, Check] = {
     "unchecked_indices": Check(pre=_unchecked_indices, needs=_needs("self", "indices")),
     "same_lengths": Check(pre=_same_lengths),
     "polynomial_degree": Check(pre=_polynomial_degree, needs=_needs("n")),
+    "few_views": Check(pre=_few_views, needs=_needs("self")),
     "valid_sparse": Check(pre=_uncoalesced, post=_valid_sparse),
     "segment_backward": Check(
         pre=_segment_backward, needs=_needs("data", "reduce", "output", "grad")

@@ -76,6 +76,15 @@ CHECKED: dict[str, str] = {
     "as_strided": "within_storage",
     "as_strided_": "within_storage",
     "as_strided_copy": "within_storage",
+    # lists of views whose length the arguments choose
+    **{
+        name: "few_views"
+        for name in (
+            "split", "split_copy", "unsafe_split", "split_with_sizes", "split_with_sizes_copy",
+            "unsafe_split_with_sizes", "tensor_split", "chunk", "unsafe_chunk", "unbind",
+            "unbind_copy", "hsplit", "vsplit", "dsplit",
+        )
+    },
     # bounds checks switched off by an argument
     "segment_reduce": "segments",
     "_unsafe_index": "unchecked_indices",
