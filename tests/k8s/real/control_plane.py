@@ -146,6 +146,22 @@ class Process:
         return "\n".join(text.splitlines()[-lines:])
 
 
+def make_certificates(pki: Path, ca_name: str, stem: str, common_name: str, sans: str) -> None:
+    """A CA (`ca.crt`, `ca.key`) and a server certificate it signs (`<stem>.crt`,
+    `<stem>.key`) for `sans` (openssl's subjectAltName list), valid one day, in `pki`."""
+
+    def openssl(*args: str) -> None:
+        subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=pki)
+
+    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-keyout", "ca.key", "-out", "ca.crt", "-subj", f"/CN={ca_name}")  # fmt: skip
+    openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{stem}.key",
+            "-out", f"{stem}.csr", "-subj", f"/CN={common_name}")  # fmt: skip
+    (pki / "san.ext").write_text(f"subjectAltName={sans}\n")
+    openssl("x509", "-req", "-in", f"{stem}.csr", "-CA", "ca.crt", "-CAkey", "ca.key",
+            "-CAcreateserial", "-days", "1", "-extfile", "san.ext", "-out", f"{stem}.crt")  # fmt: skip
+
+
 @dataclass
 class ControlPlane:
     bin: Path
@@ -366,57 +382,14 @@ class ControlPlane:
     def make_pki(self) -> None:
         pki = self.work / "pki"
         pki.mkdir()
+        make_certificates(
+            pki, "k8s-test-ca", "apiserver", "kube-apiserver",
+            "IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc",
+        )  # fmt: skip
 
         def openssl(*args: str) -> None:
             subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=pki)
 
-        openssl(
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-subj",
-            "/CN=k8s-test-ca",
-        )
-        openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "apiserver.key",
-            "-out",
-            "apiserver.csr",
-            "-subj",
-            "/CN=kube-apiserver",
-        )
-        (pki / "san.ext").write_text(
-            "subjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes.default.svc\n"
-        )
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            "apiserver.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "1",
-            "-extfile",
-            "san.ext",
-            "-out",
-            "apiserver.crt",
-        )
         openssl("genrsa", "-out", "sa.key", "2048")
         openssl("rsa", "-in", "sa.key", "-pubout", "-out", "sa.pub")
         rows = []

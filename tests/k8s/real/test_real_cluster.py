@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
-from control_plane import NODE, ControlPlane
+from control_plane import NODE, ControlPlane, make_certificates
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -215,54 +215,7 @@ class Sidecar:
         pki = cluster.work / "sidecar"
         pki.mkdir(exist_ok=True)
 
-        def openssl(*args: str) -> None:
-            subprocess.run(["openssl", *args], check=True, capture_output=True, cwd=pki)
-
-        openssl(
-            "req",
-            "-x509",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-days",
-            "1",
-            "-keyout",
-            "ca.key",
-            "-out",
-            "ca.crt",
-            "-subj",
-            "/CN=sidecar-ca",
-        )
-        openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-keyout",
-            "tls.key",
-            "-out",
-            "tls.csr",
-            "-subj",
-            "/CN=127.0.0.1",
-        )
-        (pki / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-        openssl(
-            "x509",
-            "-req",
-            "-in",
-            "tls.csr",
-            "-CA",
-            "ca.crt",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-days",
-            "1",
-            "-extfile",
-            "san.ext",
-            "-out",
-            "tls.crt",
-        )
+        make_certificates(pki, "sidecar-ca", "tls", "127.0.0.1", "IP:127.0.0.1")
         self.ca = base64.b64encode((pki / "ca.crt").read_bytes()).decode()
         sidecar = self
 

@@ -67,8 +67,7 @@ def placement(store: Store, _session: Session, query: PlacementQuery) -> Placeme
     looks at that node's GPUs only, so the call grows with the nodes asked, not with their
     square.
     """
-    if query.request.access != "direct":
-        raise InvalidRequest("Kubernetes claims are direct leases: the pod runs on the GPU's node")
+    _direct_only(query.request)
     fits: list[NodeFit] = []
     with store.lock:
         pool = store.pool
@@ -118,8 +117,7 @@ def preemption(store: Store, _session: Session, query: PreemptionQuery) -> Preem
     Claims offered that are not live on that node are ignored, so the scheduler's word
     cannot make the pool count a lease as freed where it is not.
     """
-    if query.request.access != "direct":
-        raise InvalidRequest("Kubernetes claims are direct leases: the pod runs on the GPU's node")
+    _direct_only(query.request)
     out: list[NodeVictims] = []
     with store.lock:
         pool = store.pool
@@ -198,6 +196,12 @@ def _short_on(pool: Pool, request: LeaseRequest, gpus: list[Gpu]) -> str:
                 free.append(g)
         kind = "virtual GPUs with room"
     return f"needs {request.gpus} {kind} on this node, {len(free)} available now"
+
+
+def _direct_only(request: LeaseCreate) -> None:
+    """Placement and preemption answer for claims, which are direct leases."""
+    if request.access != "direct":
+        raise InvalidRequest("Kubernetes claims are direct leases: the pod runs on the GPU's node")
 
 
 def _request_for(body: LeaseCreate, node: str | None) -> LeaseRequest:
