@@ -37,7 +37,7 @@ from gpupool.protocol.v1.tensors import (
 from gpupool.worker import flags
 from gpupool.worker.activity import Activity
 from gpupool.worker.admission import Admission
-from gpupool.worker.geometry import keeping_geometry, written_arguments
+from gpupool.worker.geometry import keeping_geometry
 from gpupool.worker.memory import (
     NO_RESERVATION,
     LimitExceeded,
@@ -347,11 +347,8 @@ class Executor:
         offset back when it fails (`gpupool.worker.geometry`): outermost, so whatever inside
         raised (the argument guard, the check, the admission, the kernel), the tensor is as it
         was before the op."""
-        if op.fn is None or op.call is None:
-            return op
-        written = written_arguments(op.fn)
-        if written:
-            op.call = keeping_geometry(op.call, written)
+        if op.fn is not None and op.call is not None:
+            op.call = keeping_geometry(op.fn, op.call)
         return op
 
     def _resolve_op(self, name: str, admission: Admission | None = None) -> _Op:

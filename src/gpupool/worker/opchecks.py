@@ -136,7 +136,7 @@ def argument_guard(name: str, fn: Any, call: Callable[..., Any]) -> Callable[...
     a tensor it writes that it left unsound when it raised is emptied (`mend_written`). Ops
     with neither keep `call` itself; the others pay one Python frame and a few type checks."""
     enums = _enum_arguments(fn._schema)
-    positions, names = written_arguments(fn._schema) if _may_resize(fn._schema) else ((), ())
+    positions, names = written_arguments(fn._schema) if may_resize(fn._schema) else ((), ())
     if not enums and not names:
         return call
 
@@ -166,7 +166,7 @@ def argument_guard(name: str, fn: Any, call: Callable[..., Any]) -> Callable[...
 _RESIZING_IN_PLACE = ("resize", "set_", "as_strided_", "_resize_output")
 
 
-def _may_resize(schema: Any) -> bool:
+def may_resize(schema: Any) -> bool:
     """Whether an op may change the sizes of a tensor it writes: one that writes an argument
     other than `self` (`out=`, `grad_input=` ...: resized to the result), or one of the
     in-place ops that change `self`'s sizes. In-place arithmetic (`add_`, `copy_`) only
