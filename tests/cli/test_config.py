@@ -18,10 +18,12 @@ from gpupool.client.sdk import resolve_token, resolve_url
 
 NAMES = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,20}", fullmatch=True)
 TEXT = st.text(st.characters(exclude_categories=("Cs",)), min_size=1, max_size=60)
+PATHS = TEXT.filter(lambda t: t != "~" and not t.startswith("~/"))
+"""Path texts that are not the home forms, which load expands (test below)."""
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=NAMES, url=TEXT, token_file=TEXT, data_dir=TEXT)
+@given(name=NAMES, url=TEXT, token_file=PATHS, data_dir=PATHS)
 def test_a_context_is_read_back_as_written_whatever_its_text(
     tmp_path_factory: pytest.TempPathFactory, name: str, url: str, token_file: str, data_dir: str
 ) -> None:
@@ -32,6 +34,14 @@ def test_a_context_is_read_back_as_written_whatever_its_text(
     assert loaded.current == name
     back = loaded.contexts[name]
     assert (back.url, back.token_file, back.data_dir) == (url, Path(token_file), Path(data_dir))
+
+
+def test_home_in_a_context_path_is_the_users_and_other_tildes_are_text(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    config.record(config.Context("a", "http://x", Path("~/t"), Path("~nosuchuser/d")), path=path)
+    back = config.load(path).contexts["a"]
+    assert back.token_file == Path.home() / "t"
+    assert back.data_dir == Path("~nosuchuser/d")
 
 
 def test_the_file_is_private_and_a_second_context_is_added_beside_the_first(

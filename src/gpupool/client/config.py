@@ -108,8 +108,8 @@ def _parse(data: dict[str, object], path: Path) -> Config:
         contexts[name] = Context(
             name=name,
             url=entry["url"],
-            token_file=Path(token_file).expanduser() if token_file else None,
-            data_dir=Path(data_dir).expanduser() if data_dir else None,
+            token_file=_home_path(token_file) if token_file else None,
+            data_dir=_home_path(data_dir) if data_dir else None,
         )
     current = data.get("current-context")
     if current is not None and not isinstance(current, str):
@@ -204,3 +204,12 @@ def context_for(url: str) -> Context | None:
 
 def _same_url(a: str, b: str) -> bool:
     return a.rstrip("/").lower() == b.rstrip("/").lower()
+
+
+def _home_path(text: str) -> Path:
+    """A path of the file: `~` and `~/...` are the user's home, as a shell reads them; any
+    other text, `~name` included, is taken as written (pathlib would look `name` up as a
+    user and raise where there is none: a config file must load whatever it holds)."""
+    if text == "~" or text.startswith("~/"):
+        return Path(text).expanduser()
+    return Path(text)
