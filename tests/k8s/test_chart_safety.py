@@ -18,6 +18,8 @@ from admission import pod
 from fake_apiserver import FakeApiServer
 from test_chart import CHART, NAMESPACE, containers, find, render
 
+from gpupool.agent import mps
+
 helm = pytest.importorskip("helm_python", reason="helm-python-sdk renders the chart")
 celpy = pytest.importorskip("celpy", reason="cel-python (dev extra) evaluates matchConditions")
 
@@ -215,6 +217,13 @@ def test_every_container_is_restricted_probed_and_bounded() -> None:
             (agent,) = spec["containers"]
             assert agent["securityContext"]["capabilities"]["add"] == ["SETUID", "SETGID", "CHOWN"]
             assert not spec.get("hostPID") and not spec.get("hostNetwork")
+            # Its root is read-only: every directory the agent writes is a volume of its own.
+            mounted = [Path(m["mountPath"]) for m in agent["volumeMounts"]]
+            args = dict(a.removeprefix("--").split("=", 1) for a in agent["args"] if "=" in a)
+            writes = [Path("/tmp"), Path("/dev/shm"), mps.SHARED_BASE.parent]
+            writes += [Path(args["data-dir"]), Path(args["kubelet-dir"])]
+            for path in writes:
+                assert any(path.is_relative_to(m) for m in mounted), f"{path}: read-only"
         else:
             assert pod_security["runAsNonRoot"] is True and pod_security["runAsUser"] > 0, name
     postgres = find(docs, "StatefulSet", "gpupool-postgresql")["spec"]["template"]["spec"]
