@@ -117,7 +117,18 @@ class ControllerSettings:
                 url = "postgresql+psycopg://" + url[len("postgres://") :]
             return url
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        database = self.data_dir / "gpupool.db"
         # The database holds every remote lease's tokens and peer secrets: the controller's
         # user alone may enter the directory (a worker user on the same host may not).
-        os.chmod(self.data_dir, 0o700)
-        return f"sqlite:///{(self.data_dir / 'gpupool.db').resolve()}"
+        try:
+            os.chmod(self.data_dir, 0o700)
+        except PermissionError:
+            # A directory of another owner: a container's volume (root's, 0777, the pod's
+            # fsGroup) for a controller of an unprivileged user. The database file is then
+            # made owner-only before SQLite opens it; its journal and WAL take its mode.
+            fd = os.open(database, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+            try:
+                os.fchmod(fd, 0o600)
+            finally:
+                os.close(fd)
+        return f"sqlite:///{database.resolve()}"

@@ -94,6 +94,7 @@ CLUSTER_SCOPED = frozenset(
         "RuntimeClass",
     }
 )
+SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 HOST_DIRS = ("/var/lib/kubelet", "/var/log/pods", "/var/log/containers")
 HOOK = "helm.sh/hook"
 WEBHOOK_CONFIGURATION = "gpupool-k8s"
@@ -103,6 +104,61 @@ T = TypeVar("T")
 
 class CannotRun(Exception):
     """The control plane cannot run here; the message says why (the tests skip with it)."""
+
+
+@dataclass(frozen=True)
+class Confinement:
+    """What a pod's and its container's securityContext make of the container's process, as
+    a container runtime applies them: its user, group and fsGroup, no new privileges, no
+    capability but the added ones, and a read-only root where only the pod's volumes can be
+    written. The chart's processes run so here: whatever they write outside their volumes, or
+    need as root, fails here as it would in the pod."""
+
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    no_new_privs: bool
+    capabilities: tuple[str, ...]
+    read_only_root: bool
+
+    @classmethod
+    def of(cls, pod: dict[str, Any], container: dict[str, Any]) -> Confinement:
+        pod_security = pod.get("securityContext") or {}
+        security = container.get("securityContext") or {}
+        caps = security.get("capabilities") or {}
+        assert caps.get("drop") == ["ALL"], f"{container['name']} keeps the runtime's caps"
+        fs_group = pod_security.get("fsGroup")
+        return cls(
+            uid=int(security.get("runAsUser", pod_security.get("runAsUser", 0))),
+            gid=int(security.get("runAsGroup", pod_security.get("runAsGroup", 0))),
+            groups=(int(fs_group),) if fs_group is not None else (),
+            no_new_privs=security.get("allowPrivilegeEscalation") is False,
+            capabilities=tuple(caps.get("add") or ()),
+            read_only_root=security.get("readOnlyRootFilesystem") is True,
+        )
+
+    def setpriv(self) -> list[str]:
+        """util-linux setpriv: the user, groups and capability sets, then exec."""
+        caps = ",".join(["-all", *(f"+{c.lower()}" for c in self.capabilities)])
+        argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}"]
+        argv += (
+            [f"--groups={','.join(map(str, self.groups))}"] if self.groups else ["--clear-groups"]
+        )
+        argv += [f"--inh-caps={caps}", f"--bounding-set={caps}"]
+        if self.capabilities and self.uid != 0:
+            argv += [f"--ambient-caps={caps}"]
+        if self.no_new_privs:
+            argv.append("--no-new-privs")
+        return [*argv, "--"]
+
+
+# Every mount of the process's mount namespace read-only but the kernel's own file systems,
+# as a read-only container root leaves only its volumes (mounted after this) writable.
+READ_ONLY_ROOT = (
+    "awk '{print $5}' /proc/self/mountinfo | sort -u | while read -r m; do "
+    'case "$m" in /proc|/proc/*|/sys|/sys/*|/dev|/dev/*) ;; '
+    '*) mount -o remount,bind,ro "$m" ;; esac; done'
+)
 
 
 def _die_with_parent() -> None:
@@ -265,11 +321,18 @@ class ControlPlane:
         env: dict[str, str] | None = None,
         mounts: dict[str, Path] | None = None,
         cwd: Path | None = None,
+        confinement: Confinement | None = None,
+        read_only: Sequence[str] = (),
     ) -> Process:
-        """Start a process in the namespace; `mounts` (path there -> path here) in its own."""
+        """Start a process in the namespace; `mounts` (path there -> path here) in its own,
+        the `read_only` ones read-only; with a pod's `confinement`, as its container runs."""
         command = list(argv)
-        if mounts:
-            binds = []
+        mounts = dict(mounts or {})
+        read_only_root = confinement is not None and confinement.read_only_root
+        if confinement is not None:
+            command = [*confinement.setpriv(), *command]
+        if mounts or read_only_root:
+            binds = [READ_ONLY_ROOT] if read_only_root else []
             sources = [str(source) for source in mounts.values()]
 
             def shadows(target: str) -> bool:  # a pod's /tmp hides this run's files
@@ -281,9 +344,14 @@ class ControlPlane:
                 if source.is_dir():
                     self._ensure_dir(Path(target))
                 binds.append(f"mount --bind {source} {target}")
+                if read_only_root:  # a bind keeps its source's (now read-only) flags
+                    mode = "ro" if target in read_only or target == SERVICE_ACCOUNT else "rw"
+                    binds.append(f"mount -o remount,bind,{mode} {target}")
+            if read_only_root:  # the image's working directory; nothing under it can change
+                binds.append("cd /")
             script = "set -e; " + "; ".join(binds) + '; exec "$@"'
-            command = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, name]
-            command += list(argv)
+            unshare = ["unshare", "--mount", "--propagation", "private", "sh", "-c", script, name]
+            command = unshare + command
         log = self.work / f"{name}.log"
         with log.open("ab") as out:
             proc = subprocess.Popen(
@@ -302,6 +370,38 @@ class ControlPlane:
         directory = self.work / "cwd" / name
         directory.mkdir(parents=True, exist_ok=True)
         return directory
+
+    def _volume(self, name: str) -> Path:
+        """An emptyDir: the kubelet makes them 0777, for whichever user the pod runs as."""
+        directory = self.work / "volumes" / name
+        directory.mkdir(parents=True)
+        directory.chmod(0o777)
+        return directory
+
+    def pod_mounts(
+        self, key: str, pod: dict[str, Any], files: dict[str, Path]
+    ) -> tuple[dict[str, Path], list[str]]:
+        """A chart pod's volume mounts (path there -> directory here) and the read-only
+        ones: emptyDirs made empty, Secrets as their files, the rest from `files` by volume
+        name; its service account's token where the kubelet mounts it."""
+        volumes = {v["name"]: v for v in pod.get("volumes", [])}
+        mounts: dict[str, Path] = {}
+        read_only = [SERVICE_ACCOUNT]
+        if pod.get("automountServiceAccountToken", True):
+            mounts[SERVICE_ACCOUNT] = self.service_account(key)
+        for mount in pod["containers"][0].get("volumeMounts", []):
+            volume = volumes[mount["name"]]
+            if mount["name"] in files:
+                mounts[mount["mountPath"]] = files[mount["name"]]
+            elif "emptyDir" in volume:
+                mounts[mount["mountPath"]] = self._volume(f"{key}-{mount['name']}")
+            elif "secret" in volume:
+                mounts[mount["mountPath"]] = self.secret_dir(volume["secret"]["secretName"])
+            else:
+                raise AssertionError(f"{key}: no files for volume {mount['name']}: {volume}")
+            if mount.get("readOnly"):
+                read_only.append(mount["mountPath"])
+        return mounts, read_only
 
     def run(
         self, *argv: str, timeout_s: float = 60.0, input_text: str | None = None
@@ -618,8 +718,13 @@ class ControlPlane:
         self.wait_for("the webhooks' caBundle", set_, watch=["k8s-serve"])
 
     def start_controller(self) -> None:
-        data = self.work / "controller"
-        data.mkdir()
+        """The controller as its pod runs it (user, read-only root, its volumes), on SQLite in
+        its data volume where the chart's would use PostgreSQL, with the pool's packing
+        policy: the node that already holds a slice is the pool's first choice."""
+        pod = self.chart_object("Deployment", "gpupool-controller")["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        mounts, read_only = self.pod_mounts("controller", pod, {})
+        data_dir = next(a for a in container["args"] if a.startswith("--data-dir="))
         self.spawn(
             "controller",
             [
@@ -631,13 +736,14 @@ class ControlPlane:
                 "127.0.0.1",
                 "--port",
                 str(CONTROLLER_PORT),
-                "--data-dir",
-                str(data),
-                # Packing: the node that already holds a slice is the pool's first choice.
+                data_dir,
                 "--policy",
                 "packing",
             ],
             env={"GPUPOOL_ADMIN_TOKEN": self.admin_token},
+            mounts=mounts,
+            confinement=Confinement.of(pod, container),
+            read_only=read_only,
         )
         self.wait_for(
             "the controller",
@@ -646,19 +752,12 @@ class ControlPlane:
         )
 
     def start_k8s_serve(self) -> None:
-        """`gpupool k8s serve` with the arguments, Secrets and service account of its pod."""
+        """`gpupool k8s serve` with the arguments, Secrets, service account and security
+        context of its pod."""
         deployment = self.chart_object("Deployment", "gpupool-k8s")
-        container = deployment["spec"]["template"]["spec"]["containers"][0]
-        mounts = {
-            "/var/run/secrets/kubernetes.io/serviceaccount": self.service_account("extender"),
-        }
-        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
-        for mount in container["volumeMounts"]:
-            volume = volumes[mount["name"]]
-            if "emptyDir" in volume:
-                mounts[mount["mountPath"]] = self._empty_dir(f"k8s-serve-{mount['name']}")
-            else:
-                mounts[mount["mountPath"]] = self.secret_dir(volume["secret"]["secretName"])
+        pod = deployment["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        mounts, read_only = self.pod_mounts("extender", pod, {})
         self.spawn(
             "k8s-serve",
             [sys.executable, "-m", "gpupool.cli", *container["args"]],
@@ -668,6 +767,8 @@ class ControlPlane:
                 "KUBERNETES_SERVICE_PORT": str(API_PORT),
             },
             mounts=mounts,
+            confinement=Confinement.of(pod, container),
+            read_only=read_only,
         )
         port = next(p["containerPort"] for p in container["ports"])
         self.wait_for(
@@ -687,24 +788,15 @@ class ControlPlane:
         (config_dir / "scheduler-config.yaml").write_text(text)
         deployment = self.chart_object("Deployment", "gpupool-scheduler")
         spec = deployment["spec"]["template"]["spec"]
-        volumes = {v["name"]: v for v in spec["volumes"]}
-        mounts = {
-            "/var/run/secrets/kubernetes.io/serviceaccount": self.service_account("scheduler")
-        }
-        for mount in spec["containers"][0]["volumeMounts"]:
-            volume = volumes[mount["name"]]
-            if "configMap" in volume:
-                mounts[mount["mountPath"]] = config_dir
-            elif "emptyDir" in volume:
-                mounts[mount["mountPath"]] = self._empty_dir(f"kube-scheduler-{mount['name']}")
-            else:
-                mounts[mount["mountPath"]] = self.secret_dir(volume["secret"]["secretName"])
+        mounts, read_only = self.pod_mounts("scheduler", spec, {"config": config_dir})
         command = list(spec["containers"][0]["command"])
         self.spawn(
             "kube-scheduler",
             [str(self.bin / "kube-scheduler"), *command[1:], "--port=0"],
             env={"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": str(API_PORT)},
             mounts=mounts,
+            confinement=Confinement.of(spec, spec["containers"][0]),
+            read_only=read_only,
         )
         self.wait_for(
             "the gpupool scheduler's leader lease",
@@ -823,8 +915,20 @@ class ControlPlane:
         return any(c["type"] == "Ready" and c["status"] == "True" for c in conditions)
 
     def start_agent(self, fake: str = "2xH100-80GB", slots: int = 4) -> None:
+        """An agent as the chart's DaemonSet runs it (root with three capabilities, a
+        read-only root, its volumes: the kubelet's device-plugin directory, its data
+        directory, /dev/shm, /run/gpupool, /tmp), on the simulated backend."""
+        pod = self.chart_object("DaemonSet", "gpupool-agent")["spec"]["template"]["spec"]
+        container = pod["containers"][0]
+        args = dict(a.removeprefix("--").split("=", 1) for a in container["args"] if "=" in a)
         data = self.work / "agent"
         data.mkdir()
+        (data / "shm").mkdir()
+        kubelet_dir = self.work / "host" / "var-lib-kubelet" / "device-plugins"
+        kubelet_dir.mkdir(parents=True, exist_ok=True)
+        mounts, read_only = self.pod_mounts(
+            "agent", pod, {"data": data, "device-plugins": kubelet_dir, "mps-shm": data / "shm"}
+        )
         self.spawn(
             "agent",
             [
@@ -840,12 +944,10 @@ class ControlPlane:
                 fake,
                 "--interval",
                 "0.5",
-                "--data-dir",
-                str(data),
+                f"--data-dir={args['data-dir']}",
                 "--no-banner",
                 "--device-plugin",
-                "--kubelet-dir",
-                "/var/lib/kubelet/device-plugins",
+                f"--kubelet-dir={args['kubelet-dir']}",
                 "--vgpu-slots",
                 str(slots),
                 "--worker-user",
@@ -857,7 +959,9 @@ class ControlPlane:
                 "KUBERNETES_SERVICE_HOST": "127.0.0.1",
                 "KUBERNETES_SERVICE_PORT": str(API_PORT),
             },
-            mounts={"/var/run/secrets/kubernetes.io/serviceaccount": self.service_account("agent")},
+            mounts=mounts,
+            confinement=Confinement.of(pod, container),
+            read_only=read_only,
         )
         self.wait_for(
             "the node's gpupool.io/vgpu",

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import yaml
-from control_plane import NODE, ControlPlane, make_certificates
+from control_plane import NODE, Confinement, ControlPlane, make_certificates
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -149,6 +149,44 @@ def test_the_chart_is_applied_with_server_side_validation(cluster: ControlPlane)
         "apply", "--server-side", "-n", "gpupool", "-f", "-", input_text=bad, check=False
     )
     assert refused.returncode != 0
+
+
+CAPABILITY_BITS = {"CHOWN": 0, "SETGID": 6, "SETUID": 7}  # linux/capability.h
+
+
+@pytest.mark.parametrize(
+    ("process", "kind", "name"),
+    [
+        ("controller", "Deployment", "gpupool-controller"),
+        ("k8s-serve", "Deployment", "gpupool-k8s"),
+        ("kube-scheduler", "Deployment", "gpupool-scheduler"),
+        ("agent", "DaemonSet", "gpupool-agent"),
+    ],
+)
+def test_the_charts_processes_serve_confined_as_their_pods_say(
+    cluster: ControlPlane, process: str, kind: str, name: str
+) -> None:
+    """Every other test here talks to these processes: they serve as the chart confines
+    them (its user, no new privileges, only the added capabilities, a read-only root)."""
+    pod = cluster.chart_object(kind, name)["spec"]["template"]["spec"]
+    want = Confinement.of(pod, pod["containers"][0])
+    pid = cluster.processes[process].proc.pid
+    status = dict(
+        line.split(":\t", 1)
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+        if ":\t" in line
+    )
+    assert status["Uid"].split() == [str(want.uid)] * 4, status["Uid"]
+    assert status["Gid"].split() == [str(want.gid)] * 4, status["Gid"]
+    assert status["NoNewPrivs"] == "1"
+    caps = sum(1 << CAPABILITY_BITS[c] for c in want.capabilities)
+    assert int(status["CapEff"], 16) == caps and int(status["CapBnd"], 16) == caps
+    mounts = [line.split() for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()]
+    (root,) = [m for m in mounts if m[4] == "/"]
+    assert want.read_only_root and root[5].split(",")[0] == "ro", root
+    writable = {m[4] for m in mounts if m[5].split(",")[0] == "rw"}
+    volumes = {m["mountPath"] for m in pod["containers"][0].get("volumeMounts", [])}
+    assert not {w for w in writable if not w.startswith(("/proc", "/sys", "/dev"))} - volumes
 
 
 def test_a_pod_is_admitted_scheduled_bound_and_given_its_lease_by_the_kubelet(
