@@ -6,7 +6,11 @@ bench/results/opinfo_sweep.json: per pass the pass %, silent mismatches and erro
 the failures grouped by cause, under `--label` (default `after`).
 
     python bench/opinfo_sweep.py [--per-op 3] [--every 1] [--passes fp32_forward,...]
-                                 [--label after] [--ops add,mul]
+                                 [--label after] [--ops add,mul] [--shard K/N] [--deadline-s S]
+
+`--shard K/N` takes every N-th op from the K-th (1-based), so N runs cover the database once
+(bench/gpu/run_issue21_sweep.sh splits the H200 sweep this way); `--deadline-s` stops starting
+ops after that long, shared out over the passes, and counts the ops left out.
 
 On the GPU machine, `GPUPOOL_TEST_WORKER_DEVICE=cuda:0` runs the worker on the GPU while this
 process stays a client without a GPU (CUDA_VISIBLE_DEVICES=); the local side is then the CPU,
@@ -27,6 +31,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "torch"))
+sys.path.insert(0, str(ROOT))  # tests.timing, which the worker fixtures use
 RESULTS = ROOT / "bench" / "results" / "opinfo_sweep.json"
 LEASE = "lease-sweep"
 
@@ -40,7 +45,12 @@ def main() -> None:
     parser.add_argument("--label", default="after")
     parser.add_argument("--out", default=str(RESULTS))
     parser.add_argument("--verbose", action="store_true", help="name each op on stderr first")
+    parser.add_argument("--shard", default="1/1", help="K/N: every N-th op from the K-th")
+    parser.add_argument("--deadline-s", type=float, default=0.0, help="0: no deadline")
     options = parser.parse_args()
+    shard, shards = (int(part) for part in options.shard.split("/"))
+    if not 1 <= shard <= shards:
+        parser.error("--shard K/N needs 1 <= K <= N")
 
     import torch
     from op_sweep import PASSES, Tally, applies, full_name, op_db, run_op, sampled
@@ -68,15 +78,25 @@ def main() -> None:
     if options.ops:
         wanted = set(options.ops.split(","))
         ops = [op for op in ops if full_name(op) in wanted or op.name in wanted]
+    ops = ops[shard - 1 :: shards]
+    passes = options.passes.split(",")
     report: dict[str, Any] = {}
     lost = 0
+    begun = time.perf_counter()
     try:
-        for which in options.passes.split(","):
+        for number, which in enumerate(passes):
             assert which in PASSES, which
             tally = Tally()
             started = time.perf_counter()
+            # Each pass may use its share of what is left of the deadline.
+            left_s = options.deadline_s - (started - begun)
+            stop_at = started + left_s / (len(passes) - number) if options.deadline_s else None
+            not_run = 0
             for op in ops:
                 if not applies(op, which):
+                    continue
+                if stop_at is not None and time.perf_counter() > stop_at:
+                    not_run += 1
                     continue
                 before = len(tally.outcomes)
                 if options.verbose:
@@ -85,13 +105,20 @@ def main() -> None:
                 lost += sum("WorkerLost" in o.cause for o in tally.outcomes[before:])
             summary = tally.summary()
             summary["seconds"] = round(time.perf_counter() - started, 1)
+            summary["ops_not_run"] = not_run
             report[which] = summary
             print(
                 f"{which}: {summary['pass_pct']:.2f} % of {summary['tried']} samples pass, "
                 f"{summary['mismatches']} mismatches, {summary['errors']} errors "
-                f"({summary['seconds']} s)",
+                f"({summary['seconds']} s; {not_run} ops left out by the deadline)",
                 flush=True,
             )
+            for failure in summary["failures"]:
+                if failure["result"] == "mismatch":  # silent wrong values, each named
+                    print(f"  MISMATCH {failure['op']}[{failure['sample']}]: "
+                          f"{failure['cause'][:200]}", flush=True)  # fmt: skip
+            for cause in summary["causes"][:8]:
+                print(f"  {cause['samples']:3d} x {cause['cause'][:150]}", flush=True)
     finally:
         gpupool.torch.detach()
         state["worker"].stop()
@@ -100,7 +127,10 @@ def main() -> None:
         f"{platform.machine()} x{os.cpu_count()}; worker device {WORKER_DEVICE}; "
         f"torch {torch.__version__}; python {platform.python_version()}"
     )
-    report["settings"] = {"per_op": options.per_op, "every": options.every, "ops": len(ops)}
+    report["settings"] = {
+        "per_op": options.per_op, "every": options.every, "ops": len(ops),
+        "shard": options.shard, "deadline_s": options.deadline_s,
+    }  # fmt: skip
     path = Path(options.out)
     stored = json.loads(path.read_text()) if path.exists() else {}
     stored[options.label] = report

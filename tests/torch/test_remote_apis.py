@@ -532,7 +532,9 @@ def test_a_remote_program_prints_nothing_on_stderr(workers: list[Any], tmp_path:
     script = tmp_path / "program.py"
     script.write_text(textwrap.dedent(_PROGRAM.format(address=workers[0].address, token=TOKEN)))
     src = str(Path(gpupool.torch.__file__).parents[2])
-    env = {**os.environ, "PYTHONPATH": src, "OMP_NUM_THREADS": "1"}
+    # src first, then whatever this process was given (the GPU machine's wheels in /tmp/site)
+    path = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
     env.pop("PYTHONWARNINGS", None)
     started = time.monotonic()
     done = subprocess.run(

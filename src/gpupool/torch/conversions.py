@@ -58,8 +58,29 @@ def _parse_to(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, 
     return device, dtype, bool(non_blocking), copy, memory_format
 
 
+_COMPRESSED = frozenset({torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr, torch.sparse_bsc})
+
+
+def _refuse_compressed(self: torch.Tensor, device: Any) -> None:
+    """A CSR/CSC/BSR/BSC tensor copied to a remote device fails here, before torch's copy
+    runs: that copy builds the compressed tensor in C++ for the target device, which torch
+    2.13 refuses with NotImplementedError and torch 2.11 with a RuntimeError of its own.
+    (A COO tensor fails at the factory, naming it, on both.)"""
+    if (
+        self.layout in _COMPRESSED
+        and isinstance(device, torch.device)
+        and device.type == "cuda"
+        and not isinstance(self, RemoteTensor)
+    ):
+        raise NotImplementedError(
+            f"aten::_to_copy: {self.layout} tensors are not supported on gpupool remote "
+            "devices (only strided ones); use .to_dense() first"
+        )
+
+
 def to(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     device, dtype, non_blocking, copy, memory_format = _parse_to(args, kwargs)
+    _refuse_compressed(self, device)
     if isinstance(self, RemoteTensor):
         here = self.device
         stays = device is None or device == here

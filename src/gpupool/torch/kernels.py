@@ -5,14 +5,17 @@
   the factories inside library code all make RemoteTensors, at any call depth.
 - PrivateUse1 (`gpupool`, a remote tensor's C++ device), the same two: what C++ composites and
   autograd formulas allocate with a remote tensor's options (`x[0] = 5`, `x[mask] = 0`, the
-  zeros of clamp's backward) comes out as a remote tensor on the same device. Everything else
+  zeros of clamp's backward) comes out as a remote tensor on the same device. Also the three
+  ops that have a device kernel and a composite (`silu_backward`, ...), so they are not
+  decomposed for a remote tensor. Everything else
   C++ runs on a remote tensor with the Python key excluded (host data turned into an index
   tensor, `x[[0, 2]]`) reaches the backend's fallback, which is the remote dispatcher.
-- AutogradPrivateUse1, three composite ops whose C++ picks its kernel by the tensor's device
+- AutogradPrivateUse1, composite ops whose C++ picks its kernel by the tensor's device
   (which is not `cuda` in C++, so they would decompose in the client):
   `scaled_dot_product_attention` (the worker picks flash / efficient / cuDNN, the client calls
-  that fused op), `batch_norm` (→ `_batch_norm_with_update`, cuDNN on a CUDA worker) and
-  `dropout` (→ the fused `native_dropout`).
+  that fused op), `batch_norm` (→ `_batch_norm_with_update`, cuDNN on a CUDA worker),
+  `dropout` (→ the fused `native_dropout`), and `lstm` / `gru`, whose fused cells only CUDA
+  has (gpupool.torch.rnn runs the CPU path's cells on a CPU worker).
 
 The autograd engine would run a device's backward on a thread of its own, one per device that
 the device guard counts (PyTorch's Python guard counts one); remote ops need no such thread, so
@@ -26,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gpupool.torch import dispatch, runtime
+from gpupool.torch import dispatch, rnn, runtime
 from gpupool.torch.shapes import op_info
 from gpupool.torch.tensor import BACKEND, RemoteTensor, ensure_backend
 
@@ -61,13 +64,15 @@ def install() -> None:
         ):
             cuda.impl(name, _factory_kernel(op))
             backend.impl(name, _factory_kernel(op))
-        for name, op in _BELOW_PYTHON.items():
+        for name, op in {**_BELOW_PYTHON, **_KERNELS_OF_THEIR_OWN}.items():
             backend.impl(name, _op_kernel(op))
         backend.impl("_efficientzerotensor", _zeros)
         autograd = torch.library.Library("aten", "IMPL", "AutogradPrivateUse1")
         autograd.impl("scaled_dot_product_attention", scaled_dot_product_attention)
         autograd.impl("batch_norm", batch_norm)
         autograd.impl("dropout", dropout)
+        autograd.impl("lstm.input", rnn.lstm)
+        autograd.impl("gru.input", rnn.gru)
     _LIBRARIES.extend([cuda, backend, autograd])
     _install_engine_thread()
 
@@ -143,6 +148,18 @@ _BELOW_PYTHON = {
 a device tensor (`torch.tensor(data, device=...)`, a list index, `x[[0, 2]]`) is copied with
 the Python key off. They go to the remote dispatcher all the same; any other op that gets
 there fails with PyTorch's own error naming the op and the `gpupool` backend."""
+
+
+_KERNELS_OF_THEIR_OWN = {
+    "silu_backward": aten.silu_backward.default,
+    "mish_backward": aten.mish_backward.default,
+    "native_channel_shuffle": aten.native_channel_shuffle.default,
+}
+"""The aten ops with both a CPU/CUDA kernel and a C++ composite: a device without a kernel of
+its own gets the composite, so on a remote tensor silu's backward ran as sigmoid and muls in
+the client and rounded otherwise than the worker's kernel (a Llama MLP's gradients). A
+PrivateUse1 kernel of their own makes autograd and the dispatcher treat them as on CUDA: they
+reach the worker whole."""
 
 
 def _zeros(
@@ -264,23 +281,31 @@ def _sdp_choice(
     dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
 ) -> int:  # fmt: skip
     """The fused kernel the worker's own SDPA would pick, asked once per signature."""
-    if enable_gqa:
-        return MATH
     signature = (
         query._gp.stream.index,
         *(_signature(t) for t in (query, key, value, mask)),
-        dropout_p > 0, is_causal, scale is None, torch.is_grad_enabled(),
+        dropout_p > 0, is_causal, scale is None, torch.is_grad_enabled(), enable_gqa,
     )  # fmt: skip
     choice = _SDP_CHOICES.get(signature)
     if choice is None:
+        # enable_gqa goes along: the fused kernels that take fewer key/value heads than query
+        # heads (flash, CPU's and CUDA's, and cuDNN) are picked for it, as a local run picks
+        # them (a Llama-shaped model's attention).
+        kwargs = {"scale": scale, "enable_gqa": True} if enable_gqa else {"scale": scale}
         result = dispatch.run(
             op_info(aten._fused_sdp_choice.default),
             (query, key, value, mask, dropout_p, is_causal),
-            {"scale": scale},
+            kwargs,
         )
         choice = _SDP_CHOICES[signature] = int(result)
     # The client's own switches (torch.backends.cuda.enable_flash_sdp(False), sdpa_kernel())
     # narrow the worker's choice.
+    mask_needs_grad = mask is not None and mask.requires_grad and torch.is_grad_enabled()
+    if mask_needs_grad and choice != EFFICIENT:
+        # The worker's tensors never need gradients, so its answer cannot see that the mask
+        # does; the flash kernel for CPU and cuDNN's refuse such a mask (PyTorch's
+        # check_attn_mask_shape), the memory-efficient kernel differentiates it.
+        choice = MATH
     backends = torch.backends.cuda
     allowed = {
         FLASH: backends.flash_sdp_enabled(),

@@ -461,6 +461,11 @@ class Executor:
         for value, handle in zip(flat, outs, strict=True):
             if handle is None:
                 continue
+            if value is None:
+                # An optional output the op left undefined (`_native_multi_head_attention`
+                # without weights, the fused attentions' unused statistics): C++ gives an
+                # undefined tensor where the client's meta kernel made an empty one.
+                value = torch.empty(0, device=self.device)
             if not isinstance(value, torch.Tensor):
                 raise RuntimeError(
                     f"the op returned {type(value).__name__} where a tensor was expected"

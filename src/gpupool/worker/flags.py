@@ -9,6 +9,7 @@ torch's defaults again (`reset`), whatever the previous one set.
 
 from __future__ import annotations
 
+import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,7 +43,16 @@ def _quiet(setter: Callable[[Any], None]) -> Callable[[Any], None]:
     return apply
 
 
+CUBLAS_WORKSPACE = ("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+"""What cuBLAS needs for deterministic results, and PyTorch checks at every cuBLAS call in
+deterministic mode (a RuntimeError otherwise). On a local GPU the user sets it; a worker's
+environment is the agent's, so the worker sets it when a client turns the mode on, unless it
+is set already (the size is PyTorch's default workspace on Hopper GPUs anyway)."""
+
+
 def _set_deterministic(value: bool) -> None:
+    if value and torch.cuda.is_available():
+        os.environ.setdefault(*CUBLAS_WORKSPACE)
     # torch.use_deterministic_algorithms also imports Inductor for its own switch (seconds,
     # and nothing compiles on a worker): the switch the kernels read is this one.
     torch._C._set_deterministic_algorithms(

@@ -1,0 +1,151 @@
+"""LSTM and GRU layers on remote tensors: the cells a CPU worker can run, as PyTorch's CPU
+path computes them.
+
+`aten::lstm` and `aten::gru` are C++ composites that pick their cell by the input's device: on
+CUDA and on a PrivateUse1 device (a remote tensor's C++ device) each step calls the fused
+`_thnn_fused_lstm_cell` / `_thnn_fused_gru_cell`, kernels only CUDA has, so on a CPU worker
+nn.LSTM failed at its first step. For a remote tensor whose worker is a CPU, the layers here
+(registered for AutogradPrivateUse1 in gpupool.torch.kernels) run ATen's CPU cells in their
+order: the input projection of a whole layer at once, then per step the hidden projection
+added to it and the gates; dropout between layers. Autograd records each op, so backward is
+the cells' too. An LSTM with projections (which a local CPU runs as cells too) is then
+bit-identical with a local CPU run; a GRU agrees to about 1e-8 (why not exactly is open). A
+float32 LSTM without projections agrees as closely: a local CPU runs it as oneDNN layers
+(`mkldnn_rnn_layer`), which a worker refuses (the kernel trusts its weights' shapes: forged
+ones crashed a worker), so the cells' rounding differs from oneDNN's in the last bits (about
+1e-9 in the gradients of a small model).
+torch._decomp's own LSTM decomposition is not used: it drops the dropout between layers.
+A CUDA worker keeps PyTorch's composite (its fused cells run there).
+
+Packed sequences (`lstm.data`, `gru.data`) keep the composite, so on a CPU worker they fail
+at the fused cell, naming it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from gpupool.torch.tensor import RemoteTensor
+
+aten = torch.ops.aten
+
+Hidden = Any
+"""An LSTM's (h, c) pair of [batch, hidden] tensors, or a GRU's h."""
+Cell = Callable[[torch.Tensor, Hidden, Sequence[torch.Tensor]], Hidden]
+
+
+def _on_cpu_worker(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, RemoteTensor) and not tensor._gp.stream.is_cuda_worker
+
+
+def _lstm_cell(gates_in: torch.Tensor, hidden: Hidden, params: Sequence[torch.Tensor]) -> Hidden:
+    """One step; `gates_in` is the step's input already projected (w_ih x + b_ih)."""
+    hx, cx = hidden
+    w_hh = params[1]
+    b_hh = params[3] if len(params) in (4, 5) else None
+    gates = F.linear(hx, w_hh, b_hh) + gates_in
+    ingate, forgetgate, cellgate, outgate = gates.unsafe_chunk(4, 1)
+    ingate, forgetgate = ingate.sigmoid(), forgetgate.sigmoid()
+    cellgate, outgate = cellgate.tanh(), outgate.sigmoid()
+    cy = forgetgate * cx + ingate * cellgate
+    hy = outgate * cy.tanh()
+    if len(params) in (3, 5):  # a projection (proj_size): w_hr last
+        hy = hy.matmul(params[-1].t())
+    return hy, cy
+
+
+def _gru_cell(gates_in: torch.Tensor, hidden: Hidden, params: Sequence[torch.Tensor]) -> Hidden:
+    w_hh = params[1]
+    b_hh = params[3] if len(params) == 4 else None
+    i_r, i_z, i_n = gates_in.unsafe_chunk(3, 1)
+    h_r, h_z, h_n = F.linear(hidden, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset_gate = (h_r + i_r).sigmoid()
+    input_gate = (h_z + i_z).sigmoid()
+    new_gate = (i_n + h_n * reset_gate).tanh()
+    return (hidden - new_gate) * input_gate + new_gate
+
+
+def _layer(
+    cell: Cell, inputs: torch.Tensor, hidden: Hidden, params: Sequence[torch.Tensor],
+    reverse: bool,
+) -> tuple[torch.Tensor, Hidden]:  # fmt: skip
+    b_ih = params[2] if len(params) >= 4 else None
+    projected = F.linear(inputs, params[0], b_ih).unbind(0)
+    steps = reversed(projected) if reverse else projected
+    outputs = []
+    for step in steps:
+        hidden = cell(step, hidden, params)
+        outputs.append(hidden[0] if isinstance(hidden, tuple) else hidden)
+    if reverse:
+        outputs.reverse()
+    return torch.stack(outputs, 0), hidden
+
+
+def _stack(
+    cell: Cell, input: torch.Tensor, hiddens: list[Hidden], params: list[list[torch.Tensor]],
+    num_layers: int, dropout: float, train: bool, bidirectional: bool,
+) -> tuple[torch.Tensor, list[Hidden]]:  # fmt: skip
+    """The layers one after the other, each direction's output side by side."""
+    directions = 2 if bidirectional else 1
+    finals: list[Hidden] = []
+    layer_input = input
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            out, final = _layer(cell, layer_input, hiddens[index], params[index], direction == 1)
+            outputs.append(out)
+            finals.append(final)
+        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, outputs[0].dim() - 1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            layer_input = F.dropout(layer_input, dropout, True)
+    return layer_input, finals
+
+
+def _group(params: Sequence[torch.Tensor], has_biases: bool, projected: bool) -> list[list[Any]]:
+    per = (4 if has_biases else 2) + (1 if projected else 0)
+    if len(params) % per:
+        raise RuntimeError(f"rnn: {len(params)} weights do not divide into layers of {per}")
+    return [list(params[i : i + per]) for i in range(0, len(params), per)]
+
+
+def lstm(
+    input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+    has_biases: bool, num_layers: int, dropout: float, train: bool, bidirectional: bool,
+    batch_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    if not _on_cpu_worker(input):
+        return aten.lstm.input.decompose(
+            input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first
+        )
+    if len(hx) != 2:
+        raise RuntimeError(f"lstm expects two hidden states, got {len(hx)}")
+    h0, c0 = hx
+    projected = h0.size(2) != c0.size(2)
+    grouped = _group(params, has_biases, projected)
+    x = input.transpose(0, 1) if batch_first else input
+    hiddens = list(zip(h0.unbind(0), c0.unbind(0), strict=True))
+    out, finals = _stack(_lstm_cell, x, hiddens, grouped, num_layers, dropout, train, bidirectional)
+    out = out.transpose(0, 1) if batch_first else out
+    return out, torch.stack([h for h, _ in finals], 0), torch.stack([c for _, c in finals], 0)
+
+
+def gru(
+    input: torch.Tensor, hx: torch.Tensor, params: Sequence[torch.Tensor], has_biases: bool,
+    num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if not _on_cpu_worker(input):
+        return aten.gru.input.decompose(
+            input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first
+        )
+    grouped = _group(params, has_biases, False)
+    x = input.transpose(0, 1) if batch_first else input
+    out, finals = _stack(
+        _gru_cell, x, list(hx.unbind(0)), grouped, num_layers, dropout, train, bidirectional
+    )
+    out = out.transpose(0, 1) if batch_first else out
+    return out, torch.stack(finals, 0)
