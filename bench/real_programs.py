@@ -40,6 +40,7 @@ def run(options: argparse.Namespace) -> int:
     import torch
 
     warnings.simplefilter("ignore")
+    torch.set_num_threads(1)  # as the worker runs: a CPU's reductions round by thread count
     names = options.only.split(",") if options.only else list(real_programs.PROGRAMS)
     worker = None
     device = options.device
