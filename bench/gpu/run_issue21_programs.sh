@@ -6,8 +6,9 @@
 # minutes; a step that fails says why and the others go on.
 #   bash bench/gpu/run_issue21_programs.sh   (carry .whl; transformers and torchvision are on
 #                                              the machine's image)
-# 1. local: bench/real_programs.py run --device cuda, deterministic algorithms on, cuDNN
-#    benchmark off, CUBLAS_WORKSPACE_CONFIG=:4096:8;
+# 1. local: bench/real_programs.py run --device cuda, deterministic algorithms on (warn-only:
+#    a GPU lacks deterministic kernels for a few of their ops), cuDNN benchmark off,
+#    CUBLAS_WORKSPACE_CONFIG=:4096:8;
 # 2. remote: the same with this process seeing no GPU and a worker on GPU 0 (the switches go
 #    to the worker; the worker sets the cuBLAS workspace itself);
 # 3. compare: EQUAL per program where bit-identical (expected: same GPU, same kernels), else

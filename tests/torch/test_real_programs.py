@@ -9,6 +9,7 @@ which and why). Programs whose package is not installed skip, naming it: `pip in
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable
 from typing import Any
@@ -62,3 +63,41 @@ def test_a_real_program_gives_the_local_numbers_on_a_remote_gpu(
                 assert remote[key] == value, key  # tokens and predictions exactly
             assert _close(remote[key], value, rel), (key, remote[key], value)
     assert torch.cuda.is_available()
+
+
+def _recurrent_run(module: torch.nn.Module, x: torch.Tensor, device: str) -> list[torch.Tensor]:
+    module = copy.deepcopy(module).to(device)
+    inputs = x.clone().to(device).requires_grad_()
+    out = module(inputs)[0]
+    out.square().sum().backward()
+    assert inputs.grad is not None
+    grads = [p.grad.cpu() for p in module.parameters() if p.grad is not None]
+    return [out.detach().cpu(), inputs.grad.cpu(), *grads]
+
+
+def test_recurrent_layers_on_a_cpu_worker_give_the_local_cpus_values(
+    attach: Callable[..., Any],
+) -> None:
+    torch.manual_seed(0)
+    exact = {
+        "gru, 2 layers, dropout": torch.nn.GRU(8, 6, 2, dropout=0.3),
+        "gru, bidirectional, batch first": torch.nn.GRU(8, 6, bidirectional=True, batch_first=True),
+        "lstm with projections": torch.nn.LSTM(8, 6, 2, proj_size=4),
+    }
+    close = {"lstm, bidirectional": torch.nn.LSTM(8, 6, 2, bidirectional=True)}
+    x = torch.randn(5, 3, 8)
+    local = {}
+    for name, module in {**exact, **close}.items():
+        torch.manual_seed(1)  # the dropout between layers draws alike
+        local[name] = _recurrent_run(module, x, "cpu")
+    attach()
+    if runtime.stream(0).is_cuda_worker:
+        pytest.skip("compares with a local CPU run")
+    for name, module in {**exact, **close}.items():
+        torch.manual_seed(1)
+        remote = _recurrent_run(module, x, "cuda")
+        for got, want in zip(remote, local[name], strict=True):
+            if name in exact:
+                assert torch.equal(got, want), name
+            else:  # a local CPU runs this one in oneDNN, which a worker refuses
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -8,9 +8,9 @@ nn.LSTM failed at its first step. For a remote tensor whose worker is a CPU, the
 (registered for AutogradPrivateUse1 in gpupool.torch.kernels) run ATen's CPU cells in their
 order: the input projection of a whole layer at once, then per step the hidden projection
 added to it and the gates; dropout between layers. Autograd records each op, so backward is
-the cells' too. An LSTM with projections (which a local CPU runs as cells too) is then
-bit-identical with a local CPU run; a GRU agrees to about 1e-8 (why not exactly is open). A
-float32 LSTM without projections agrees as closely: a local CPU runs it as oneDNN layers
+the cells' too. A GRU and an LSTM with projections (which a local CPU runs as cells too) are
+then bit-identical with a local CPU run. A float32 LSTM without projections agrees to the
+last bits only: a local CPU runs it as oneDNN layers
 (`mkldnn_rnn_layer`), which a worker refuses (the kernel trusts its weights' shapes: forged
 ones crashed a worker), so the cells' rounding differs from oneDNN's in the last bits (about
 1e-9 in the gradients of a small model).
@@ -42,16 +42,21 @@ def _on_cpu_worker(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, RemoteTensor) and not tensor._gp.stream.is_cuda_worker
 
 
+# The cells are ATen's (RNN.cpp's LSTMCell and GRUCell) op for op, in-place ops on the gates'
+# chunks included: an elementwise kernel on a chunk (a strided view) loops otherwise than on a
+# contiguous tensor and rounds otherwise (vectorised exp against scalar).
+
+
 def _lstm_cell(gates_in: torch.Tensor, hidden: Hidden, params: Sequence[torch.Tensor]) -> Hidden:
     """One step; `gates_in` is the step's input already projected (w_ih x + b_ih)."""
     hx, cx = hidden
     w_hh = params[1]
     b_hh = params[3] if len(params) in (4, 5) else None
-    gates = F.linear(hx, w_hh, b_hh) + gates_in
-    ingate, forgetgate, cellgate, outgate = gates.unsafe_chunk(4, 1)
-    ingate, forgetgate = ingate.sigmoid(), forgetgate.sigmoid()
-    cellgate, outgate = cellgate.tanh(), outgate.sigmoid()
-    cy = forgetgate * cx + ingate * cellgate
+    gates = F.linear(hx, w_hh, b_hh).add_(gates_in)
+    chunks = gates.unsafe_chunk(4, 1)
+    ingate, forgetgate = chunks[0].sigmoid_(), chunks[1].sigmoid_()
+    cellgate, outgate = chunks[2].tanh_(), chunks[3].sigmoid_()
+    cy = (forgetgate * cx).add_(ingate * cellgate)
     hy = outgate * cy.tanh()
     if len(params) in (3, 5):  # a projection (proj_size): w_hr last
         hy = hy.matmul(params[-1].t())
@@ -61,12 +66,12 @@ def _lstm_cell(gates_in: torch.Tensor, hidden: Hidden, params: Sequence[torch.Te
 def _gru_cell(gates_in: torch.Tensor, hidden: Hidden, params: Sequence[torch.Tensor]) -> Hidden:
     w_hh = params[1]
     b_hh = params[3] if len(params) == 4 else None
-    i_r, i_z, i_n = gates_in.unsafe_chunk(3, 1)
-    h_r, h_z, h_n = F.linear(hidden, w_hh, b_hh).unsafe_chunk(3, 1)
-    reset_gate = (h_r + i_r).sigmoid()
-    input_gate = (h_z + i_z).sigmoid()
-    new_gate = (i_n + h_n * reset_gate).tanh()
-    return (hidden - new_gate) * input_gate + new_gate
+    igates = gates_in.unsafe_chunk(3, 1)
+    hgates = F.linear(hidden, w_hh, b_hh).unsafe_chunk(3, 1)
+    reset_gate = hgates[0].add_(igates[0]).sigmoid_()
+    input_gate = hgates[1].add_(igates[1]).sigmoid_()
+    new_gate = igates[2].add(hgates[2].mul_(reset_gate)).tanh_()
+    return (hidden - new_gate).mul_(input_gate).add_(new_gate)
 
 
 def _layer(
