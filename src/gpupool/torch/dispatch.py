@@ -27,7 +27,7 @@ from gpupool.protocol.v1.tensors import (
     dtype_from_name,
     literal_ext,
 )
-from gpupool.torch import autocast, runtime
+from gpupool.torch import autocast, rules, runtime
 from gpupool.torch import stream as stream_module
 from gpupool.torch.shapes import (
     PLAN_CACHE_MAX,
@@ -286,10 +286,13 @@ def run(
     if plan is None:
         if not info.is_view and (_has_bits(args) or _has_bits(kwargs.values())):
             return _run_resolved(info, args, kwargs, device_index)
-        try:
-            plan = autocast.infer_with_reconciliation(info, args, kwargs, infer_plan)
-        except NeedsWorker:
-            return _call(info, stream, wire_args, wire_kwargs)
+        plan = rules.plan(info, enc.key, args, kwargs)
+        if plan is None:
+            try:
+                plan = autocast.infer_with_reconciliation(info, args, kwargs, infer_plan)
+            except NeedsWorker:
+                return _call(info, stream, wire_args, wire_kwargs)
+            rules.learn(info, enc.key, args, kwargs, plan)
         if len(_PLANS) >= PLAN_CACHE_MAX:
             _PLANS.clear()
         # Ops on tensors with math bits stay off the cache, so the compiled path never sees
