@@ -516,25 +516,54 @@ def micro(device: str, tiny: bool) -> dict[str, Any]:
     out |= {"copy_mib": mib, "h2d_gb_s": gb / min(h2d), "d2h_gb_s": gb / min(d2h),
             "non_blocking_return_ms": min(returns) * 1e3}  # fmt: skip
     del host, dev, back
-    # Decoding: the client's time per token and its meta-kernel misses (tiny model: the
-    # client's share stands out).
-    model = PlainGPT2.build(256, 512, 64, 2, 4).to(device).eval()
-    ids = torch.randint(0, 256, (1, 8)).to(device)
-    with torch.no_grad():
-        greedy_generate(model, ids, 8, False).cpu()
-        tokens = 32 if tiny else 64
-        before = client_counters()
-        start, cpu = time.perf_counter(), time.thread_time()
-        greedy_generate(model, ids, tokens, False).cpu()
-        wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
-        after = client_counters()
-    out |= {
-        "decode_ms_per_token": wall / tokens * 1e3,
-        "decode_client_cpu_ms_per_token": cpu / tokens * 1e3,
-        "decode_meta_misses_per_token": (after["plan_misses"] - before["plan_misses"]) / tokens,
-        "decode_rule_plans_per_token": (after["rule_plans"] - before["rule_plans"]) / tokens,
-    }
+    # Decoding: the client's time per token, its meta-kernel misses and round trips, with
+    # the shape rules off (every miss a meta-kernel call, attention asking the worker for its
+    # kernel at every new shape) and on; each run's prompt length is new, so no exact shape
+    # repeats. "kv": a loop with a key/value list; "full": the whole sequence every token.
+    model = PlainGPT2.build(256, 1024, 64, 2, 4).to(device).eval()
+    tokens = 24 if tiny else 48
+    length = 8
+    for variant in ("kv", "full"):
+        for label, enabled in (("before", False), ("after", True)):
+            set_rules(enabled)
+            ids = torch.randint(0, 256, (1, length)).to(device)
+            length += tokens + 1
+            with torch.no_grad():
+                before = client_counters()
+                start, cpu = time.perf_counter(), time.thread_time()
+                decode(model, ids, tokens, variant == "kv").cpu()
+                wall, cpu = time.perf_counter() - start, time.thread_time() - cpu
+                after = client_counters()
+            prefix = f"decode_{variant}_{label}_"
+            out |= {
+                f"{prefix}ms_per_token": wall / tokens * 1e3,
+                f"{prefix}client_cpu_ms_per_token": cpu / tokens * 1e3,
+                f"{prefix}meta_misses_per_token": (after["plan_misses"] - before["plan_misses"])
+                / tokens,
+                f"{prefix}round_trips_per_token": (after["round_trips"] - before["round_trips"])
+                / tokens,
+            }
+    set_rules(True)
     return out
+
+
+def decode(model: Any, ids: Any, tokens: int, kv: bool) -> Any:
+    """Greedy decoding with the key/value list (kv), or the whole sequence every token."""
+    import torch
+
+    if kv:
+        return greedy_generate(model, ids, tokens, False)
+    for _ in range(tokens):
+        logits, _ = model(ids)
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], 1)
+    return ids
+
+
+def set_rules(enabled: bool) -> None:
+    if "gpupool.torch" in sys.modules:
+        from gpupool.torch import rules
+
+        rules.ENABLED = enabled
 
 
 def sync(device: str) -> None:
@@ -822,13 +851,11 @@ def main() -> int:
             wire = measure_link(link, 32 if args.tiny else 512) if link else {}
             print(f"link: {link.kind if link else '-'} {json.dumps(wire)}", flush=True)
             for what in wanted:
-                steps = max(2, round(STEPS.get(what, 1) * args.steps_scale))
+                scale = args.steps_scale * (0.5 if args.tiny else 1.0)
+                steps = max(2, round(STEPS.get(what, 1) * scale))
                 spec = {"what": what, "tiny": args.tiny, "steps": steps}
                 row: dict[str, Any] = {"loop": what}
-                if what != "micro":
-                    row["local"] = run_child(
-                        {**spec, "mode": "local"}, [], not args.tiny, args.timeout
-                    )
+                row["local"] = run_child({**spec, "mode": "local"}, [], not args.tiny, args.timeout)
                 for transport, (_, address) in workers.items():
                     prefix = link.prefix("client") if transport == "tcp" and link else []
                     row[transport] = run_child(
@@ -836,7 +863,7 @@ def main() -> int:
                         args.timeout,
                     )  # fmt: skip
                 local_ms = row.get("local", {}).get("ms")
-                for transport in workers:
+                for transport in workers if what != "micro" else ():
                     ms = row[transport].get("ms")
                     if local_ms and ms:
                         row[f"{transport}_ratio"] = ms / local_ms
@@ -915,13 +942,16 @@ def table(result: dict[str, Any]) -> str:
                 cells.append("-")
         lines.append("| " + " | ".join(cells) + " |")
     if micro_row is not None:
-        lines += ["", "| micro | Unix + shm | TCP |", "|---|---|---|"]
-        keys = ("item_us", "item_after_20_ops_us", "h2d_gb_s", "d2h_gb_s",
-                "non_blocking_return_ms", "decode_ms_per_token", "decode_client_cpu_ms_per_token",
-                "decode_meta_misses_per_token", "decode_rule_plans_per_token")  # fmt: skip
+        lines += ["", "| micro | local | Unix + shm | TCP |", "|---|---|---|---|"]
+        keys = ["item_us", "item_after_20_ops_us", "h2d_gb_s", "d2h_gb_s",
+                "non_blocking_return_ms"]  # fmt: skip
+        keys += [f"decode_{variant}_{when}_{what}" for variant in ("kv", "full")
+                 for what in ("ms_per_token", "client_cpu_ms_per_token",
+                              "meta_misses_per_token", "round_trips_per_token")
+                 for when in ("before", "after")]  # fmt: skip
         for key in keys:
             cells = [key]
-            for transport in TRANSPORTS:
+            for transport in ("local", *TRANSPORTS):
                 value = micro_row.get(transport, {}).get(key)
                 cells.append("-" if value is None else f"{value:.3g}")
             lines.append("| " + " | ".join(cells) + " |")

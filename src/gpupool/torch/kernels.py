@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from gpupool.torch import dispatch, runtime
+from gpupool.torch import dispatch, rules, runtime
 from gpupool.torch.shapes import op_info
 from gpupool.torch.tensor import BACKEND, RemoteTensor, ensure_backend
 
@@ -282,7 +282,7 @@ def _whole_on_worker(
     """Whether attention goes to the worker as one composite op: no gradient is needed, the
     client's SDP switches are torch's defaults (the worker's own apply), and its shape-free
     family has already been asked about SDP_ASK_MAX times (the shapes keep changing)."""
-    if enable_gqa or (
+    if not rules.ENABLED or enable_gqa or (
         torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
     ):
         return False

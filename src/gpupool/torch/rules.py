@@ -22,6 +22,7 @@ random shapes, size-1 and broadcast dimensions included.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -35,6 +36,9 @@ Layout = tuple[Shape, Shape]
 """(sizes, strides) of one output; its offset is 0."""
 Rule = Callable[[tuple[Any, ...], dict[str, Any]], list[Layout] | None]
 
+ENABLED = os.environ.get("GPUPOOL_SHAPE_RULES", "1") != "0"
+"""`GPUPOOL_SHAPE_RULES=0`: every plan-cache miss calls the meta kernel (and attention asks
+the worker for its kernel at every new shape), as before the rules: for comparisons."""
 _UNKNOWN = object()
 _KNOWN: dict[tuple[Any, ...], tuple[torch.dtype, ...] | None] = {}
 """Family key → the outputs' dtypes (the rule agreed with the meta kernel), or None (it did
@@ -313,6 +317,8 @@ def plan(
 ) -> Plan | None:
     """The op's plan from its rule, where its family key was checked against the meta kernel;
     None sends the caller to the meta kernel."""
+    if not ENABLED:
+        return None
     rule = rule_of(info)
     if rule is None:
         return None
