@@ -43,12 +43,12 @@ import math
 import os
 import platform
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import uuid
@@ -779,13 +779,13 @@ def machine(tiny: bool) -> str:
     return f"{name} ({cpu})"
 
 
-def start_worker(listen: str, device: str, python: str, tiny: bool) -> tuple[Any, str]:
+def start_worker(listen: str, device: str, python: str, tiny: bool, log: Path) -> tuple[Any, str]:
     from gpupool.protocol.v1.dataplane import start_worker_process
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"} if tiny else None
     proc, ready = start_worker_process(
         LEASE, TOKEN, device=device, listen=listen, python=python,
-        threads=1 if tiny else None, env=env,
+        threads=1 if tiny else None, env=env, log_file=log,
     )  # fmt: skip
     return proc, str(ready.address)
 
@@ -825,6 +825,8 @@ def main() -> int:
         return 0
 
     sys.path.insert(0, str(ROOT / "src"))
+    # `timeout` and Ctrl-C alike: the workers and namespaces go with the run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     wanted = [w for w in args.only.split(",") if w] or [*LOOPS, "micro"]
     unknown = set(wanted) - {*LOOPS, "micro"}
     if unknown:
@@ -840,14 +842,19 @@ def main() -> int:
         tmp = Path(tmpdir)
         link = Link(tmp) if "tcp" in transports else None
         workers: dict[str, tuple[Any, str]] = {}
+        starts: dict[str, Callable[[], tuple[Any, str]]] = {}
+        if "shm" in transports:
+            starts["shm"] = lambda: start_worker(
+                f"unix:{tmp}/w.sock", device, sys.executable, args.tiny, tmp / "shm.log"
+            )
+        if link is not None:
+            python = link.python("worker")
+            starts["tcp"] = lambda: start_worker(
+                f"tcp://{link.worker_host}:0", device, python, args.tiny, tmp / "tcp.log"
+            )
         try:
-            if "shm" in transports:
-                workers["shm"] = start_worker(f"unix:{tmp}/w.sock", device, sys.executable,
-                                              args.tiny)  # fmt: skip
-            if link is not None:
-                workers["tcp"] = start_worker(
-                    f"tcp://{link.worker_host}:0", device, link.python("worker"), args.tiny
-                )
+            for transport, start in starts.items():
+                workers[transport] = start()
             wire = measure_link(link, 32 if args.tiny else 512) if link else {}
             print(f"link: {link.kind if link else '-'} {json.dumps(wire)}", flush=True)
             for what in wanted:
@@ -856,7 +863,14 @@ def main() -> int:
                 spec = {"what": what, "tiny": args.tiny, "steps": steps}
                 row: dict[str, Any] = {"loop": what}
                 row["local"] = run_child({**spec, "mode": "local"}, [], not args.tiny, args.timeout)
-                for transport, (_, address) in workers.items():
+                for transport in list(workers):
+                    proc, address = workers[transport]
+                    if proc.poll() is not None:  # it died: say so, and start another
+                        log = (tmp / f"{transport}.log").read_text(errors="replace")[-2000:]
+                        print(f"{transport} worker exited ({proc.returncode}):\n{log}",
+                              file=sys.stderr, flush=True)  # fmt: skip
+                        row.setdefault("worker_restarts", []).append(transport)
+                        workers[transport] = proc, address = starts[transport]()
                     prefix = link.prefix("client") if transport == "tcp" and link else []
                     row[transport] = run_child(
                         {**spec, "mode": transport, "address": address}, prefix, False,
@@ -869,11 +883,13 @@ def main() -> int:
                         row[f"{transport}_ratio"] = ms / local_ms
                 if what == "micro" and "tcp" in row and "link_gb_s" in wire:
                     row["tcp_h2d_of_link"] = row["tcp"].get("h2d_gb_s", 0) / wire["link_gb_s"]
-                    row["tcp_item_over_link_rtt"] = row["tcp"].get("item_us", 0) / wire[
-                        "link_rtt_us"
-                    ]
+                    row["tcp_item_over_link_rtt"] = (
+                        row["tcp"].get("item_us", 0) / wire["link_rtt_us"]
+                    )
                 rows.append(row)
                 print(summary_line(row), flush=True)
+                # Written after every loop: a run cut short keeps what it measured.
+                write_results(out_path, args, link, wire, started, rows)
         finally:
             for proc, _ in workers.values():
                 proc.terminate()
@@ -883,6 +899,16 @@ def main() -> int:
                     proc.kill()
             if link is not None:
                 link.close()
+    result = write_results(out_path, args, link, wire, started, rows)
+    print(table(result))
+    print(f"wrote {out_path} in {result['seconds']} s")
+    return 0
+
+
+def write_results(
+    path: Path, args: Any, link: Link | None, wire: dict[str, Any], started: float,
+    rows: list[dict[str, Any]],
+) -> dict[str, Any]:  # fmt: skip
     result = {
         "label": args.label or ("tiny" if args.tiny else "gpu"),
         "machine": machine(args.tiny),
@@ -891,11 +917,9 @@ def main() -> int:
         "seconds": round(time.perf_counter() - started, 1),
         "rows": rows,
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
-    print(table(result))
-    print(f"wrote {out_path} in {result['seconds']} s")
-    return 0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
 
 
 def summary_line(row: dict[str, Any]) -> str:

@@ -282,8 +282,13 @@ def _whole_on_worker(
     """Whether attention goes to the worker as one composite op: no gradient is needed, the
     client's SDP switches are torch's defaults (the worker's own apply), and its shape-free
     family has already been asked about SDP_ASK_MAX times (the shapes keep changing)."""
-    if not rules.ENABLED or enable_gqa or (
-        torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if (
+        not rules.ENABLED
+        or enable_gqa
+        or (
+            torch.is_grad_enabled()
+            and (query.requires_grad or key.requires_grad or value.requires_grad)
+        )
     ):
         return False
     backends = torch.backends.cuda

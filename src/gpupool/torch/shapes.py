@@ -38,6 +38,7 @@ def inference_counts() -> dict[str, int]:
     should make no meta calls once its ops' rules are known."""
     return dict(_COUNTS)
 
+
 METADATA_INPLACE = frozenset(
     {
         "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_",

@@ -164,8 +164,10 @@ class _Wire:
                         conn.send([Kind.PUT, handle, offset], data[offset : offset + CHUNK_BYTES])
             except (DataPlaneError, RuntimeError) as exc:
                 with self.cv:
-                    self.error = exc if isinstance(exc, DataPlaneError) else DataPlaneError(
-                        f"a copy into shared memory failed: {exc}"
+                    self.error = (
+                        exc
+                        if isinstance(exc, DataPlaneError)
+                        else DataPlaneError(f"a copy into shared memory failed: {exc}")
                     )
                     self.queue.clear()
                     continue

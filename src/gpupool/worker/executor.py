@@ -510,8 +510,10 @@ class Executor:
                 # memory, with no staging buffer to charge.
                 link.read_put(handle, host_bytes(target))
                 return
-            if self._staging is not None and target.is_cuda and self._put_pinned(
-                handle, dtype, shape, nbytes, link
+            if (
+                self._staging is not None
+                and target.is_cuda
+                and self._put_pinned(handle, dtype, shape, nbytes, link)
             ):
                 return
             try:
@@ -549,7 +551,7 @@ class Executor:
             link.skip_put(handle, nbytes)
             self._fail(exc, "copy_ (host to device)", [], None)
             return True
-        except Exception as exc:  # noqa: BLE001 - registration refused: pageable copies
+        except Exception as exc:  # registration refused: pageable copies still work
             log.warning("page-locked staging is off: %s", first_line(exc))
             self._staging = None
             return False

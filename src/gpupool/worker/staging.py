@@ -78,9 +78,7 @@ class PinnedStaging:
         try:
             block = mmap.mmap(-1, nbytes)
             view = torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
-            torch.cuda.check_error(
-                torch.cuda.cudart().cudaHostRegister(view.data_ptr(), nbytes, 0)
-            )
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), nbytes, 0))
         except BaseException:
             reservation.release()
             raise
