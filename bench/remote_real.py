@@ -827,7 +827,8 @@ def main() -> int:
     sys.path.insert(0, str(ROOT / "src"))
     # `timeout` and Ctrl-C alike: the workers and namespaces go with the run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    wanted = [w for w in args.only.split(",") if w] or [*LOOPS, "micro"]
+    # micro first: its copy bandwidth and per-token numbers survive a run cut short.
+    wanted = [w for w in args.only.split(",") if w] or ["micro", *LOOPS]
     unknown = set(wanted) - {*LOOPS, "micro"}
     if unknown:
         parser.error(f"unknown loops {sorted(unknown)}; known: {', '.join(LOOPS)}, micro")

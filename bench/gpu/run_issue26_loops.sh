@@ -14,12 +14,12 @@ set -u
 nvidia-smi -L
 python3 -c 'import torch, importlib.util as u; print("torch", torch.__version__, "cuda", torch.cuda.is_available(), "torchvision", bool(u.find_spec("torchvision")), "transformers", bool(u.find_spec("transformers")))'
 stop_workers() { pkill -9 -f 'gpupool[.]worker'; sleep 1; }
-timeout -k 5 380 python3 bench/remote_real.py --timeout 150 --label h200 2> "$OUT/remote_real.err"
+timeout -k 5 390 python3 bench/remote_real.py --timeout 150 --label h200 2> "$OUT/remote_real.err"
 echo "remote_real rc=$?"
 tail -5 "$OUT/remote_real.err"
 cp bench/results/remote_real.json "$OUT/" 2>/dev/null
 stop_workers
-GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0 CUDA_VISIBLE_DEVICES= timeout -k 5 90 \
+GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0 CUDA_VISIBLE_DEVICES= timeout -k 5 70 \
   python3 -m pytest -q -p no:cacheprovider -rs -x tests/torch/test_remote_loops.py \
   tests/torch/test_shape_rules.py -k "not tiny_benchmark" > "$OUT/loops_gpu_tests.log" 2>&1
 echo "loops_gpu_tests rc=$?"; tail -5 "$OUT/loops_gpu_tests.log"

@@ -71,6 +71,8 @@ with a core to spare."""
 LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
 """As with CUDA: every op waits for the worker, so an error surfaces at the op that caused it."""
 _BATCH_HEAD = [Kind.BATCH]
+CLOSE_SEND_WAIT_S = 30.0
+"""How long closing a stream waits for background sends still in progress."""
 fast_pack: Callable[[Any, list[Any]], bytes | None] | None = None
 """gpupool.torch._fastpath.pack_records while the compiled hot path is on (dispatch.use_fastpath
 sets it): the same bytes as msgpack, or None for a kind it leaves to msgpack."""
@@ -138,11 +140,16 @@ class _Wire:
             self.cv.notify_all()
             return True
 
-    def quiet(self) -> None:
-        """Wait until everything queued is sent."""
+    def quiet(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything queued is sent (False: still sending after timeout_s)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self.cv:
             while self.active:
-                self.cv.wait()
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cv.wait(left)
+        return True
 
     def _run(self) -> None:
         while True:
@@ -686,7 +693,10 @@ class DeviceStream:
             return
         with contextlib.suppress(WorkerLost, DataPlaneError):
             self.flush()
-            self.quiet_wire()
+            if self._wire is not None:
+                # A worker that stopped reading must not hold the program's exit: closing
+                # the connection below ends the sender's write.
+                self._wire.quiet(CLOSE_SEND_WAIT_S)
         self.open = False
         self.conn.close()
         for arena in (self._client_arena, self._worker_arena):
