@@ -75,7 +75,7 @@ def _recurrent_run(module: torch.nn.Module, x: torch.Tensor, device: str) -> lis
     return [out.detach().cpu(), inputs.grad.cpu(), *grads]
 
 
-def test_recurrent_layers_on_a_cpu_worker_give_the_local_cpus_values(
+def test_recurrent_layers_on_a_worker_give_the_local_cpus_values(
     attach: Callable[..., Any],
 ) -> None:
     torch.manual_seed(0)
@@ -92,7 +92,7 @@ def test_recurrent_layers_on_a_cpu_worker_give_the_local_cpus_values(
         local[name] = _recurrent_run(module, x, "cpu")
     attach()
     if runtime.stream(0).is_cuda_worker:
-        pytest.skip("compares with a local CPU run")
+        pytest.skip("compares with a local CPU run: bench/real_programs.py compares GPUs")
     for name, module in {**exact, **close}.items():
         torch.manual_seed(1)
         remote = _recurrent_run(module, x, "cuda")
@@ -101,3 +101,15 @@ def test_recurrent_layers_on_a_cpu_worker_give_the_local_cpus_values(
                 assert torch.equal(got, want), name
             else:  # a local CPU runs this one in oneDNN, which a worker refuses
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_recurrent_layers_ask_no_cudnn_of_a_remote_tensor(attach: Callable[..., Any]) -> None:
+    """nn.LSTM's flatten_parameters asks cuDNN about its weights; a client whose torch is a
+    CUDA build without a visible GPU raised there (torch 2.11 on the GPU machine) before any
+    op ran. The remote layers run cells, on every worker: cuDNN is never asked."""
+    attach()
+    lstm = torch.nn.LSTM(4, 3, 2).to("cuda")
+    assert not torch.backends.cudnn.is_acceptable(lstm.weight_ih_l0)
+    out, (h, c) = lstm(torch.randn(5, 2, 4).to("cuda"))
+    out, (h, c) = lstm(torch.randn(5, 2, 4).to("cuda"), (h.detach(), c.detach()))
+    assert (out.shape, h.shape, c.shape) == ((5, 2, 3), (2, 2, 3), (2, 2, 3))

@@ -27,7 +27,7 @@ from gpupool.protocol.v1.tensors import (
     dtype_from_name,
     literal_ext,
 )
-from gpupool.torch import autocast, runtime
+from gpupool.torch import autocast, pinned, rules, runtime
 from gpupool.torch import stream as stream_module
 from gpupool.torch.shapes import (
     PLAN_CACHE_MAX,
@@ -286,10 +286,13 @@ def run(
     if plan is None:
         if not info.is_view and (_has_bits(args) or _has_bits(kwargs.values())):
             return _run_resolved(info, args, kwargs, device_index)
-        try:
-            plan = autocast.infer_with_reconciliation(info, args, kwargs, infer_plan)
-        except NeedsWorker:
-            return _call(info, stream, wire_args, wire_kwargs)
+        plan = rules.plan(info, enc.key, args, kwargs)
+        if plan is None:
+            try:
+                plan = autocast.infer_with_reconciliation(info, args, kwargs, infer_plan)
+            except NeedsWorker:
+                return _call(info, stream, wire_args, wire_kwargs)
+            rules.learn(info, enc.key, args, kwargs, plan)
         if len(_PLANS) >= PLAN_CACHE_MAX:
             _PLANS.clear()
         # Ops on tensors with math bits stay off the cache, so the compiled path never sees
@@ -548,9 +551,13 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             source = download(source)
         elif source.device.type == "meta":
             raise NotImplementedError("copy_ from a meta tensor into a remote tensor")
+        non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
         if target_bits or source.is_conj() or source.is_neg():
-            source = _host_raw(source, target_bits)
-        target._gp.stream.put(target._gp, source)
+            source, non_blocking = _host_raw(source, target_bits), False
+        # As on a local GPU, only a pinned source copies asynchronously: pageable memory may
+        # change the moment the call returns.
+        non_blocking = non_blocking and pinned.is_pinned(source)
+        target._gp.stream.put(target._gp, source, non_blocking)
         return target
     target.copy_(download(source))
     return target

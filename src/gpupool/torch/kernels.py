@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from gpupool.torch import dispatch, rnn, runtime
+from gpupool.torch import dispatch, rnn, rules, runtime
 from gpupool.torch.shapes import op_info
 from gpupool.torch.tensor import BACKEND, RemoteTensor, ensure_backend
 
@@ -38,6 +38,10 @@ _LIBRARIES: list[Any] = []
 
 MATH, FLASH, EFFICIENT, CUDNN = 0, 1, 2, 3
 _SDP_CHOICES: dict[tuple[Any, ...], int] = {}
+_SDP_ASKED: dict[tuple[Any, ...], int] = {}
+"""Signatures asked about per shape-free family: past SDP_ASK_MAX the shapes vary (decoding),
+and attention that needs no gradient goes to the worker whole instead of asking again."""
+SDP_ASK_MAX = 2
 
 
 OVERRIDE_WARNING = (
@@ -74,6 +78,7 @@ def install() -> None:
         autograd.impl("lstm.input", rnn.lstm)
         autograd.impl("gru.input", rnn.gru)
     _LIBRARIES.extend([cuda, backend, autograd])
+    rnn.install()
     _install_engine_thread()
 
 
@@ -82,6 +87,7 @@ def uninstall() -> None:
         library._destroy()
     _LIBRARIES.clear()
     _SDP_CHOICES.clear()
+    rnn.uninstall()
     _uninstall_engine_thread()
 
 
@@ -233,6 +239,18 @@ def scaled_dot_product_attention(
 ) -> torch.Tensor:
     if not isinstance(query, RemoteTensor):
         return _math(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if _whole_on_worker(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        # Shapes that change every call (a growing key/value cache) would ask the worker for
+        # its kernel choice every call: a round trip that also drains its queue. Without
+        # gradients nothing here needs to know the kernel: the composite runs on the worker,
+        # which picks it, and a contiguous copy gives the result the layout the client's
+        # shape rules say (a fused kernel's own output may be transposed).
+        out = dispatch.run(
+            op_info(aten.scaled_dot_product_attention.default),
+            (query, key, value, attn_mask, dropout_p, is_causal),
+            {"scale": scale, "enable_gqa": enable_gqa},
+        )
+        return aten.clone.default(out, memory_format=torch.contiguous_format)
     choice = _sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     mask = _float_mask(attn_mask, query.dtype)
     on_cuda = query._gp.stream.is_cuda_worker
@@ -274,6 +292,48 @@ def _math(
     return aten._scaled_dot_product_attention_math.default(
         query, key, value, mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
     )[0]
+
+
+def _whole_on_worker(
+    query: RemoteTensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+    dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+) -> bool:  # fmt: skip
+    """Whether attention goes to the worker as one composite op: no gradient is needed, the
+    client's SDP switches are torch's defaults (the worker's own apply), and its shape-free
+    family has already been asked about SDP_ASK_MAX times (the shapes keep changing)."""
+    if (
+        not rules.ENABLED
+        or enable_gqa
+        or (
+            torch.is_grad_enabled()
+            and (query.requires_grad or key.requires_grad or value.requires_grad)
+        )
+    ):
+        return False
+    backends = torch.backends.cuda
+    if not (
+        backends.flash_sdp_enabled()
+        and backends.mem_efficient_sdp_enabled()
+        and backends.math_sdp_enabled()
+    ):
+        return False
+    tensors = (query, key, value, mask)
+    exact = (
+        query._gp.stream.index, *(_signature(t) for t in tensors),
+        dropout_p > 0, is_causal, scale is None, torch.is_grad_enabled(),
+    )  # fmt: skip
+    if exact in _SDP_CHOICES:
+        return False
+    family = (
+        query._gp.stream.index,
+        *(None if t is None else (t.dim(), t.dtype) for t in tensors),
+        dropout_p > 0, is_causal, scale is None,
+    )  # fmt: skip
+    asked = _SDP_ASKED.get(family, 0)
+    if asked < SDP_ASK_MAX:
+        _SDP_ASKED[family] = asked + 1
+        return False
+    return True
 
 
 def _sdp_choice(

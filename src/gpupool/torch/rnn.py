@@ -4,7 +4,7 @@ path computes them.
 `aten::lstm` and `aten::gru` are C++ composites that pick their cell by the input's device: on
 CUDA and on a PrivateUse1 device (a remote tensor's C++ device) each step calls the fused
 `_thnn_fused_lstm_cell` / `_thnn_fused_gru_cell`, kernels only CUDA has, so on a CPU worker
-nn.LSTM failed at its first step. For a remote tensor whose worker is a CPU, the layers here
+nn.LSTM failed at its first step. For every remote tensor the layers here
 (registered for AutogradPrivateUse1 in gpupool.torch.kernels) run ATen's CPU cells in their
 order: the input projection of a whole layer at once, then per step the hidden projection
 added to it and the gates; dropout between layers. Autograd records each op, so backward is
@@ -15,7 +15,14 @@ last bits only: a local CPU runs it as oneDNN layers
 ones crashed a worker), so the cells' rounding differs from oneDNN's in the last bits (about
 1e-9 in the gradients of a small model).
 torch._decomp's own LSTM decomposition is not used: it drops the dropout between layers.
-A CUDA worker keeps PyTorch's composite (its fused cells run there).
+A CUDA worker runs the same cells: PyTorch's composite there took torch._decomp's LSTM
+decomposition on torch 2.11, whose final hidden states came back with an extra dimension (the
+word language model's second step failed: "hx and cx should also be 3-D"), and the fused cells
+cost a round trip per step (no meta kernel). A local GPU runs cuDNN instead, so a remote LSTM
+on a CUDA worker agrees with it to rounding, not bit for bit. For the same reason
+`torch.backends.cudnn.is_acceptable` answers False for a remote tensor: nn.LSTM's
+`flatten_parameters` asked it, and on a client whose torch is a CUDA build without a visible
+GPU it raised ("cuDNN ... not compatible with devices with SM < 7.5") before any op ran.
 
 Packed sequences (`lstm.data`, `gru.data`) keep the composite, so on a CPU worker they fail
 at the fused cell, naming it.
@@ -38,8 +45,25 @@ Hidden = Any
 Cell = Callable[[torch.Tensor, Hidden, Sequence[torch.Tensor]], Hidden]
 
 
-def _on_cpu_worker(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, RemoteTensor) and not tensor._gp.stream.is_cuda_worker
+_IS_ACCEPTABLE: list[Callable[[torch.Tensor], bool]] = []
+
+
+def install() -> None:
+    """cuDNN's weight flattening is not for remote tensors (see above)."""
+    if _IS_ACCEPTABLE:
+        return
+    original = torch.backends.cudnn.is_acceptable
+    _IS_ACCEPTABLE.append(original)
+
+    def is_acceptable(tensor: torch.Tensor) -> bool:
+        return False if isinstance(tensor, RemoteTensor) else original(tensor)
+
+    torch.backends.cudnn.is_acceptable = is_acceptable
+
+
+def uninstall() -> None:
+    if _IS_ACCEPTABLE:
+        torch.backends.cudnn.is_acceptable = _IS_ACCEPTABLE.pop()
 
 
 # The cells are ATen's (RNN.cpp's LSTMCell and GRUCell) op for op, in-place ops on the gates'
@@ -123,10 +147,6 @@ def lstm(
     has_biases: bool, num_layers: int, dropout: float, train: bool, bidirectional: bool,
     batch_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    if not _on_cpu_worker(input):
-        return aten.lstm.input.decompose(
-            input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first
-        )
     if len(hx) != 2:
         raise RuntimeError(f"lstm expects two hidden states, got {len(hx)}")
     h0, c0 = hx
@@ -143,10 +163,6 @@ def gru(
     input: torch.Tensor, hx: torch.Tensor, params: Sequence[torch.Tensor], has_biases: bool,
     num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    if not _on_cpu_worker(input):
-        return aten.gru.input.decompose(
-            input, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first
-        )
     grouped = _group(params, has_biases, False)
     x = input.transpose(0, 1) if batch_first else input
     out, finals = _stack(

@@ -28,6 +28,17 @@ from gpupool.torch.tensor import (
 
 PLAN_CACHE_MAX = 16384
 
+_COUNTS = {"meta": 0, "rules": 0}
+"""Plan-cache misses answered by a meta-kernel call and by a shape rule (gpupool.torch.rules)."""
+
+
+def inference_counts() -> dict[str, int]:
+    """How many plan-cache misses this process answered with a meta-kernel call (`meta`) and
+    how many with a shape rule (`rules`): a loop whose shapes change every step (decoding)
+    should make no meta calls once its ops' rules are known."""
+    return dict(_COUNTS)
+
+
 METADATA_INPLACE = frozenset(
     {
         "resize_", "resize_as_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_",
@@ -212,6 +223,7 @@ class NeedsWorker(Exception):
 
 
 def infer_plan(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    _COUNTS["meta"] += 1
     meta_args = [to_meta(a) for a in args]
     meta_kwargs = {k: to_meta(v) for k, v in kwargs.items()}
     try:

@@ -71,6 +71,8 @@ with a core to spare."""
 LAUNCH_BLOCKING = os.environ.get("CUDA_LAUNCH_BLOCKING") == "1"
 """As with CUDA: every op waits for the worker, so an error surfaces at the op that caused it."""
 _BATCH_HEAD = [Kind.BATCH]
+CLOSE_SEND_WAIT_S = 30.0
+"""How long closing a stream waits for background sends still in progress."""
 fast_pack: Callable[[Any, list[Any]], bytes | None] | None = None
 """gpupool.torch._fastpath.pack_records while the compiled hot path is on (dispatch.use_fastpath
 sets it): the same bytes as msgpack, or None for a kind it leaves to msgpack."""
@@ -97,6 +99,88 @@ class WorkerLost(RuntimeError):
     The message names the lease and the worker, and says what was seen, so that a program
     stopped by it can be told apart from a bug of its own.
     """
+
+
+class _Wire:
+    """The frames a background thread sends, in order, while non-blocking puts stream their
+    bytes: `x.to("cuda", non_blocking=True)` of a pinned tensor returns at once, and the
+    batches the program issues meanwhile queue behind those bytes (the worker reads a put's
+    chunks right after the batch that holds its record). Idle, it is not in the way: the
+    stream sends on its own thread as before."""
+
+    def __init__(self, stream: DeviceStream) -> None:
+        self.stream = stream
+        self.cv = threading.Condition()
+        self.queue: deque[tuple[bytes | None, int, memoryview | None, Any]] = deque()
+        self.active = False
+        self.error: DataPlaneError | None = None
+        self._thread: threading.Thread | None = None
+
+    def push(self, body: bytes | None, handle: int = 0, data: memoryview | None = None,
+             keep: Any = None) -> None:  # fmt: skip
+        """Queue a frame body, or a put's bytes (`data`, kept alive by `keep`) for `handle`."""
+        with self.cv:
+            self.queue.append((body, handle, data, keep))
+            self.active = True
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._run, name=f"gpupool-wire-{self.stream.index}", daemon=True
+                )
+                self._thread.start()
+            self.cv.notify_all()
+
+    def push_if_active(self, body: bytes) -> bool:
+        """Queue a batch behind frames still being sent; False when none are (send it now)."""
+        if not self.active:
+            return False
+        with self.cv:
+            if not self.active:
+                return False
+            self.queue.append((body, 0, None, None))
+            self.cv.notify_all()
+            return True
+
+    def quiet(self, timeout_s: float | None = None) -> bool:
+        """Wait until everything queued is sent (False: still sending after timeout_s)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self.cv:
+            while self.active:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self.cv.wait(left)
+        return True
+
+    def _run(self) -> None:
+        while True:
+            with self.cv:
+                while not self.queue:
+                    self.active = False
+                    self.cv.notify_all()
+                    self.cv.wait()
+                body, handle, data, keep = self.queue[0]
+            try:
+                conn = self.stream.conn
+                if body is None and data is None:
+                    keep()  # a copy into the shared arena, before the batch naming it
+                elif data is None:
+                    assert body is not None
+                    conn.send_body(body)
+                else:
+                    for offset in range(0, len(data), CHUNK_BYTES):
+                        conn.send([Kind.PUT, handle, offset], data[offset : offset + CHUNK_BYTES])
+            except (DataPlaneError, RuntimeError) as exc:
+                with self.cv:
+                    self.error = (
+                        exc
+                        if isinstance(exc, DataPlaneError)
+                        else DataPlaneError(f"a copy into shared memory failed: {exc}")
+                    )
+                    self.queue.clear()
+                    continue
+            del keep, data
+            with self.cv:
+                self.queue.popleft()
 
 
 class DeviceStream:
@@ -154,6 +238,8 @@ class DeviceStream:
         self._flags_checked_at = 0.0
         self.worker_stream = 0
         """The torch.cuda stream (client-chosen id, 0: default) the worker runs records on."""
+        self._wire: _Wire | None = None
+        """Sends non-blocking puts' bytes, and what queues behind them, in the background."""
 
     # ---- facts ---------------------------------------------------------------------------
 
@@ -240,6 +326,7 @@ class DeviceStream:
                 self._polled_at = now
                 session.poll_notices(self)
                 if self.elastic.event:
+                    self.quiet_wire()
                     session.settle(self, idle=not self.records)
                 if self.records and not busy:
                     self._flush_locked()
@@ -269,6 +356,7 @@ class DeviceStream:
     def _flush_locked(self) -> None:
         self._check_open()
         if self.elastic.event or self.elastic.swapped:
+            self.quiet_wire()
             session.settle(self, idle=False)
         now = time.perf_counter()
         if now - self._flags_checked_at > FLAGS_CATCH_UP_S:
@@ -286,10 +374,35 @@ class DeviceStream:
         self._pending_bytes = 0
         self._first_at = 0.0
         self._sends += 1
+        body = pack_batch(batch)
+        wire = self._wire
+        if wire is not None:
+            if wire.error is not None:
+                self._lost(wire.error)
+            if wire.push_if_active(body):
+                return
         try:
-            self.conn.send_body(pack_batch(batch))
+            self.conn.send_body(body)
         except DataPlaneError as exc:
             self._lost(exc)
+
+    def _wire_of(self) -> _Wire:
+        if self._wire is None:
+            self._wire = _Wire(self)
+        return self._wire
+
+    @property
+    def sending(self) -> bool:
+        """Whether non-blocking puts (and batches queued behind them) are still being sent."""
+        return self._wire is not None and self._wire.active
+
+    def quiet_wire(self) -> None:
+        """Wait until the background sends are done (before the connection is used directly)."""
+        wire = self._wire
+        if wire is not None:
+            wire.quiet()
+            if wire.error is not None:
+                self._lost(wire.error)
 
     def _check_open(self) -> None:
         if not self.open:
@@ -312,6 +425,7 @@ class DeviceStream:
         that left."""
         self._forked = True
         self.open = False
+        self._wire = None  # its thread is the parent's
         self.records = deque()
         self.lock = threading.RLock()
         self._first_at = 0.0
@@ -331,8 +445,13 @@ class DeviceStream:
 
     # ---- bytes in ------------------------------------------------------------------------
 
-    def put(self, handle: Handle, host: torch.Tensor) -> None:
-        """Copy a host tensor into the worker's tensor (broadcast and dtype cast on the worker)."""
+    def put(self, handle: Handle, host: torch.Tensor, non_blocking: bool = False) -> None:
+        """Copy a host tensor into the worker's tensor (broadcast and dtype cast on the worker).
+
+        `non_blocking` (a pinned source, as CUDA requires for an asynchronous copy): where the
+        bytes go by socket, this returns once the record is queued and a background thread
+        sends them; like a local GPU's copy, the source must not change until the stream
+        has synchronised (a read, a sync)."""
         host = host.detach()
         if host.device.type != "cpu":
             raise TypeError(f"put expects a host tensor, got {host.device}")
@@ -353,16 +472,25 @@ class DeviceStream:
                 if self._arena_cursor + nbytes > arena.size:
                     self._roundtrip_locked()  # wait until the worker copied out everything before
                 offset = self._arena_cursor
-                torch.frombuffer(arena.map, dtype=torch.uint8, count=nbytes, offset=offset).copy_(
-                    host.reshape(-1).view(torch.uint8)
-                )
+                into = torch.frombuffer(arena.map, dtype=torch.uint8, count=nbytes, offset=offset)
+                source = host.reshape(-1).view(torch.uint8)
                 self._arena_cursor += nbytes
+                if non_blocking and self.recorder is None:
+                    # The copy into the arena runs on the wire's thread (torch releases the
+                    # GIL); the batch naming it is queued behind it.
+                    self._wire_of().push(None, 0, None, lambda: into.copy_(source))
+                else:  # its batch still queues behind any background sends
+                    into.copy_(source)
                 self.records.append([Rec.PUT, handle.id, dtype, shape, None, nbytes, offset])
                 self._flush_locked()
                 return
             self.records.append([Rec.PUT, handle.id, dtype, shape, None, nbytes, None])
             self._flush_locked()
             data = host_bytes(host)
+            if non_blocking and self.recorder is None:
+                self._wire_of().push(None, handle.id, data, host)
+                return
+            self.quiet_wire()
             try:
                 for offset in range(0, nbytes, CHUNK_BYTES):
                     self.conn.send(
@@ -550,6 +678,7 @@ class DeviceStream:
     def adopt_connection(self, fresh: DeviceStream) -> None:
         """Continue on `fresh`'s connection (a successor worker holding this stream's state):
         handles and op ids stay valid, the shared arenas are the new worker's."""
+        self.quiet_wire()
         for arena in (self._client_arena, self._worker_arena):
             if arena is not None:
                 arena.close()
@@ -564,6 +693,10 @@ class DeviceStream:
             return
         with contextlib.suppress(WorkerLost, DataPlaneError):
             self.flush()
+            if self._wire is not None:
+                # A worker that stopped reading must not hold the program's exit: closing
+                # the connection below ends the sender's write.
+                self._wire.quiet(CLOSE_SEND_WAIT_S)
         self.open = False
         self.conn.close()
         for arena in (self._client_arena, self._worker_arena):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -49,6 +50,7 @@ from gpupool.worker.memory import (
 from gpupool.worker.opchecks import CHECKS, argument_guard, guard, zero_fill_cpu_allocations
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
+from gpupool.worker.staging import PinnedStaging
 from gpupool.worker.streams import StreamError, Streams
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
 from gpupool.worker.transfer import Arrivals, PeerLinks, PeerNotNamed, TransferFailed
@@ -66,6 +68,8 @@ _MALFORMED = (IndexError, ValueError, TypeError, KeyError, AttributeError, Overf
 _BUILTIN_ERRORS = frozenset(
     {"RuntimeError", "ValueError", "TypeError", "IndexError", "NotImplementedError", "KeyError"}
 )
+
+log = logging.getLogger("gpupool.worker")
 
 
 class Link(Protocol):
@@ -230,6 +234,10 @@ class Executor:
         self._admission = Admission(self.memory) if self.memory.counts_storages else None
         """Charges each op's outputs before it runs, where no allocator holds the limit."""
         self.arrivals.bind(self.memory.reserve_host)
+        self._staging = (
+            PinnedStaging(self.memory.reserve_host) if self.device.type == "cuda" else None
+        )
+        """Where a CUDA worker's socket puts land (page-locked: their copies are async)."""
         self._handlers: dict[int, Callable[[list[Any], Link], None]] = {
             Rec.DEF: self._def,
             Rec.OP: self._op,
@@ -329,6 +337,8 @@ class Executor:
         self.ops.clear()
         self.programs.clear()
         self.error = None
+        if self._staging is not None:
+            self._staging.close()
         self.memory.reset()
         self.activity.memory_held_bytes = self.memory.held_bytes()
         self.streams.reset()
@@ -505,6 +515,12 @@ class Executor:
                 # memory, with no staging buffer to charge.
                 link.read_put(handle, host_bytes(target))
                 return
+            if (
+                self._staging is not None
+                and target.is_cuda
+                and self._put_pinned(handle, dtype, shape, nbytes, link)
+            ):
+                return
             try:
                 staging = self.memory.reserve_host(nbytes, "a put's staging buffer")
             except LimitExceeded as exc:
@@ -525,6 +541,30 @@ class Executor:
         # From the pinned arena the copy runs on the stream; the client reuses that memory
         # only after a read or sync, which wait for the stream.
         self._copy_in(handle, payload, dtype, shape, link.pinned and shm_offset is not None)
+
+    def _put_pinned(
+        self, handle: int, dtype: torch.dtype, shape: list[int], nbytes: int, link: Link
+    ) -> bool:
+        """A socket put through a page-locked staging buffer, its copy queued on the stream
+        (the worker goes on issuing ops). False where the buffers cannot be registered (the
+        pageable path still works); a lease whose host allowance cannot hold the buffer gets
+        its out-of-memory error, as with the pageable buffer."""
+        assert self._staging is not None
+        try:
+            buffer = self._staging.take(nbytes)
+        except LimitExceeded as exc:
+            link.skip_put(handle, nbytes)
+            self._fail(exc, "copy_ (host to device)", [], None)
+            return True
+        except Exception as exc:  # registration refused: pageable copies still work
+            log.warning("page-locked staging is off: %s", first_line(exc))
+            self._staging = None
+            return False
+        data = host_bytes(buffer)
+        link.read_put(handle, data)
+        self._copy_in(handle, data, dtype, shape, non_blocking=True)
+        self._staging.copied()
+        return True
 
     def _copy_in(
         self, handle: int, payload: Any, dtype: torch.dtype, shape: list[int], non_blocking: bool

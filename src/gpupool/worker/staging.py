@@ -1,0 +1,96 @@
+"""Page-locked buffers a CUDA worker reads socket puts into, so their copies to the device run
+on the stream instead of stopping the worker until the GPU has caught up.
+
+A put that arrives over TCP (no shared arena) used to land in a fresh pageable `bytearray`,
+and a copy from pageable memory waits for every op queued on the stream before it: the worker
+stopped issuing work until the GPU drained, once per batch a training loop moved. Here the
+bytes land in one of two registered host buffers used in turn, the copy is asynchronous, and
+an event recorded after it says when that buffer may be written again (one put later, so a
+loop's copy has a whole step to finish). Each buffer is charged to the lease's host allowance
+for as long as it exists, and given back, unregistered, when the client leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gpupool.worker.memory import Reservation
+
+STAGING_BUFFERS = 2
+
+
+@dataclass
+class _Buffer:
+    block: mmap.mmap
+    view: torch.Tensor
+    reservation: Reservation
+    event: torch.cuda.Event | None = None
+
+
+class PinnedStaging:
+    """Two registered host buffers, each reused once the copy out of it has finished."""
+
+    def __init__(self, reserve_host: Callable[[int, str], Reservation]) -> None:
+        self._reserve = reserve_host
+        self._buffers: list[_Buffer | None] = [None] * STAGING_BUFFERS
+        self._turn = 0
+        self._last: _Buffer | None = None
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A uint8 host tensor of nbytes in registered memory, free to be written (raises
+        memory.LimitExceeded where the lease's host allowance cannot hold a buffer that big)."""
+        index = self._turn
+        self._turn = (index + 1) % STAGING_BUFFERS
+        buffer = self._buffers[index]
+        if buffer is not None and buffer.event is not None:
+            buffer.event.synchronize()  # its last copy out (issued a put ago) is done
+            buffer.event = None
+        if buffer is None or buffer.view.numel() < nbytes:
+            if buffer is not None:
+                self._free(buffer)
+                self._buffers[index] = None
+            buffer = self._buffers[index] = self._allocate(nbytes)
+        self._last = buffer
+        return buffer.view[:nbytes]
+
+    def copied(self) -> None:
+        """The copy out of the buffer last taken is queued on the current stream."""
+        if self._last is not None:
+            self._last.event = torch.cuda.Event()
+            self._last.event.record()
+            self._last = None
+
+    def close(self) -> None:
+        """Give every buffer back (the client left): waits for copies still reading them."""
+        for i, buffer in enumerate(self._buffers):
+            if buffer is not None:
+                self._free(buffer)
+                self._buffers[i] = None
+        self._last = None
+
+    def _allocate(self, nbytes: int) -> _Buffer:
+        reservation = self._reserve(nbytes, "a put's page-locked staging buffer")
+        try:
+            block = mmap.mmap(-1, nbytes)
+            view = torch.frombuffer(block, dtype=torch.uint8, count=nbytes)
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(view.data_ptr(), nbytes, 0))
+        except BaseException:
+            reservation.release()
+            raise
+        return _Buffer(block, view, reservation)
+
+    @staticmethod
+    def _free(buffer: _Buffer) -> None:
+        if buffer.event is not None:
+            buffer.event.synchronize()
+        with contextlib.suppress(Exception):
+            torch.cuda.cudart().cudaHostUnregister(buffer.view.data_ptr())
+        del buffer.view
+        with contextlib.suppress(BufferError):
+            buffer.block.close()
+        buffer.reservation.release()
