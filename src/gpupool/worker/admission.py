@@ -69,6 +69,12 @@ def warm_up() -> None:
         _warming.start()
 
 
+def warm_up_now() -> None:
+    """The same, in this thread and done on return: a ready worker loads them before it says
+    it is ready (gpupool.worker.standby)."""
+    _meta_op()
+
+
 def _meta_op() -> None:
     torch.empty(1, device=_META).add(1)
 
