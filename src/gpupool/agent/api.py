@@ -105,4 +105,5 @@ def _ready_status(agent: Agent) -> dict[str, Any]:
         "handed_over": pool.handed_over,
         "replaced": pool.replaced,
         "problem": pool.problem,
+        "workers": workers.starts(),
     }

@@ -29,6 +29,7 @@ import secrets
 import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,6 +156,10 @@ class Worker:
     None: it shares its lease's directory."""
     ready: bool = False
     """The worker was a ready worker, handed its lease (it did not start cold)."""
+    asked_at: float | None = None
+    """When this agent set out to start it (wall clock): the lease's grant reached the agent."""
+    start_s: float | None = None
+    """How long its start took, until it served (a hand-over: milliseconds; cold: seconds)."""
 
     def report(self) -> WorkerReport:
         alive = self.proc.poll() is None
@@ -410,8 +415,10 @@ class WorkerSupervisor:
                 self._resize(running, piece.memory_mib)
             if key in self.workers or key in self.failures:
                 continue
+            asked_at, began = time.time(), time.monotonic()
             try:
                 started = self._start(key[0], lease, piece)
+                started.asked_at, started.start_s = asked_at, time.monotonic() - began
             except Exception as exc:  # the reason goes to the controller, the loop goes on
                 log.error("cannot start a worker for lease %s on %s: %s", key[0], key[1], exc)
                 with self._lock:
@@ -793,6 +800,18 @@ class WorkerSupervisor:
             for (lease_id, uuid, gen), error in failures.items()
         ]
         return out
+
+    def starts(self) -> list[dict[str, object]]:
+        """How each running worker started, for the agent's status API: when the agent began,
+        how long it took, and whether a ready worker took the lease."""
+        with self._lock:
+            workers = list(self.workers.values())
+        return [
+            {"lease_id": w.lease_id, "gpu_uuid": w.gpu_uuid, "generation": w.generation,
+             "pid": w.proc.pid, "ready": w.ready, "asked_at": w.asked_at,
+             "start_s": None if w.start_s is None else round(w.start_s, 4)}
+            for w in workers
+        ]  # fmt: skip
 
     def pids(self) -> set[int]:
         """The workers' processes: on a real GPU they hold contexts, and are not tenants'.
