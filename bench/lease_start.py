@@ -11,9 +11,10 @@ worker again ("when ready workers are available"), and says whether it got one. 
 of each run is not counted: it pays this process's own first remote op (gpupool.torch's and
 the client's meta kernels' first calls), which belongs to a program's start.
 
-Parts of each lease's time: `pickup_s` (grant until the agent knew of the lease: at most its
-heartbeat interval), then `worker_s` (until the endpoint reached the client), then
-`attach_s` (connection and first op). Writes p50/p95 of each to --out:
+Each lease comes at a random moment of the agent's heartbeat interval. Parts of each lease's
+time: `pickup_s` (grant until the agent set out to start its worker: the controller's wake
+call, else at most the agent's heartbeat interval), then `worker_s` (until the endpoint reached
+the client), then `attach_s` (connection and first op). Writes p50/p95 of each to --out:
 
     python bench/lease_start.py [--leases 20] [--ready-workers 1,0] [--interval 2]
     python bench/lease_start.py --gpu --out bench/results/lease_start_gpu.json   # on a GPU host
@@ -26,6 +27,8 @@ import contextlib
 import json
 import os
 import platform
+import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -200,6 +203,8 @@ def main() -> None:
     if not 1 <= args.leases <= 200:
         parser.error("--leases must be 1..200")
     settings = [int(x) for x in args.ready_workers.split(",") if x.strip()]
+    rng = random.Random(26)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the pool on the way out
     work = Path(tempfile.mkdtemp(prefix="gpupool-lease-start-"))
     work.chmod(0o711)  # workers as the worker user reach MPS pipes under it (see _pool.py)
     results: dict[str, Any] = {
@@ -217,6 +222,8 @@ def main() -> None:
             one_lease(api, args.memory)
             for _ in range(args.leases):
                 wait_idle(api, ready)
+                # Leases come at any time, not in step with the agent's heartbeats.
+                time.sleep(rng.uniform(0, args.interval))
                 rows.append(one_lease(api, args.memory))
                 print(json.dumps({"ready_workers": ready, **rows[-1]}), flush=True)
         run = {

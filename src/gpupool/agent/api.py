@@ -60,6 +60,12 @@ def create_agent_app(agent: Agent) -> FastAPI:
             ],
         }
 
+    @app.post("/agent/v1/wake", status_code=202)
+    async def wake() -> dict[str, bool]:
+        """The controller's word that a remote lease was granted here: heartbeat now, so its
+        worker starts at once (at most one early heartbeat per WAKE_GAP_S, whoever asks)."""
+        return {"heartbeat": agent.wake()}
+
     @app.get("/metrics")
     async def scrape() -> Response:
         view = await asyncio.to_thread(metrics.read_view, agent)

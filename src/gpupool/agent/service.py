@@ -49,6 +49,8 @@ FIRST_RETRY_S = 0.25
 EVENT_POLL_MS = 250
 HTTP_TIMEOUT_S = 5.0
 KEPT_EVENTS = 1000
+WAKE_GAP_S = 0.25
+"""The least time between two heartbeats asked early through the agent's wake call."""
 READY_WORKERS_ENV = "GPUPOOL_READY_WORKERS"
 """The default of `AgentSettings.ready_workers` (`gpupool agent --ready-workers`)."""
 NODE_TOKEN_FILE = "node.token"
@@ -264,6 +266,8 @@ class Agent:
         self._heartbeat_now = asyncio.Event()
         self._replies = 0
         self._replied = asyncio.Condition()
+        self._woken_at = -WAKE_GAP_S
+        self._wake_pending = False
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register, then heartbeat until `stop` is set; a missing controller never ends it."""
@@ -461,6 +465,26 @@ class Agent:
         self.attach_server = server
         if self.watch.mode is WatchMode.REPORT:
             log.warning("the watch of direct slices only reports: it stops no process")
+
+    def wake(self) -> bool:
+        """Heartbeat soon (the controller granted a remote lease here): now, or WAKE_GAP_S
+        after the last early one. The wake call needs no token, so the gap bounds what any
+        caller can make the agent send; calls within one gap share one heartbeat. Returns
+        whether this call asked for a heartbeat (False: one is asked already)."""
+        if self._wake_pending:
+            return False
+        wait_s = self._woken_at + WAKE_GAP_S - time.monotonic()
+        if wait_s <= 0:
+            self._early_heartbeat()
+        else:
+            self._wake_pending = True
+            asyncio.get_running_loop().call_later(wait_s, self._early_heartbeat)
+        return True
+
+    def _early_heartbeat(self) -> None:
+        self._wake_pending = False
+        self._woken_at = time.monotonic()
+        self._heartbeat_now.set()
 
     async def _learn_leases(self) -> None:
         """Heartbeat now and return once the controller's answer is in (a new direct lease
