@@ -1,12 +1,14 @@
 """`gpupool agent --ready-workers N` with a real controller, agent and workers: the pool of
 ready workers shows in `gpupool nodes` (READY), in the agent's status API and its metrics; a
 remote lease is served by a ready worker, under its own memory limit, and the pool refills;
-with `--ready-workers 0` the column says off and the lease's worker starts cold."""
+the controller wakes the agent at the grant, so a lease does not wait for the agent's next
+heartbeat; with `--ready-workers 0` the column says off and the lease's worker starts cold."""
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -34,8 +36,13 @@ pytestmark = pytest.mark.slow
 READY_S = 120.0
 
 
-def _pool(tmp_path: Path, ready: int) -> Iterator[Pool]:
-    started = start_pool(tmp_path, "1xH100-80GB", agent_options=("--ready-workers", str(ready)))
+def _pool(
+    tmp_path: Path, ready: int, *options: str, controller: tuple[str, ...] = ()
+) -> Iterator[Pool]:
+    started = start_pool(
+        tmp_path, "1xH100-80GB", *controller,
+        agent_options=("--ready-workers", str(ready), *options),
+    )  # fmt: skip
     try:
         yield started
     finally:
@@ -50,6 +57,16 @@ def ready_pool(tmp_path: Path) -> Iterator[Pool]:
 @pytest.fixture
 def cold_pool(tmp_path: Path) -> Iterator[Pool]:
     yield from _pool(tmp_path, 0)
+
+
+HEARTBEAT_S = 30.0
+
+
+@pytest.fixture
+def slow_heartbeat_pool(tmp_path: Path) -> Iterator[Pool]:
+    """An agent that heartbeats every 30 s (the controller keeps it up for 120 s between)."""
+    interval = ("--interval", f"{HEARTBEAT_S:g}")
+    yield from _pool(tmp_path, 1, *interval, controller=("--node-timeout", "120"))
 
 
 def _agent_status(pool: Pool) -> dict[str, Any]:
@@ -130,3 +147,36 @@ def test_a_bad_ready_workers_setting_is_refused(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=scaled(60), env=dict(os.environ),
     )  # fmt: skip
     assert done.returncode == 2 and "--ready-workers must be 0..8, got 9" in done.stderr
+
+
+def test_the_grant_wakes_the_agent_instead_of_waiting_for_its_heartbeat(
+    slow_heartbeat_pool: Pool,
+) -> None:
+    pool = slow_heartbeat_pool
+    pool.wait_for("a ready worker", lambda: _agent_status(pool)["gpus"].get(_gpu(pool)), READY_S)
+    # Just after a heartbeat, the next one is HEARTBEAT_S away: a lease that reaches the agent
+    # sooner was brought by the controller's wake call.
+    seen = _heartbeats(pool)
+    pool.wait_for("a heartbeat", lambda: _heartbeats(pool) > seen, HEARTBEAT_S + 10)
+    beat_s = time.time()
+    with PoolClient(pool.url, token=ADMIN_TOKEN) as client:
+        lease = client.create_lease(LeaseCreate(compute_pct=20, memory="64MiB", access="remote"))
+        assert lease.state == "granted", lease
+        lease = client.wait_for_workers(lease.id, timeout=scaled(20))
+    assert lease.slices[0].endpoint
+    (started,) = _agent_status(pool)["workers"]
+    assert started["ready"] is True and started["lease_id"] == lease.id
+    assert started["asked_at"] < beat_s + HEARTBEAT_S - 5, "the agent waited for its heartbeat"
+
+
+def _heartbeats(pool: Pool) -> float:
+    """Heartbeats the controller accepted from the agent, by the agent's metrics."""
+    for line in _metrics(pool).splitlines():
+        if line.startswith("gpupool_agent_heartbeats_total "):
+            return float(line.split()[1])
+    raise AssertionError("no gpupool_agent_heartbeats_total")
+
+
+def _gpu(pool: Pool) -> str:
+    (gpu,) = pool.json("gpus")
+    return str(gpu["uuid"])
