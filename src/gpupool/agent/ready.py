@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import shutil
+import signal
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -100,6 +102,8 @@ class ReadyPool:
         """Ready workers found dead, or unusable, and started again."""
         self.problem: str | None = None
         """Why the last ready worker failed to start (None: the last one started)."""
+        self._starting_pid: int | None = None
+        """The process of the ready worker being started now (stop() ends it at once)."""
 
     # ---- what the agent and the supervisor ask ------------------------------------------
 
@@ -157,10 +161,19 @@ class ReadyPool:
         with self._lock:
             return {w.pid for ready in self._ready.values() for w in ready}
 
+    def starting(self, pid: int) -> None:
+        """The start in progress has this process (called by `start` as soon as it exists)."""
+        with self._lock:
+            self._starting_pid = pid
+        if self._stopping.is_set():
+            self._kill_starting()
+
     def stop(self) -> None:
-        """Stop refilling and end every ready worker (the agent is stopping)."""
+        """Stop refilling and end every ready worker (the agent is stopping); one still
+        importing torch is killed rather than waited for."""
         self._stopping.set()
         self._wake.set()
+        self._kill_starting()
         thread = self._thread
         if thread is not None:
             thread.join()
@@ -169,6 +182,13 @@ class ReadyPool:
             self._ready.clear()
         for worker in workers:
             worker.discard()
+
+    def _kill_starting(self) -> None:
+        with self._lock:
+            pid = self._starting_pid
+        if pid is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
     # ---- the refill thread ------------------------------------------------------------------
 
@@ -184,6 +204,10 @@ class ReadyPool:
             try:
                 worker = self._start(gpu)
             except Exception as exc:  # said in facts and the log; tried again, less often
+                with self._lock:
+                    self._starting_pid = None
+                if self._stopping.is_set():
+                    return
                 self.problem = str(exc)[:300]
                 log.error("cannot start a ready worker for %s: %s", gpu, exc)
                 self._stopping.wait(pause_s)
@@ -191,6 +215,7 @@ class ReadyPool:
                 continue
             pause_s, self.problem = self._check_s, None
             with self._lock:
+                self._starting_pid = None
                 keep = gpu in self._gpus and not self._stopping.is_set()
                 if keep:
                     self._ready.setdefault(gpu, []).append(worker)

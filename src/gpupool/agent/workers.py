@@ -605,7 +605,7 @@ class WorkerSupervisor:
                 user=self.user.uid if self.user else None,
                 group=self.user.gid if self.user else None,
                 cwd=directory,
-                placed=lambda pid: self._placed(pid, cgroup),
+                placed=lambda pid: self._placed_ready(pid, cgroup),
                 device=device,
                 listen=f"tcp://{self.listen_host}:0",
                 tls_cert=tls[0] if tls else None,
@@ -631,6 +631,10 @@ class WorkerSupervisor:
             created_at = None
         log.info("ready worker %d for %s listens on %s", standby.pid, gpu_uuid, standby.address)
         return ReadyWorker(gpu_uuid, standby, directory, log_file, cgroup, pipe, created_at)
+
+    def _placed_ready(self, pid: int, cgroup: WorkerCgroup | None) -> None:
+        self.ready.starting(pid)
+        self._placed(pid, cgroup)
 
     def _ready_usable(self, ready: ReadyWorker) -> bool:
         """A ready worker may take a lease while its GPU's MPS daemon is the one it knows."""
