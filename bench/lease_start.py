@@ -224,11 +224,15 @@ def main() -> None:
                 wait_idle(api, ready)
                 # Leases come at any time, not in step with the agent's heartbeats.
                 time.sleep(rng.uniform(0, args.interval))
-                rows.append(one_lease(api, args.memory))
+                try:
+                    rows.append(one_lease(api, args.memory))
+                except Exception as exc:  # counted and shown: a failed start is a result too
+                    rows.append({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 print(json.dumps({"ready_workers": ready, **rows[-1]}), flush=True)
         run = {
             "ready_workers": ready,
-            "got_a_ready_worker": sum(r["ready_worker"] for r in rows),
+            "got_a_ready_worker": sum(bool(r.get("ready_worker")) for r in rows),
+            "failed": sum("error" in r for r in rows),
             **{
                 key: summary(rows, key)
                 for key in ("grant_to_first_op_s", "pickup_s", "worker_s", "attach_s")

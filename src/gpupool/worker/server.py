@@ -50,7 +50,7 @@ from gpupool.protocol.v1.dataplane import (
 )
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
 from gpupool.worker.activity import Activity, StatusFile
-from gpupool.worker.admission import warm_up
+from gpupool.worker.admission import warm_up, warmed
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor, first_line
 from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
@@ -531,6 +531,7 @@ class Worker:
                 [Kind.WELCOME, self._welcome(link)],
                 [link.worker_arena.fd] if link.worker_arena else [],
             )
+            warmed()  # a cold worker's first ops never run beside its meta warm-up
             with _device_stream(self.device):
                 torch.set_grad_enabled(False)
                 self._loop(link)
