@@ -278,3 +278,26 @@ def test_a_hand_over_line_is_checked_before_the_worker_acts_on_it() -> None:
     ):  # fmt: skip
         with pytest.raises(ProtocolError, match=said):
             Handover.from_line(bad)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--standby", "--lease", "l", "--ready-fd", "3"], "drop --lease"),
+        (["--standby", "--memory-limit-mib", "64", "--ready-fd", "3"], "drop --memory-limit-mib"),
+        (["--standby", "--credentials-stdin", "--ready-fd", "3"], "drop --credentials-stdin"),
+        (["--standby"], "--standby needs --ready-fd"),
+        (["--standby", "--ready-fd", "3", "--context-ahead"], "for a CUDA worker"),
+        (["--lease", "l", "--context-ahead"], "for a ready worker"),
+        ([], "--lease is required (or --standby"),
+    ],
+)
+def test_a_ready_worker_takes_nothing_of_a_lease_from_its_command_line(
+    argv: list[str], said: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpupool.worker.__main__ import parse_args
+
+    monkeypatch.setenv("GPUPOOL_WORKER_TOKEN", "t")
+    with pytest.raises(SystemExit) as refused:
+        parse_args(argv)
+    assert refused.value.code == 2 and said in capsys.readouterr().err

@@ -133,7 +133,7 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         parser.error("--tls-cert and --tls-key go together")
     if args.standby:
         _check_standby(parser, args)
-        credentials = WorkerCredentials("standby")  # the hand-over brings the real ones
+        credentials = WorkerCredentials("")  # admits nobody: the hand-over brings them
     elif args.lease is None:
         parser.error("--lease is required (or --standby, for a ready worker)")
     elif args.context_ahead:
