@@ -30,6 +30,9 @@ PG_ADMIN = os.environ.get("GPUPOOL_TEST_PG", "postgresql://postgres@127.0.0.1:54
 ADMIN_TOKEN = os.environ.setdefault("GPUPOOL_ADMIN_TOKEN", new_token()[2])
 os.environ.setdefault("GPUPOOL_TOKEN", ADMIN_TOKEN)
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+# Agents keep no ready workers unless a test asks (--ready-workers, or ready_per_gpu): a worker
+# started ahead of its lease is a torch process per simulated GPU of every agent of the suite.
+os.environ.setdefault("GPUPOOL_READY_WORKERS", "0")
 # No test reads or changes the user's own contexts (`gpupool up` records one): every test
 # process, and what it starts, uses a config file of its own.
 os.environ["GPUPOOL_CONFIG"] = str(

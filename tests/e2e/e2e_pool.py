@@ -118,9 +118,15 @@ def finish(proc: subprocess.Popen[str], timeout_s: float = 60) -> None:
         proc.communicate()
 
 
-def start_pool(workdir: Path, fake_spec: str = FAKE_SPEC, *controller_args: str) -> Pool:
+def start_pool(
+    workdir: Path,
+    fake_spec: str = FAKE_SPEC,
+    *controller_args: str,
+    agent_options: tuple[str, ...] = (),
+) -> Pool:
     """`gpupool controller` and a fake-GPU agent on loopback, once the agent's GPUs are in;
-    stop it with stop_pool, also when this fails half-way (the processes are in `started`)."""
+    stop it with stop_pool, also when this fails half-way (the processes are in `started`).
+    `agent_options` go to `gpupool agent` after the pool's own."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = ["controller", "--port", str(port), "--data-dir", str(workdir / "ctl")]
@@ -136,7 +142,7 @@ def start_pool(workdir: Path, fake_spec: str = FAKE_SPEC, *controller_args: str)
             assert time.monotonic() < deadline, "controller did not start"
             time.sleep(0.1)
         agent_args = ["--url", url, "--fake", fake_spec, "--interval", "0.3"]
-        agent_args += ["--data-dir", str(workdir / "agent")]
+        agent_args += ["--data-dir", str(workdir / "agent"), *agent_options]
         with (workdir / "agent.log").open("wb") as log:
             pool.agent = subprocess.Popen(
                 gpupool_argv("agent", *agent_args), stdout=log, stderr=subprocess.STDOUT

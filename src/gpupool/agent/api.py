@@ -53,11 +53,18 @@ def create_agent_app(agent: Agent) -> FastAPI:
                     for e in list(agent.watch.events)[-50:]
                 ],
             },
+            "ready_workers": _ready_status(agent),
             "health_events": [
                 {"gpu_uuid": e.gpu_uuid, "kind": e.kind, "value": e.value, "message": e.message}
                 for e in list(agent.health_events)[-50:]
             ],
         }
+
+    @app.post("/agent/v1/wake", status_code=202)
+    async def wake() -> dict[str, bool]:
+        """The controller's word that a remote lease was granted here: heartbeat now, so its
+        worker starts at once (at most one early heartbeat per WAKE_GAP_S, whoever asks)."""
+        return {"heartbeat": agent.wake()}
 
     @app.get("/metrics")
     async def scrape() -> Response:
@@ -88,3 +95,21 @@ def create_agent_app(agent: Agent) -> FastAPI:
         return {"gpu_uuid": event.gpu_uuid, "kind": event.kind, "message": event.message}
 
     return app
+
+
+def _ready_status(agent: Agent) -> dict[str, Any]:
+    """The ready pool: per GPU, workers ready now; the setting; what it has done."""
+    workers = agent.workers
+    if workers is None:
+        return {"per_gpu": agent.settings.ready_workers, "gpus": {}}
+    pool = workers.ready
+    return {
+        "per_gpu": pool.per_gpu,
+        "wanted": pool.wanted,
+        "gpus": pool.counts(),
+        "started": pool.started,
+        "handed_over": pool.handed_over,
+        "replaced": pool.replaced,
+        "problem": pool.problem,
+        "workers": workers.starts(),
+    }

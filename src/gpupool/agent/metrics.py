@@ -102,6 +102,10 @@ class AgentView:
     direct_reported: dict[str, int] = field(default_factory=dict)
     direct_usage: dict[tuple[str, str], tuple[int, float | None]] = field(default_factory=dict)
     direct_attached: int = 0
+    ready_workers: dict[str, int] = field(default_factory=dict)
+    """Ready workers alive now, per GPU that takes remote leases (gpupool.agent.ready)."""
+    ready_wanted: int = 0
+    ready_handed_over: int = 0
 
 
 def read_view(agent: Agent) -> AgentView:
@@ -125,6 +129,9 @@ def read_view(agent: Agent) -> AgentView:
         direct_reported=dict(agent.watch.reported),
         direct_usage=dict(agent.watch.usage),
         direct_attached=len(agent.watch.roots()),
+        ready_workers=agent.workers.ready.counts() if agent.workers is not None else {},
+        ready_wanted=agent.workers.ready.wanted if agent.workers is not None else 0,
+        ready_handed_over=agent.workers.ready.handed_over if agent.workers is not None else 0,
     )
 
 
@@ -168,6 +175,7 @@ class AgentCollector(Collector):
         yield from _health_families(view, gpus)
         yield from _lease_families(view, gpus)
         yield from _direct_families(view)
+        yield from _ready_families(view, gpus)
 
 
 def _agent_families(view: AgentView) -> Iterator[Metric]:
@@ -312,6 +320,29 @@ def _direct_families(view: AgentView) -> Iterator[Metric]:
         value=view.direct_attached,
     )
     yield from (stopped, reported, memory, sm, attached)
+
+
+def _ready_families(view: AgentView, gpus: list[Row]) -> Iterator[Metric]:
+    """The ready pool: workers started ahead of their leases (`--ready-workers`)."""
+    ready = GaugeMetricFamily(
+        "gpupool_agent_ready_workers",
+        "Workers started ahead of their leases and ready to take one, per GPU.",
+        labels=GPU_LABELS,
+    )
+    for gpu, _t, labels in gpus:
+        if gpu.uuid in view.ready_workers:
+            ready.add_metric(labels, view.ready_workers[gpu.uuid])
+    yield ready
+    yield GaugeMetricFamily(
+        "gpupool_agent_ready_workers_wanted",
+        "Ready workers the agent keeps: --ready-workers times the GPUs that take remote leases.",
+        value=view.ready_wanted,
+    )
+    yield CounterMetricFamily(
+        "gpupool_agent_ready_workers_handed_over",
+        "Remote leases whose worker was a ready worker, since the agent started.",
+        value=view.ready_handed_over,
+    )
 
 
 def exposition(view: AgentView) -> bytes:

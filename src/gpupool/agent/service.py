@@ -25,6 +25,7 @@ from gpupool.agent.health import is_fault, isolation_reason
 from gpupool.agent.isolation import Cgroups, CgroupUnavailable, WorkerUser, worker_user
 from gpupool.agent.metrics import HealthCounts
 from gpupool.agent.mps import MpsSupervisor
+from gpupool.agent.ready import DEFAULT_PER_GPU, MAX_PER_GPU
 from gpupool.agent.watch import WATCH_INTERVAL_S, DirectWatch, WatchMode
 from gpupool.agent.workers import WorkerSupervisor
 from gpupool.protocol.failover import AsyncFailoverTransport, split_urls
@@ -48,6 +49,10 @@ FIRST_RETRY_S = 0.25
 EVENT_POLL_MS = 250
 HTTP_TIMEOUT_S = 5.0
 KEPT_EVENTS = 1000
+WAKE_GAP_S = 0.25
+"""The least time between two heartbeats asked early through the agent's wake call."""
+READY_WORKERS_ENV = "GPUPOOL_READY_WORKERS"
+"""The default of `AgentSettings.ready_workers` (`gpupool agent --ready-workers`)."""
 NODE_TOKEN_FILE = "node.token"
 """In the agent's data dir: the node token its join token got (owner-only)."""
 
@@ -144,6 +149,12 @@ class AgentSettings:
     the agent itself (`gpupool agent` defaults to gpupool-worker)."""
     worker_cgroups: bool = True
     """Put each worker in a memory cgroup of its own where the agent can (root)."""
+    ready_workers: int = field(
+        default_factory=lambda: int(os.environ.get(READY_WORKERS_ENV) or DEFAULT_PER_GPU)
+    )
+    """Workers kept started ahead of their leases, per GPU that takes remote leases
+    (`gpupool.agent.ready`); 0: every remote lease starts its worker cold. The default comes
+    from $GPUPOOL_READY_WORKERS, else 1."""
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -154,6 +165,10 @@ class AgentSettings:
             raise ValueError(f"heartbeat interval must be > 0 s, got {self.heartbeat_interval_s}")
         if self.room_timeout_s is not None and self.room_timeout_s <= 0:
             raise ValueError(f"room timeout must be > 0 s, got {self.room_timeout_s}")
+        if not 0 <= self.ready_workers <= MAX_PER_GPU:
+            raise ValueError(
+                f"ready workers per GPU must be 0..{MAX_PER_GPU}, got {self.ready_workers}"
+            )
         if self.retry_max_s <= 0:
             raise ValueError(f"retry_max_s must be > 0 s, got {self.retry_max_s}")
         for url in self.controller_url.split(","):
@@ -251,6 +266,8 @@ class Agent:
         self._heartbeat_now = asyncio.Event()
         self._replies = 0
         self._replied = asyncio.Condition()
+        self._woken_at = -WAKE_GAP_S
+        self._wake_pending = False
 
     async def run(self, stop: asyncio.Event) -> None:
         """Register, then heartbeat until `stop` is set; a missing controller never ends it."""
@@ -278,6 +295,7 @@ class Agent:
             room_timeout_s=self.settings.room_timeout_s,
             user=user,
             cgroups=cgroups,
+            ready_per_gpu=self.settings.ready_workers,
         )
         done = asyncio.Event()
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")
@@ -448,6 +466,26 @@ class Agent:
         if self.watch.mode is WatchMode.REPORT:
             log.warning("the watch of direct slices only reports: it stops no process")
 
+    def wake(self) -> bool:
+        """Heartbeat soon (the controller granted a remote lease here): now, or WAKE_GAP_S
+        after the last early one. The wake call needs no token, so the gap bounds what any
+        caller can make the agent send; calls within one gap share one heartbeat. Returns
+        whether this call asked for a heartbeat (False: one is asked already)."""
+        if self._wake_pending:
+            return False
+        wait_s = self._woken_at + WAKE_GAP_S - time.monotonic()
+        if wait_s <= 0:
+            self._early_heartbeat()
+        else:
+            self._wake_pending = True
+            asyncio.get_running_loop().call_later(wait_s, self._early_heartbeat)
+        return True
+
+    def _early_heartbeat(self) -> None:
+        self._wake_pending = False
+        self._woken_at = time.monotonic()
+        self._heartbeat_now.set()
+
     async def _learn_leases(self) -> None:
         """Heartbeat now and return once the controller's answer is in (a new direct lease
         attaching its process moments after its grant)."""
@@ -617,6 +655,10 @@ class Agent:
         modes = {uuid: (d.mode, d.target_mode) for uuid, d in reply.gpus.items()}
         if modes:
             await asyncio.to_thread(self.mps.reconcile, modes)
+        if self.workers is not None:  # after the daemons: a ready CUDA worker joins its GPU's
+            self.workers.ready.set_gpus(
+                uuid for uuid, d in reply.gpus.items() if d.mode == "virtual"
+            )
         if reply.leases != self._remote_leases:
             self._remote_leases = reply.leases
             self._workers_wake.set()
@@ -681,6 +723,7 @@ class Agent:
             host={
                 **host_stats(self.settings.data_dir),
                 **(self.workers.confinement() if self.workers is not None else {}),
+                **(self.workers.ready_facts() if self.workers is not None else {}),
             },
             workers=self.workers.reports() if self.workers is not None else [],
         )
@@ -696,7 +739,11 @@ class Agent:
             if done.is_set():
                 return
             try:
-                await asyncio.to_thread(self.workers.reconcile, dict(self._remote_leases or {}))
+                changed = await asyncio.to_thread(
+                    self.workers.reconcile, dict(self._remote_leases or {})
+                )
+                if changed:  # a new worker's endpoint reaches its client a heartbeat sooner
+                    self._heartbeat_now.set()
             except Exception:
                 log.exception("managing workers failed; retrying with the next heartbeat")
 

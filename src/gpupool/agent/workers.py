@@ -12,6 +12,10 @@ Workers outlive an agent that dies: they hold their clients' tensors, and the da
 does not pass through the agent. The agent notes each worker in `workers.json` and, started
 again, adopts those still running; those gone meanwhile are reported dead, which ends their
 leases with that reason instead of starting an empty worker the client would not expect.
+
+A new lease (not a move) takes a ready worker of its GPU where the agent keeps some
+(`gpupool.agent.ready`): its cgroup gets the lease's limit, then the worker gets the lease,
+its credentials and its limits on its stdin, and serves in milliseconds instead of seconds.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ import json
 import logging
 import os
 import re
+import secrets
+import shutil
 import subprocess
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import psutil
 
@@ -39,8 +46,12 @@ from gpupool.agent.isolation import (
     worker_environment,
 )
 from gpupool.agent.mps import MpsSupervisor, client_env
+from gpupool.agent.ready import ReadyPool, ReadyWorker
 from gpupool.protocol.v1.api import RemoteLease, RemoteSlice, WorkerReport
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
+
+if TYPE_CHECKING:
+    from gpupool.protocol.v1.dataplane import WorkerCredentials
 
 log = logging.getLogger("gpupool.agent.workers")
 
@@ -140,6 +151,15 @@ class Worker:
     """The worker's memory cgroup (None: the agent could not make one)."""
     host_memory_mib: int = 0
     """The lease's host memory allowance (part of the cgroup's limit)."""
+    directory: Path | None = None
+    """A directory of this worker alone (one that was a ready worker), removed once it ended;
+    None: it shares its lease's directory."""
+    ready: bool = False
+    """The worker was a ready worker, handed its lease (it did not start cold)."""
+    asked_at: float | None = None
+    """When this agent set out to start it (wall clock): the lease's grant reached the agent."""
+    start_s: float | None = None
+    """How long its start took, until it served (a hand-over: milliseconds; cold: seconds)."""
 
     def report(self) -> WorkerReport:
         alive = self.proc.poll() is None
@@ -200,6 +220,7 @@ class Worker:
             "control_token": self.control_token,
             "cgroup": None if self.cgroup is None else
             [str(self.cgroup.path), self.cgroup.version, self.cgroup.limit_bytes],
+            "directory": None if self.directory is None else str(self.directory),
         }  # fmt: skip
 
     def stop(self) -> None:
@@ -212,6 +233,8 @@ class Worker:
                 self.proc.wait()
         if self.cgroup is not None:
             self.cgroup.remove()
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
 
 
 class WorkerSupervisor:
@@ -228,6 +251,7 @@ class WorkerSupervisor:
         room_timeout_s: float | None = None,
         user: WorkerUser | None = None,
         cgroups: Cgroups | CgroupUnavailable | None = None,
+        ready_per_gpu: int = 0,
     ) -> None:
         self.root = root
         self.user = user
@@ -261,6 +285,9 @@ class WorkerSupervisor:
         self._starting_by: dict[int, set[int]] = {}
         self._prepare_root()
         self._adopt()
+        self.ready = ReadyPool(ready_per_gpu, self._start_ready, self._ready_usable)
+        """Workers started ahead of their leases (`gpupool agent --ready-workers`)."""
+        self._clear_ready_dirs()
 
     def _prepare_root(self) -> None:
         """The agent's directory: the registry and logs are the agent's alone; a worker user
@@ -308,6 +335,7 @@ class WorkerSupervisor:
                 memory = entry.get("memory_mib")
                 memory_mib = int(memory) if isinstance(memory, int) else None
                 cgroup = _cgroup_of(entry.get("cgroup"))
+                directory = Path(entry["directory"]) if entry.get("directory") else None
             except (KeyError, TypeError, ValueError):
                 log.error("ignoring a malformed entry of %s: %r", self.registry, entry)
                 continue
@@ -318,6 +346,8 @@ class WorkerSupervisor:
                 )
                 if cgroup is not None:
                     cgroup.remove()
+                if directory is not None:
+                    shutil.rmtree(directory, ignore_errors=True)
                 self.failures[key] = GONE_WHILE_AWAY
                 continue
             log.info(
@@ -326,7 +356,7 @@ class WorkerSupervisor:
             self.workers[key] = Worker(
                 key[0], key[1], proc, endpoint, status_file, proc.created_at,
                 control_token=control_token, generation=key[2], memory_mib=memory_mib,
-                cgroup=cgroup,
+                cgroup=cgroup, directory=directory,
             )  # fmt: skip
 
     def _save(self) -> None:
@@ -353,7 +383,9 @@ class WorkerSupervisor:
             out.write(json.dumps(entries))
         os.replace(tmp, self.registry)
 
-    def reconcile(self, leases: Mapping[str, RemoteLease]) -> None:
+    def reconcile(self, leases: Mapping[str, RemoteLease]) -> bool:
+        """Start and stop workers to match `leases`; True if a worker started, ended or
+        failed (the controller should hear of it now, not at the next heartbeat)."""
         wanted = {
             (lease_id, piece.gpu_uuid, piece.generation): (lease, piece)
             for lease_id, lease in leases.items()
@@ -383,8 +415,10 @@ class WorkerSupervisor:
                 self._resize(running, piece.memory_mib)
             if key in self.workers or key in self.failures:
                 continue
+            asked_at, began = time.time(), time.monotonic()
             try:
                 started = self._start(key[0], lease, piece)
+                started.asked_at, started.start_s = asked_at, time.monotonic() - began
             except Exception as exc:  # the reason goes to the controller, the loop goes on
                 log.error("cannot start a worker for lease %s on %s: %s", key[0], key[1], exc)
                 with self._lock:
@@ -398,6 +432,7 @@ class WorkerSupervisor:
         self._pass_orders(wanted)
         if changed or not self.registry.exists():
             self._save()
+        return changed
 
     def _pass_orders(self, wanted: Mapping[Key, tuple[RemoteLease, RemoteSlice]]) -> None:
         """The controller's answers to oversubscription: swap-outs it ordered, and requests for
@@ -479,7 +514,155 @@ class WorkerSupervisor:
                         worker.lease_id, worker.cgroup.limit_bytes // MIB, exc)  # fmt: skip
 
     def _start(self, lease_id: str, lease: RemoteLease, piece: RemoteSlice) -> Worker:
-        from gpupool.protocol.v1.dataplane import WorkerCredentials, start_worker_process
+        """The lease's worker on `piece`'s GPU: a ready worker handed the lease where one is
+        (never for a move: a successor takes its state over as it starts), else a cold one."""
+        from gpupool.protocol.v1.dataplane import WorkerStartFailed
+
+        ready = self.ready.take(piece.gpu_uuid) if piece.restore_from is None else None
+        if ready is not None:
+            try:
+                return self._hand_over(ready, lease_id, lease, piece)
+            except (WorkerStartFailed, OSError) as exc:  # the cold start below still serves it
+                log.warning("the ready worker %d could not take lease %s (%s): starting one",
+                            ready.pid, lease_id, exc)  # fmt: skip
+                ready.discard()
+        return self._start_cold(lease_id, lease, piece)
+
+    def _credentials(self, lease: RemoteLease) -> WorkerCredentials:
+        """The client token opens the client role only; the control secret is this worker's
+        and the agent's; the peer secret is the lease's, from the controller, for its workers
+        alone (a controller that sends none: peers and successors are refused)."""
+        from gpupool.protocol.v1.dataplane import WorkerCredentials
+
+        credentials = WorkerCredentials.generate(lease.token, lease.peer_secret)
+        if not lease.peer_secret:
+            credentials = WorkerCredentials(lease.token, credentials.control, "")
+        return credentials
+
+    def _hand_over(
+        self, ready: ReadyWorker, lease_id: str, lease: RemoteLease, piece: RemoteSlice
+    ) -> Worker:
+        """Make a ready worker the lease's: its cgroup's limit first (the lease's size, before
+        the worker may allocate for it), then the lease, credentials and limits on its stdin."""
+        from gpupool.protocol.v1.dataplane import HANDOVER_ENV, Handover
+
+        if ready.cgroup is not None:
+            limit = host_limit_bytes(piece.memory_mib, lease.host_memory_mib)
+            ready.cgroup = ready.cgroup.set_limit(limit)
+        mps_env: dict[str, str] = {}
+        if ready.mps_pipe is not None:
+            pipe = Path(ready.mps_pipe)
+            limits = client_env(pipe, pipe.parent / "log", piece.compute_pct, piece.memory_mib)
+            mps_env = {k: v for k, v in limits.items() if k in HANDOVER_ENV}
+        credentials = self._credentials(lease)
+        status_name = f"{piece.gpu_index}.g{piece.generation}.status.json"
+        handover = Handover(
+            lease=lease_id,
+            credentials=credentials,
+            memory_limit_mib=piece.memory_mib,
+            status_file=status_name,
+            idle_timeout_s=lease.idle_timeout_s,
+            mps_env=mps_env,
+        )
+        ready_line = ready.standby.hand_over(handover, log_file=ready.log_file)
+        endpoint = str(ready_line.address)
+        log.info("lease %s on %s: ready worker %d took it, on %s",
+                 lease_id, piece.gpu_uuid, ready.pid, endpoint)  # fmt: skip
+        return Worker(
+            lease_id, piece.gpu_uuid, ready.standby.proc, endpoint,
+            ready.directory / status_name, ready.created_at,
+            control_token=credentials.control, generation=piece.generation,
+            memory_mib=piece.memory_mib, cgroup=ready.cgroup,
+            host_memory_mib=lease.host_memory_mib, directory=ready.directory, ready=True,
+        )  # fmt: skip
+
+    def _start_ready(self, gpu_uuid: str) -> ReadyWorker:
+        """A ready worker for `gpu_uuid`: the process, environment, user and cgroup of a
+        cold worker, without anything of a lease (the ready pool's thread calls this)."""
+        from gpupool.protocol.v1.dataplane import start_standby_worker
+
+        name = f"ready.{secrets.token_hex(4)}"
+        directory = self._ready_dir(name)
+        extra: dict[str, str] = {}
+        pipe: str | None = None
+        if self.simulated:
+            device = "cpu"
+        else:
+            device = "cuda:0"
+            extra["CUDA_VISIBLE_DEVICES"] = gpu_uuid
+            pipe = self.mps.pipe_dir(gpu_uuid)
+            if pipe is not None:  # the share comes with the hand-over: see gpupool.agent.ready
+                extra["CUDA_MPS_PIPE_DIRECTORY"] = pipe
+                extra["CUDA_MPS_LOG_DIRECTORY"] = str(Path(pipe).parent / "log")
+        env = worker_environment(os.environ, directory, extra)
+        tls = self._tls_for(directory)
+        cgroup = self._cgroup(name, host_limit_bytes(0))
+        log_file = self._log_file(name)
+        try:
+            standby = start_standby_worker(
+                env=env,
+                log_file=log_file,
+                user=self.user.uid if self.user else None,
+                group=self.user.gid if self.user else None,
+                cwd=directory,
+                placed=lambda pid: self._placed_ready(pid, cgroup),
+                device=device,
+                listen=f"tcp://{self.listen_host}:0",
+                tls_cert=tls[0] if tls else None,
+                tls_key=tls[1] if tls else None,
+                managed=True,
+                room_timeout_s=self.room_timeout_s,
+                simulated_gpu=Path("..", "..", LEDGERS, f"{gpu_uuid}.json")
+                if gpu_uuid in self.ledgers
+                else None,
+                context_ahead=device != "cpu" and pipe is None,
+            )
+        except BaseException:
+            if cgroup is not None:
+                cgroup.remove()
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
+        finally:
+            with self._lock:
+                self._starting.difference_update(self._started_by_me())
+        try:
+            created_at: float | None = psutil.Process(standby.pid).create_time()
+        except psutil.NoSuchProcess:
+            created_at = None
+        log.info("ready worker %d for %s listens on %s", standby.pid, gpu_uuid, standby.address)
+        return ReadyWorker(gpu_uuid, standby, directory, log_file, cgroup, pipe, created_at)
+
+    def _placed_ready(self, pid: int, cgroup: WorkerCgroup | None) -> None:
+        self.ready.starting(pid)
+        self._placed(pid, cgroup)
+
+    def _ready_usable(self, ready: ReadyWorker) -> bool:
+        """A ready worker may take a lease while its GPU's MPS daemon is the one it knows."""
+        return self.simulated or ready.mps_pipe == self.mps.pipe_dir(ready.gpu_uuid)
+
+    def _ready_dir(self, name: str) -> Path:
+        """A ready worker's own directory under `ready/` (the worker user's, mode 700)."""
+        base = self.root / "ready"
+        base.mkdir(exist_ok=True)
+        directory = base / name
+        directory.mkdir()
+        if self.user is not None:
+            os.chmod(base, 0o711)
+            self.user.own(directory, 0o700)
+        return directory
+
+    def _clear_ready_dirs(self) -> None:
+        """Ready workers end with their agent: what an earlier agent's left is removed (the
+        directories of handed-over workers adopted just now stay)."""
+        base = self.root / "ready"
+        kept = {w.directory for w in self.workers.values() if w.directory is not None}
+        with contextlib.suppress(FileNotFoundError):
+            for path in base.iterdir():
+                if path not in kept:
+                    shutil.rmtree(path, ignore_errors=True)
+
+    def _start_cold(self, lease_id: str, lease: RemoteLease, piece: RemoteSlice) -> Worker:
+        from gpupool.protocol.v1.dataplane import start_worker_process
 
         directory = self._lease_dir(lease_id)
         name = f"{_safe(lease_id)}.{piece.gpu_index}.g{piece.generation}"
@@ -498,12 +681,7 @@ class WorkerSupervisor:
                     )
                 )
         env = worker_environment(os.environ, directory, extra)
-        # The client token opens the client role only; the control secret is this worker's
-        # and the agent's; the peer secret is the lease's, from the controller, for its
-        # workers alone (a controller that sends none: peers and successors are refused).
-        credentials = WorkerCredentials.generate(lease.token, lease.peer_secret)
-        if not lease.peer_secret:
-            credentials = WorkerCredentials(lease.token, credentials.control, "")
+        credentials = self._credentials(lease)
         tls = self._tls_for(directory)
         cgroup = self._cgroup(name, host_limit_bytes(piece.memory_mib, lease.host_memory_mib))
         try:
@@ -605,6 +783,17 @@ class WorkerSupervisor:
             "worker_cgroups": cgroups,
         }
 
+    def ready_facts(self) -> dict[str, object]:
+        """The ready pool for `gpupool nodes` (host facts): workers ready now, how many the
+        agent keeps, per GPU, and why the last one failed to start, if it did."""
+        counts = self.ready.counts()
+        return {
+            "ready_workers": sum(counts.values()),
+            "ready_workers_wanted": self.ready.wanted,
+            "ready_workers_per_gpu": self.ready.per_gpu,
+            "ready_workers_problem": self.ready.problem,
+        }
+
     def reports(self) -> list[WorkerReport]:
         with self._lock:
             workers = list(self.workers.values())
@@ -616,12 +805,25 @@ class WorkerSupervisor:
         ]
         return out
 
+    def starts(self) -> list[dict[str, object]]:
+        """How each running worker started, for the agent's status API: when the agent began,
+        how long it took, and whether a ready worker took the lease."""
+        with self._lock:
+            workers = list(self.workers.values())
+        return [
+            {"lease_id": w.lease_id, "gpu_uuid": w.gpu_uuid, "generation": w.generation,
+             "pid": w.proc.pid, "ready": w.ready, "asked_at": w.asked_at,
+             "start_s": None if w.start_s is None else round(w.start_s, 4)}
+            for w in workers
+        ]  # fmt: skip
+
     def pids(self) -> set[int]:
         """The workers' processes: on a real GPU they hold contexts, and are not tenants'.
         Workers still starting count: a worker's CUDA context exists before its ready line,
         and the direct-slice watch stopped one as an unknown GPU process in that window."""
         with self._lock:
-            return {w.proc.pid for w in self.workers.values()} | set(self._starting)
+            pids = {w.proc.pid for w in self.workers.values()} | set(self._starting)
+        return pids | self.ready.pids()
 
     def _placed(self, pid: int, cgroup: WorkerCgroup | None) -> None:
         """A worker process exists (not yet ready): it is the agent's from now on."""
@@ -638,6 +840,7 @@ class WorkerSupervisor:
     def stop_all(self) -> None:
         """Stop every worker (the agent is shutting down). The registry keeps them, so the
         next agent reports them gone and their leases end with that reason."""
+        self.ready.stop()
         with self._lock:
             workers = list(self.workers.values())
         for worker in workers:

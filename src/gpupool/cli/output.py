@@ -172,17 +172,30 @@ def host_memory_text(node: NodeOut) -> str:
     return f"{format_size(used).removesuffix(' GiB')} / {format_size(total)} used"
 
 
+def ready_workers_text(node: NodeOut) -> Text:
+    """'2/4': workers ready now / kept ahead of their leases (`--ready-workers`); 'off' at 0;
+    '-' for an agent that does not say. Short of the target with a start failing: yellow."""
+    ready, wanted = node.host.get("ready_workers"), node.host.get("ready_workers_wanted")
+    if not isinstance(ready, int) or not isinstance(wanted, int):
+        return Text("-")
+    if node.host.get("ready_workers_per_gpu") == 0:
+        return Text("off")
+    short = ready < wanted and bool(node.host.get("ready_workers_problem"))
+    return Text(f"{ready}/{wanted}", style="yellow" if short else "")
+
+
 def nodes_table(nodes: Iterable[NodeOut]) -> Table:
     table = Table(title="nodes", title_justify="left")
-    columns = ("NAME", "STATE", "BACKEND", "GPUS", "CPU", "MEMORY", "ADDRESS", "DRIVER")
+    columns = ("NAME", "STATE", "BACKEND", "GPUS", "READY", "CPU", "MEMORY", "ADDRESS", "DRIVER")
     for column in (*columns, "LAST SEEN"):
-        table.add_column(column, justify="right" if column == "GPUS" else "left")
+        table.add_column(column, justify="right" if column in ("GPUS", "READY") else "left")
     for node in nodes:
         table.add_row(
             node.name,
             styled(node.state),
             node.backend,
             str(node.gpu_count),
+            ready_workers_text(node),
             cpu_text(node),
             host_memory_text(node),
             node.address or "-",

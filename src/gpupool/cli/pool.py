@@ -832,6 +832,16 @@ def agent(
             "root (created as a system user if missing); '' runs them as root.",
         ),
     ] = "gpupool-worker",
+    ready_workers: Annotated[
+        int,
+        typer.Option(
+            "--ready-workers",
+            envvar="GPUPOOL_READY_WORKERS",
+            help="Workers kept started ahead of their leases, per GPU that takes remote "
+            "leases (0..8): a new remote lease takes one instead of waiting seconds for a "
+            "worker to start; 0 starts every worker cold.",
+        ),
+    ] = 1,
 ) -> None:
     watch_modes = ("enforce", "report", "off")
     if direct_watch is not None and direct_watch not in watch_modes:
@@ -842,6 +852,8 @@ def agent(
         raise BadInput(f"--room-timeout must be in (0, 3600] seconds, got {room_timeout:g}")
     if interval <= 0:
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
+    if not 0 <= ready_workers <= 8:
+        raise BadInput(f"--ready-workers must be 0..8, got {ready_workers}")
     if not 1 <= vgpu_slots <= 100:
         raise BadInput(f"--vgpu-slots must be 1..100, got {vgpu_slots}")
     if cdi_devices not in ("none", "uuid", "index"):
@@ -907,6 +919,7 @@ def agent(
             direct_watch=WatchMode(direct_watch) if direct_watch is not None else None,
             direct_socket=direct_socket,
             worker_user=worker_user if os.geteuid() == 0 else None,
+            ready_workers=ready_workers,
         )
     except ValueError as exc:
         raise BadInput(str(exc)) from None

@@ -469,9 +469,13 @@ class PoolClient:
         self,
         lease_id: str,
         timeout: float = 180.0,
-        poll_interval_s: float = 0.3,
+        poll_interval_s: float = 0.1,
     ) -> LeaseOut:
         """Wait until the agents run a worker for every slice of a granted remote lease.
+
+        Polled often: with a ready worker the endpoint is there a few milliseconds after the
+        agent heard of the lease (`gpupool agent --ready-workers`), and each poll is one small
+        request for the few seconds a start takes at most.
 
         Returns the lease with every slice's `endpoint` set, heartbeating it meanwhile. Raises
         LeaseFailed when the lease ended, a worker failed to start, or `timeout` passed. A

@@ -1,4 +1,5 @@
-"""`python -m gpupool.worker --lease ID --token T --device cuda:0 --listen tcp://127.0.0.1:0`."""
+"""`python -m gpupool.worker --lease ID --device cuda:0 --listen tcp://127.0.0.1:0`, or
+`--standby` for a ready worker that takes its lease from its agent later."""
 
 from __future__ import annotations
 
@@ -26,7 +27,19 @@ with imports_without_gc():  # torch's import: a third of a second less CPU at ev
 
 def parse_args(argv: list[str]) -> WorkerConfig:
     parser = argparse.ArgumentParser(prog="python -m gpupool.worker", description=__doc__)
-    parser.add_argument("--lease", required=True, help="the lease this worker serves")
+    parser.add_argument("--lease", default=None, help="the lease this worker serves")
+    parser.add_argument(
+        "--standby",
+        action="store_true",
+        help="a ready worker: import torch and listen now, refuse every connection, and take "
+        "the lease, its credentials and its limits from one hand-over line on stdin (how an "
+        "agent keeps workers ready before their leases)",
+    )
+    parser.add_argument(
+        "--context-ahead",
+        action="store_true",
+        help="with --standby on a GPU without MPS: make the CUDA context before the hand-over",
+    )
     parser.add_argument(
         "--credentials-stdin",
         action="store_true",
@@ -118,7 +131,14 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         parser.error(f"--handoff-paths takes some of {','.join(PATHS)}")
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error("--tls-cert and --tls-key go together")
-    if args.credentials_stdin:
+    if args.standby:
+        _check_standby(parser, args)
+        credentials = WorkerCredentials("")  # admits nobody: the hand-over brings them
+    elif args.lease is None:
+        parser.error("--lease is required (or --standby, for a ready worker)")
+    elif args.context_ahead:
+        parser.error("--context-ahead is for a ready worker (--standby)")
+    elif args.credentials_stdin:
         try:
             credentials = read_credentials(sys.stdin.buffer)
         except ProtocolError as exc:
@@ -165,7 +185,7 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         except ValueError as exc:
             parser.error(f"--restore-from: {exc}")
     return WorkerConfig(
-        lease_id=args.lease,
+        lease_id=args.lease or "",
         token=credentials.client,
         control_token=credentials.control,
         peer_token=credentials.peer,
@@ -187,7 +207,36 @@ def parse_args(argv: list[str]) -> WorkerConfig:
         room_timeout_s=args.room_timeout_s,
         simulated_gpu=args.simulated_gpu,
         cpus=cpus,
+        standby=args.standby,
+        context_ahead=args.context_ahead,
     )
+
+
+def _check_standby(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A ready worker takes everything of its lease from the hand-over: none of it in argv."""
+    given = [
+        flag
+        for flag, value in (
+            ("--lease", args.lease),
+            ("--credentials-stdin", args.credentials_stdin or None),
+            ("--memory-limit-mib", args.memory_limit_mib),
+            ("--host-memory-limit-mib", args.host_memory_limit_mib),
+            ("--status-file", args.status_file),
+            ("--idle-timeout-s", args.idle_timeout_s),
+            ("--restore-from", args.restore_from),
+        )
+        if value is not None
+    ]
+    if given:
+        parser.error(f"--standby takes its lease from the hand-over: drop {', '.join(given)}")
+    if args.ready_fd is None:
+        parser.error("--standby needs --ready-fd (its agent reads its standby and ready lines)")
+    if args.context_ahead and not args.device.startswith("cuda"):
+        parser.error("--context-ahead is for a CUDA worker")
+    if args.context_ahead and os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        parser.error(
+            "--context-ahead under MPS would fix the context's share before the lease names it"
+        )
 
 
 MAX_CREDENTIALS_BYTES = 64 * 1024
@@ -225,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s worker %(levelname)s %(message)s")
     config = parse_args(sys.argv[1:] if argv is None else argv)
     tune_gc()  # a step's decoded records and tensors die young (gpupool/startup.py)
+    if config.standby:
+        from gpupool.worker.standby import run_standby
+
+        return run_standby(config)
     return run(config)
 
 

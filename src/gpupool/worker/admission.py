@@ -55,6 +55,7 @@ def written_arguments(schema: torch._C.FunctionSchema) -> tuple[tuple[int, ...],
 
 
 _warming: threading.Thread | None = None
+_warmed = False
 
 
 def warm_up() -> None:
@@ -62,11 +63,26 @@ def warm_up() -> None:
     call imports them (seconds, as long as torch's own import), which would otherwise delay a
     new lease's first op rather than the idle time before its client connects. For a worker
     process only, which leaves by os._exit: an interpreter that finalizes while the thread is
-    inside torch aborts."""
+    inside torch aborts. A client's ops wait for it (`warmed`): they never run beside it."""
     global _warming
-    if _warming is None:
+    if _warming is None and not _warmed:
         _warming = threading.Thread(target=_meta_op, name="gpupool-meta-warm-up", daemon=True)
         _warming.start()
+
+
+def warm_up_now() -> None:
+    """The same, in this thread and done on return: a ready worker loads them before it says
+    it is ready (gpupool.worker.standby)."""
+    global _warmed
+    _meta_op()
+    _warmed = True
+
+
+def warmed() -> None:
+    """Return once the meta kernels are loaded: a cold worker's first client waits here rather
+    than run its ops while the warm-up thread still imports and registers kernels."""
+    if _warming is not None:
+        _warming.join()
 
 
 def _meta_op() -> None:

@@ -50,7 +50,7 @@ from gpupool.protocol.v1.dataplane import (
 )
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
 from gpupool.worker.activity import Activity, StatusFile
-from gpupool.worker.admission import warm_up
+from gpupool.worker.admission import warm_up, warmed
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor, first_line
 from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
@@ -123,6 +123,12 @@ class WorkerConfig:
     """The ledger of the simulated GPU's physical memory (fake backend, CPU worker)."""
     cpus: frozenset[int] | None = None
     """Host CPUs the worker runs on (all its threads: set before any starts), or all."""
+    standby: bool = False
+    """A ready worker, started before its lease (gpupool.worker.standby): the lease, its
+    credentials and its limits come with the agent's hand-over."""
+    context_ahead: bool = False
+    """A ready CUDA worker makes its CUDA context before the hand-over: only where no MPS share
+    is to be set (an MPS client's share is fixed when its context connects)."""
 
     @property
     def credentials(self) -> WorkerCredentials:
@@ -149,6 +155,25 @@ def check_mps_reachable(env: Mapping[str, str]) -> None:
         ) from None
     if not stat.S_ISSOCK(mode):
         raise RuntimeError(f"{control} is not the MPS daemon's socket")
+
+
+def tls_context(config: WorkerConfig) -> ssl.SSLContext | None:
+    """The server side of TLS for TCP clients, when the worker has a certificate."""
+    if config.tls_cert is not None and config.tls_key is not None:
+        return server_tls_context(config.tls_cert, config.tls_key)
+    return None
+
+
+def bind(config: WorkerConfig) -> tuple[socket.socket, Address]:
+    """The worker's listening socket and the address clients reach it at (tls:// with TLS)."""
+    requested = parse_address(config.listen)
+    if config.tls_cert is not None and config.tls_key is not None:
+        if not requested.is_unix:
+            requested = Address("tls", host=requested.host, port=requested.port)
+    elif requested.is_tls:
+        raise DataPlaneError(f"{requested} needs a certificate and key (--tls-cert, --tls-key)")
+    sock = listen(requested)
+    return sock, bound_address(sock, requested)
 
 
 class Worker:
@@ -204,19 +229,14 @@ class Worker:
 
     # ---- lifecycle -----------------------------------------------------------------------
 
-    def start(self) -> Address:
-        requested = parse_address(self.config.listen)
-        if self.config.tls_cert is not None and self.config.tls_key is not None:
-            self._tls = server_tls_context(self.config.tls_cert, self.config.tls_key)
-            if not requested.is_unix:
-                requested = Address("tls", host=requested.host, port=requested.port)
-        elif requested.is_tls:
-            raise DataPlaneError(f"{requested} needs a certificate and key (--tls-cert, --tls-key)")
-        self._listener = listen(requested)
+    def start(self, bound: tuple[socket.socket, Address] | None = None) -> Address:
+        """Listen (or take over `bound`, the socket a ready worker listened on before its
+        hand-over) and start the background parts; serve_forever() then serves."""
+        self._tls = tls_context(self.config)
+        self._listener, self.address = bound or bind(self.config)
         # accept() wakes up now and then: SIGTERM may be delivered to any thread (CUDA's
         # own among them), and then nothing interrupts a main thread blocked in accept().
         self._listener.settimeout(ACCEPT_TICK_S)
-        self.address = bound_address(self._listener, requested)
         if self._status:
             self._status.start()
         if self.memory.counts_storages:
@@ -511,6 +531,7 @@ class Worker:
                 [Kind.WELCOME, self._welcome(link)],
                 [link.worker_arena.fd] if link.worker_arena else [],
             )
+            warmed()  # a cold worker's first ops never run beside its meta warm-up
             with _device_stream(self.device):
                 torch.set_grad_enabled(False)
                 self._loop(link)
@@ -674,14 +695,15 @@ def pin_threads(cpus: frozenset[int]) -> None:
             os.sched_setaffinity(tid, cpus)
 
 
-def run(config: WorkerConfig) -> int:
-    """Serve until SIGTERM; print one JSON line with the address when ready."""
+def run(config: WorkerConfig, bound: tuple[socket.socket, Address] | None = None) -> int:
+    """Serve until SIGTERM; print one JSON line with the address when ready. `bound`: the
+    socket a ready worker has listened on since before its hand-over (gpupool.worker.standby)."""
     import signal
 
-    if config.cpus:
+    if config.cpus and bound is None:  # a ready worker pinned itself at its start
         pin_threads(config.cpus)
     worker = Worker(config)
-    address = worker.start()
+    address = worker.start(bound)
 
     def _stop(signum: int, _frame: object) -> None:
         worker.stop()

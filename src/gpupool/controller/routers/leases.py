@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Query, status
 from gpupool.controller.routers.common import ADMIN, HOLDERS, READERS, Filter, Key, get_store
 from gpupool.controller.services import elastic, leases
 from gpupool.controller.services.auth import Principal
+from gpupool.controller.services.wake import wake_agents
 from gpupool.controller.store import Store
 from gpupool.core import Forbidden, LeaseState, ReleaseReason
 from gpupool.protocol.v1.api import (
@@ -43,9 +44,12 @@ async def create_lease(
             raise Forbidden(
                 f"this token acts for tenant {mine!r}: it cannot ask for tenant {body.tenant!r}"
             )
-    return await store.write(
+    lease = await store.write(
         lambda s: leases.create(store, s, body, who.actor, privileged=who.is_admin)
     )
+    if lease.access == "remote" and lease.state == LeaseState.GRANTED.value:
+        wake_agents(store, (piece.node for piece in lease.slices))
+    return lease
 
 
 @router.get("/leases", response_model=list[LeaseOut])
@@ -116,9 +120,7 @@ async def migrate_lease(
     who: Principal = Depends(ADMIN),
 ) -> LeaseOut:
     """Move a running remote lease to another GPU or node; its program only pauses."""
-    return await store.write(
-        lambda s: elastic.migrate(store, s, lease_id, who.actor, to=body.to)
-    )
+    return await store.write(lambda s: elastic.migrate(store, s, lease_id, who.actor, to=body.to))
 
 
 @router.post("/leases/{lease_id}/resize", response_model=LeaseOut)
@@ -134,9 +136,7 @@ async def resize_lease(
     if mine is not None:
         await store.read(lambda s: leases.get(store, s, lease_id, mine))  # 404 if not its own
     return await store.write(
-        lambda s: elastic.resize(
-            store, s, lease_id, who.actor, body.compute_pct, body.memory_mib()
-        )
+        lambda s: elastic.resize(store, s, lease_id, who.actor, body.compute_pct, body.memory_mib())
     )
 
 

@@ -910,7 +910,7 @@ as a device-side assert): the worker ends on purpose, it did not crash."""
 
 
 def worker_argv(
-    lease: str,
+    lease: str | None,
     *,
     device: str = "cpu",
     listen: str = "tcp://127.0.0.1:0",
@@ -932,13 +932,19 @@ def worker_argv(
     credentials_stdin: bool = False,
     ready_fd: int | None = None,
     peer_wait_s: float | None = None,
+    context_ahead: bool = False,
 ) -> list[str]:
     """The command that starts a worker. Its credentials go on its stdin (credentials_stdin:
-    one `WorkerCredentials.to_line()`) or, started by hand, in TOKEN_ENV; never in argv."""
+    one `WorkerCredentials.to_line()`) or, started by hand, in TOKEN_ENV; never in argv.
+    `lease=None` starts a ready worker (`--standby`): its lease comes later, as a `Handover`
+    line on its stdin."""
     import sys
 
-    argv = [python or sys.executable, "-m", "gpupool.worker", "--lease", lease,
-            "--device", device, "--listen", listen]  # fmt: skip
+    argv = [python or sys.executable, "-m", "gpupool.worker"]
+    argv += ["--standby"] if lease is None else ["--lease", lease]
+    argv += ["--device", device, "--listen", listen]
+    if context_ahead:
+        argv += ["--context-ahead"]
     if memory_limit_mib is not None:
         argv += ["--memory-limit-mib", str(memory_limit_mib)]
     if host_memory_limit_mib is not None:
@@ -1010,6 +1016,261 @@ class WorkerStartFailed(DataPlaneError):
 
 READY_LINE_MAX = 4096
 
+HANDOVER_ENV = frozenset({"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE", "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"})
+"""The only variables a hand-over may set in a ready worker: the lease's MPS share and memory
+limit, which CUDA reads when the worker makes its context (after the hand-over)."""
+MAX_HANDOVER_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True)
+class Handover:
+    """What makes a ready worker the worker of one lease: one JSON line its agent writes on the
+    worker's stdin (a pipe only the agent holds), never argv or an environment a tenant saw.
+
+    Before it, the worker has imported torch and bound its socket, and refuses every HELLO;
+    after it, the worker applies the limits (the MPS share before its CUDA context exists, the
+    memory limit before its first allocation) and serves the lease's roles."""
+
+    lease: str
+    credentials: WorkerCredentials
+    memory_limit_mib: int | None = None
+    host_memory_limit_mib: int | None = None
+    status_file: str | None = None
+    """Relative to the worker's directory (its cwd), as for a worker started cold."""
+    idle_timeout_s: float | None = None
+    mps_env: dict[str, str] = field(default_factory=dict)
+    """HANDOVER_ENV variables: the lease's MPS share, for the context made at hand-over."""
+
+    def to_line(self) -> bytes:
+        import json
+
+        body = {
+            "lease": self.lease,
+            "credentials": {
+                "client": self.credentials.client,
+                "control": self.credentials.control,
+                "peer": self.credentials.peer,
+            },
+            "memory_limit_mib": self.memory_limit_mib,
+            "host_memory_limit_mib": self.host_memory_limit_mib,
+            "status_file": self.status_file,
+            "idle_timeout_s": self.idle_timeout_s,
+            "mps_env": self.mps_env,
+        }
+        return (json.dumps(body) + "\n").encode()
+
+    @classmethod
+    def from_line(cls, line: bytes) -> Handover:
+        """The agent's line, checked field by field: a ready worker acts on nothing else."""
+        import json
+
+        try:
+            body = json.loads(line)
+        except ValueError as exc:
+            raise ProtocolError(f"the hand-over line is not JSON: {exc}") from None
+        lease = body.get("lease") if isinstance(body, dict) else None
+        if not isinstance(lease, str) or not lease:
+            raise ProtocolError("the hand-over line names no lease")
+        credentials = WorkerCredentials.from_line(json.dumps(body.get("credentials")))
+        sizes = {}
+        for name in ("memory_limit_mib", "host_memory_limit_mib"):
+            value = body.get(name)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise ProtocolError(f"hand-over {name} must be a positive integer, got {value!r}")
+            sizes[name] = value
+        idle = body.get("idle_timeout_s")
+        if idle is not None and (not isinstance(idle, int | float) or idle <= 0):
+            raise ProtocolError(f"hand-over idle_timeout_s must be positive, got {idle!r}")
+        status = body.get("status_file")
+        if status is not None and (not isinstance(status, str) or not status):
+            raise ProtocolError("hand-over status_file must be a path")
+        env = body.get("mps_env") or {}
+        if not isinstance(env, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items()
+        ):
+            raise ProtocolError("hand-over mps_env must map names to strings")
+        if set(env) - HANDOVER_ENV:
+            raise ProtocolError(
+                f"a hand-over may set {', '.join(sorted(HANDOVER_ENV))} only, not "
+                + ", ".join(sorted(set(env) - HANDOVER_ENV))
+            )
+        return cls(
+            lease=lease,
+            credentials=credentials,
+            memory_limit_mib=sizes["memory_limit_mib"],
+            host_memory_limit_mib=sizes["host_memory_limit_mib"],
+            status_file=status,
+            idle_timeout_s=float(idle) if idle is not None else None,
+            mps_env=dict(env),
+        )
+
+
+@dataclass
+class StandbyWorker:
+    """A ready worker (`start_standby_worker`): its process, the address it listens on, and the
+    two pipes its agent keeps, stdin for the hand-over and the ready pipe for its answer. It
+    serves nothing until `hand_over`; its stdin closed without one (`stop`, or its agent gone)
+    makes it leave."""
+
+    proc: Any
+    address: Address
+    device: str
+    _stdin: Any
+    _ready_fd: int
+    _handed: bool = False
+
+    @property
+    def pid(self) -> int:
+        return int(self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def hand_over(
+        self, handover: Handover, timeout_s: float = 60.0, log_file: Path | None = None
+    ) -> WorkerReady:
+        """Give the worker its lease; returns once it serves it (its ready line). A ready worker
+        is handed over once: a second call, or one after stop(), is refused."""
+        if self._handed:
+            raise WorkerStartFailed("this ready worker was handed over already")
+        self._handed = True
+        try:
+            self._stdin.write(handover.to_line())
+            self._stdin.close()
+        except OSError as exc:  # it died meanwhile
+            self._close_ready()
+            raise WorkerStartFailed(f"the ready worker is gone: {exc}") from None
+        try:
+            line = _read_ready(self._ready_fd, timeout_s)
+        finally:
+            self._close_ready()
+        if not line:
+            _kill(self.proc)
+            said = "did not take its lease in time" if line is None else "exited"
+            raise WorkerStartFailed(
+                f"the ready worker {said} (lease {handover.lease})" + _log_tail(log_file)
+            )
+        ready = parse_ready(line)
+        if ready.lease != handover.lease or ready.address != self.address:
+            _kill(self.proc)
+            raise WorkerStartFailed(
+                f"the ready worker answered for {ready.lease} at {ready.address}"
+            )
+        return WorkerReady(
+            ready.address, ready.lease, ready.device, ready.pid, handover.credentials
+        )
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """End a worker never handed over: its stdin closes (it leaves by itself), else a kill."""
+        import subprocess
+
+        self._handed = True
+        with contextlib.suppress(OSError):
+            self._stdin.close()
+        self._close_ready()
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            _kill(self.proc)
+
+    def _close_ready(self) -> None:
+        if self._ready_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._ready_fd)
+            self._ready_fd = -1
+
+
+def start_standby_worker(
+    *,
+    env: dict[str, str] | None = None,
+    ready_timeout_s: float = 120.0,
+    log_file: Path | None = None,
+    user: int | None = None,
+    group: int | None = None,
+    cwd: Path | None = None,
+    placed: Callable[[int], None] | None = None,
+    **options: Any,
+) -> StandbyWorker:
+    """Start a ready worker (options as for worker_argv, less the lease's own) and wait until
+    it has imported torch and listens: its `standby` line on the ready pipe. As for
+    start_worker_process, `placed(pid)` runs first (the worker's cgroup), and nothing secret is
+    in its argv or environment; its lease, credentials and limits come with `hand_over`."""
+    proc, read_end = _spawn(worker_argv(None, **options), env, log_file, user, group, cwd)
+    try:
+        if placed is not None:
+            placed(proc.pid)
+        line = _read_ready(read_end, ready_timeout_s)
+    except BaseException:
+        _kill(proc)
+        os.close(read_end)
+        raise
+    if not line:
+        _kill(proc)
+        os.close(read_end)
+        said = f"did not start within {ready_timeout_s:.0f} s" if line is None else "exited"
+        raise WorkerStartFailed(f"a ready worker {said}" + _log_tail(log_file))
+    try:
+        standby = parse_standby(line)
+    except DataPlaneError:
+        _kill(proc)
+        os.close(read_end)
+        raise
+    return StandbyWorker(proc, standby[0], standby[1], proc.stdin, read_end)
+
+
+def parse_standby(line: str) -> tuple[Address, str]:
+    """A ready worker's first line: {event: standby, address, device, pid}."""
+    import json
+
+    try:
+        data = json.loads(line)
+        if data.get("event") != "standby":
+            raise ValueError(f"not a standby line: {line!r}")
+        return parse_address(data["address"]), str(data["device"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise DataPlaneError(f"the ready worker did not report standby: {line.strip()!r}") from exc
+
+
+def _spawn(
+    argv: list[str],
+    env: dict[str, str] | None,
+    log_file: Path | None,
+    user: int | None,
+    group: int | None,
+    cwd: Path | None,
+) -> tuple[Any, int]:
+    """A worker process with stdin a pipe of ours and a ready pipe (`--ready-fd`) of its own;
+    its output to `log_file`. Returns (Popen, the ready pipe's read end)."""
+    import subprocess
+
+    child_env = dict(os.environ if env is None else env)
+    child_env.pop(TOKEN_ENV, None)
+    read_end, write_end = os.pipe()
+    out: Any = subprocess.DEVNULL
+    if log_file is not None:
+        out = open(log_file, "ab")  # noqa: SIM115 - the child holds it; ours closes below
+    try:
+        proc = subprocess.Popen(
+            [*argv, "--ready-fd", str(write_end)],
+            stdin=subprocess.PIPE,
+            stdout=out,
+            stderr=out,
+            env=child_env,
+            pass_fds=(write_end,),
+            user=user,
+            group=group,
+            extra_groups=[] if group is not None else None,
+            cwd=cwd,
+        )
+    except BaseException:
+        os.close(read_end)
+        raise
+    finally:
+        os.close(write_end)
+        if log_file is not None:
+            out.close()
+    return proc, read_end
+
 
 def start_worker_process(
     lease: str,
@@ -1034,35 +1295,9 @@ def start_worker_process(
     worker the moment it filled; the ready line comes on a pipe of its own. `user`/`group`
     run it as another user (an agent running as root), `placed(pid)` runs before the worker
     gets its credentials, so a worker is in its cgroup before it can serve anybody."""
-    import subprocess
-
     credentials = WorkerCredentials.generate(token) if isinstance(token, str) else token
-    child_env = dict(os.environ if env is None else env)
-    child_env.pop(TOKEN_ENV, None)
-    read_end, write_end = os.pipe()
-    out: Any = subprocess.DEVNULL
-    if log_file is not None:
-        out = open(log_file, "ab")  # noqa: SIM115 - the child holds it; ours closes below
-    try:
-        proc = subprocess.Popen(
-            worker_argv(lease, credentials_stdin=True, ready_fd=write_end, **options),
-            stdin=subprocess.PIPE,
-            stdout=out,
-            stderr=out,
-            env=child_env,
-            pass_fds=(write_end,),
-            user=user,
-            group=group,
-            extra_groups=[] if group is not None else None,
-            cwd=cwd,
-        )
-    except BaseException:
-        os.close(read_end)
-        raise
-    finally:
-        os.close(write_end)
-        if log_file is not None:
-            out.close()
+    argv = worker_argv(lease, credentials_stdin=True, **options)
+    proc, read_end = _spawn(argv, env, log_file, user, group, cwd)
     assert proc.stdin is not None
     try:
         if placed is not None:
