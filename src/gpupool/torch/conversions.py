@@ -28,9 +28,12 @@ def _resolve(device: Any) -> Any:
         else:
             return device
     if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device)
-    if isinstance(device, torch.device) and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", runtime.current_index())
+        device = torch.device("cuda", device)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        if device.index is None:
+            return torch.device("cuda", runtime.current_index())
+        if device.index == runtime.alias():  # a rank's cuda:<local rank> is its cuda:0
+            return torch.device("cuda", 0)
     return device
 
 

@@ -27,6 +27,10 @@ _deferred_seeds: dict[int, int] = {}
 """Seeds set before a lazy lease was acquired (torch.manual_seed at the top of a program),
 by device index: the first records each stream sends, so results equal a non-lazy run."""
 _acquiring = threading.Lock()
+_alias: int | None = None
+"""One GPU per process (a rank of a distributed program, `attach(rank=...)`): its device is
+cuda:0, and cuda:<local rank>, the index such programs pass to `torch.cuda.set_device` and
+`.to()`, names the same device."""
 _forked_child = False
 """This process is a forked child (a DataLoader worker) of a process attached to remote GPUs."""
 
@@ -79,8 +83,22 @@ def stream(index: int | None = None) -> DeviceStream:
         _acquire()
     i = _current if index is None else index
     if not 0 <= i < len(_streams):  # inline: factory ops of every step come through here
-        _check_ordinal(i)
+        i = canonical(i)
     return _streams[i]
+
+
+def canonical(index: int) -> int:
+    """The device index as this process's streams count them: the rank's own index (see
+    `_alias`) is 0; an index the lease lacks raises CUDA's invalid-ordinal error."""
+    if index == _alias:
+        return 0
+    _check_ordinal(index)
+    return index
+
+
+def alias() -> int | None:
+    """The local rank whose index also names cuda:0, in a one-GPU-per-rank attach."""
+    return _alias
 
 
 def _check_ordinal(index: int) -> None:
@@ -116,14 +134,14 @@ def current_index() -> int:
 
 def set_current(index: int) -> None:
     global _current
-    _check_ordinal(index)
-    _current = index
+    _current = canonical(index)
 
 
-def install(new_streams: list[DeviceStream]) -> None:
-    global _current, _forked_child
+def install(new_streams: list[DeviceStream], alias_index: int | None = None) -> None:
+    global _current, _forked_child, _alias
     _current = 0
     _forked_child = False
+    _alias = alias_index if alias_index and len(new_streams) == 1 else None
     _start(new_streams)
 
 
@@ -144,7 +162,8 @@ def _start(new_streams: list[DeviceStream]) -> None:
 
 def uninstall() -> None:
     """Close the streams, then give a lazily taken lease back (its workers end with it)."""
-    global _flusher, _pending
+    global _flusher, _pending, _alias
+    _alias = None
     if _flusher is not None:
         _flusher.stop()
         _flusher = None

@@ -23,6 +23,7 @@ from gpupool.protocol.v1.dataplane import (
     FLAGS_VERSION,
     HELLO_TIMEOUT_S,
     MAX_FRAME_BYTES,
+    DIST_VERSION,
     STREAMS_VERSION,
     VERSION,
     WORKER_EXIT_DEVICE_BROKEN,
@@ -51,6 +52,7 @@ from gpupool.protocol.v1.dataplane import (
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
 from gpupool.worker.activity import Activity, StatusFile
 from gpupool.worker.admission import warm_up
+from gpupool.worker.collectives import Collectives
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor, first_line
 from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
@@ -187,6 +189,10 @@ class Worker:
         self.activity.memory_limit_bytes = self.memory.limit_bytes
         self.executor = Executor(config.lease_id, self.device, self.memory, self.activity)
         self.executor.peers = PeerLinks(config.lease_id, config.peer_token, config.peer_wait_s)
+        self.executor.collectives = Collectives(
+            config.lease_id, self.device, self.memory, config.peer_token
+        )
+        self.executor.collectives.check_peer = self.executor.peers.check_named
         self.elastic = Elasticity(
             self.executor, self.memory, config.idle_timeout_s, config.managed, self.room
         )
@@ -217,6 +223,8 @@ class Worker:
         # own among them), and then nothing interrupts a main thread blocked in accept().
         self._listener.settimeout(ACCEPT_TICK_S)
         self.address = bound_address(self._listener, requested)
+        if self.executor.collectives is not None:
+            self.executor.collectives.own_address = str(self.address)
         if self._status:
             self._status.start()
         if self.memory.counts_storages:
@@ -458,7 +466,10 @@ class Worker:
                 return
             if role == Role.PEER:
                 sock.settimeout(None)  # open for the whole session, idle between copies
-                self.executor.arrivals.serve_peer(conn)
+                collectives = self.executor.collectives
+                self.executor.arrivals.serve_peer(
+                    conn, None if collectives is None else collectives.hosted.serve
+                )
                 return
             head = conn.recv().head()
             if head[0] != Kind.CONTROL or len(head) != 3 or not isinstance(head[2], dict):
@@ -560,6 +571,7 @@ class Worker:
             "peer_copy": True,
             "flags": FLAGS_VERSION,
             "streams": STREAMS_VERSION,
+            "dist": DIST_VERSION,
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }
