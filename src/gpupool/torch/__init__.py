@@ -86,8 +86,9 @@ def attach(
     """Show the lease's GPUs to this process as cuda:0 … cuda:N-1 and return those devices.
 
     `rank=r` (one process per GPU, as `torchrun` starts them): attach to GPU r of the lease
-    only; this process sees it as cuda:0, and cuda:`local_rank` (default r) names it too, so
-    `torch.cuda.set_device(local_rank)` and `.to(f"cuda:{local_rank}")` work unchanged.
+    only; this process sees it as cuda:`local_rank` (default r), as on a node with a GPU per
+    rank, and cuda:0 names it too, so `torch.cuda.set_device(local_rank)`,
+    `.to(f"cuda:{local_rank}")` and DDP's `device_ids=[local_rank]` work unchanged.
     `torch.distributed` groups of such processes run their collectives among the lease's
     workers (`gpupool.torch.distributed`).
 
@@ -115,16 +116,16 @@ def attach(
         _install_hooks()
         return [torch.device("cuda", i) for i in range(pending.device_count)]
     lease_id, addresses, secret = _resolve(lease, workers, token)
+    gpus = len(addresses)
     if rank is not None:
-        if lazy or not 0 <= rank < len(addresses):
-            raise AttachError(
-                f"rank {rank} has no GPU: the lease {lease_id} has {len(addresses)} GPU(s)"
-            )
+        if not 0 <= rank < gpus:
+            raise AttachError(f"rank {rank} has no GPU: the lease {lease_id} has {gpus} GPU(s)")
         addresses = [addresses[rank]]
-    streams = _open_streams(lease_id, addresses, secret, shm_mib)
+    alias = None if rank is None else (rank if local_rank is None else local_rank)
+    streams = _open_streams(lease_id, addresses, secret, shm_mib, first_index=alias or 0)
     if rank is not None:
         streams[0].lease_gpu = rank
-    runtime.install(streams, None if rank is None else (rank if local_rank is None else local_rank))
+    runtime.install(streams, alias, visible=gpus)
     _install_hooks()
     return [s.device for s in streams]
 
@@ -155,11 +156,11 @@ def rank_from_environment(gpus: int) -> tuple[int, int] | None:
 
 
 def _open_streams(
-    lease_id: str, addresses: Sequence[str], secret: str, shm_mib: int
+    lease_id: str, addresses: Sequence[str], secret: str, shm_mib: int, first_index: int = 0
 ) -> list[DeviceStream]:
     streams: list[DeviceStream] = []
     try:
-        for index, address in enumerate(addresses):
+        for index, address in enumerate(addresses, start=first_index):
             streams.append(open_stream(index, parse_address(address), lease_id, secret, shm_mib))
     except BaseException:
         for opened in streams:

@@ -32,8 +32,9 @@ def _resolve(device: Any) -> Any:
     if isinstance(device, torch.device) and device.type == "cuda":
         if device.index is None:
             return torch.device("cuda", runtime.current_index())
-        if device.index == runtime.alias():  # a rank's cuda:<local rank> is its cuda:0
-            return torch.device("cuda", 0)
+        own = runtime.alias()
+        if own is not None and device.index == 0:  # a rank's cuda:0 is its cuda:<local rank>
+            return torch.device("cuda", own)
     return device
 
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d_C
 from torch.distributed import distributed_c10d as c10d
 
 from gpupool.protocol.v1.dataplane import Rec
@@ -77,6 +78,7 @@ class RemoteGroup(dist.ProcessGroup):
     ) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
+        self._group_name = self._group_desc = ""
         self.stream: DeviceStream = runtime.stream()
         if not self.stream.welcome.get("dist"):
             raise RuntimeError(
@@ -98,6 +100,7 @@ class RemoteGroup(dist.ProcessGroup):
         self.stream.flush()  # the other ranks' workers wait for this one to join
         if self.stream.dist_rank is None:
             self.stream.dist_rank = rank
+        _patch_fsdp()
 
     # ---- what torch asks of a group ----------------------------------------------------
 
@@ -106,6 +109,19 @@ class RemoteGroup(dist.ProcessGroup):
 
     def name(self) -> str:
         return BACKEND
+
+    # torch names a group after making it (a Python group keeps the names itself)
+    def setGroupName(self, name: str) -> None:  # noqa: N802
+        self._group_name = name
+
+    def getGroupName(self) -> str:  # noqa: N802
+        return self._group_name
+
+    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+        self._group_desc = desc
+
+    def getGroupDesc(self) -> str:  # noqa: N802
+        return self._group_desc
 
     def size(self) -> int:
         return self._size
@@ -136,7 +152,7 @@ class RemoteGroup(dist.ProcessGroup):
         return False
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllreduceOptions()
+        opts = opts if opts is not None else _c10d_C.AllreduceOptions()
         if not self._on_remote(tensors, "all_reduce"):
             return self._cpu.allreduce(tensors, opts)
         op = _reduce_op(opts.reduceOp)
@@ -147,13 +163,13 @@ class RemoteGroup(dist.ProcessGroup):
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         if not self._on_remote(tensors, "all_reduce_coalesced"):
             return self._cpu.allreduce_coalesced(tensors, opts)
-        options = dist.AllreduceOptions()
+        options = _c10d_C.AllreduceOptions()
         if opts is not None:
             options.reduceOp = opts.reduceOp
         return self.allreduce(tensors, options)
 
     def broadcast(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.BroadcastOptions()
+        opts = opts if opts is not None else _c10d_C.BroadcastOptions()
         if not self._on_remote(tensors, "broadcast"):
             return self._cpu.broadcast(tensors, opts)
         for t in tensors:
@@ -163,7 +179,7 @@ class RemoteGroup(dist.ProcessGroup):
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _c10d_C.AllgatherOptions()
         flat = [t for group in outputs for t in group]
         if not self._on_remote([*flat, *inputs], "all_gather"):
             return self._cpu.allgather(outputs, inputs, opts)
@@ -173,7 +189,7 @@ class RemoteGroup(dist.ProcessGroup):
         return self._place("all_gather", body, outputs[0])
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        opts = opts if opts is not None else dist.AllgatherOptions()
+        opts = opts if opts is not None else _c10d_C.AllgatherOptions()
         if not self._on_remote([output, input], "all_gather_into_tensor"):
             return self._cpu._allgather_base(output, input, opts)
         body = {"output": _ext(output), "input": _ext(input)}
@@ -191,7 +207,7 @@ class RemoteGroup(dist.ProcessGroup):
     def reduce_scatter(
         self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
     ) -> Any:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else _c10d_C.ReduceScatterOptions()
         flat = [t for group in inputs for t in group]
         if not self._on_remote([*outputs, *flat], "reduce_scatter"):
             return self._cpu.reduce_scatter(outputs, inputs, opts)
@@ -207,7 +223,7 @@ class RemoteGroup(dist.ProcessGroup):
     def _reduce_scatter_base(
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
-        opts = opts if opts is not None else dist.ReduceScatterOptions()
+        opts = opts if opts is not None else _c10d_C.ReduceScatterOptions()
         if not self._on_remote([output, input], "reduce_scatter_tensor"):
             return self._cpu._reduce_scatter_base(output, input, opts)
         body = {"output": _ext(output), "input": _ext(input), "op": _reduce_op(opts.reduceOp)}
@@ -230,7 +246,7 @@ class RemoteGroup(dist.ProcessGroup):
         input_splits: list[int],
         opts: Any = None,
     ) -> Any:
-        opts = opts if opts is not None else dist.AllToAllOptions()
+        opts = opts if opts is not None else _c10d_C.AllToAllOptions()
         if not self._on_remote([output, input], "all_to_all_single"):
             return self._cpu.alltoall_base(output, input, output_splits, input_splits, opts)
         body = {
@@ -293,6 +309,45 @@ def _create(
     store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
 ) -> RemoteGroup:
     return RemoteGroup(store, rank, size, timeout)
+
+
+# ---- FSDP2's unsharded parameters ---------------------------------------------------------
+
+
+def resize_storage(tensor: torch.Tensor, nbytes: int) -> None:
+    """Free (0) or allocate again the worker's storage under `tensor`, keeping its shape."""
+    tensor._gp.stream.emit([Rec.STORAGE, tensor._gp.ext, int(nbytes)])  # type: ignore[attr-defined]
+
+
+def _patch_fsdp() -> None:
+    """FSDP2 frees an unsharded parameter's storage after its forward and backward and
+    allocates it again before the next all-gather (`storage.resize_`); a remote tensor's
+    storage is on its worker, so these become STORAGE records there."""
+    try:
+        from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    except ImportError:  # another torch: FSDP2 is not there, nothing to follow
+        return
+    if getattr(_fsdp_param.free_storage, "__gpupool__", False):
+        return
+    alloc, free = _fsdp_param.alloc_storage, _fsdp_param.free_storage
+
+    def alloc_storage(tensor: torch.Tensor) -> None:
+        if isinstance(tensor, RemoteTensor):
+            resize_storage(tensor, tensor.numel() * tensor.itemsize)
+        else:
+            alloc(tensor)
+
+    def free_storage(tensor: torch.Tensor) -> None:
+        if isinstance(tensor, RemoteTensor):
+            resize_storage(tensor, 0)
+        else:
+            free(tensor)
+
+    for function in (alloc_storage, free_storage):
+        function.__gpupool__ = True  # type: ignore[attr-defined]
+    _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
+    if getattr(_fsdp_param_group, "alloc_storage", None) is alloc:
+        _fsdp_param_group.alloc_storage = alloc_storage
 
 
 # ---- installing ---------------------------------------------------------------------------

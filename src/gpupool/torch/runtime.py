@@ -28,6 +28,8 @@ _deferred_seeds: dict[int, int] = {}
 by device index: the first records each stream sends, so results equal a non-lazy run."""
 _acquiring = threading.Lock()
 _alias: int | None = None
+_visible = 0
+"""How many GPUs a rank of a one-GPU-per-rank attach counts (see device_count)."""
 """One GPU per process (a rank of a distributed program, `attach(rank=...)`): its device is
 cuda:0, and cuda:<local rank>, the index such programs pass to `torch.cuda.set_device` and
 `.to()`, names the same device."""
@@ -69,7 +71,11 @@ def pending() -> bool:
 
 
 def device_count() -> int:
-    """The lease's GPUs, known from the request before a lazy lease is acquired."""
+    """The lease's GPUs, known from the request before a lazy lease is acquired. A rank that
+    attached to one of them counts them all, as a process of a local multi-GPU launch does
+    (torch's own code sizes per-device tables by it), though only its own can be used."""
+    if _alias is not None:
+        return _visible
     if _streams or _pending is None:
         return len(_streams)
     return _pending.device_count
@@ -88,16 +94,21 @@ def stream(index: int | None = None) -> DeviceStream:
 
 
 def canonical(index: int) -> int:
-    """The device index as this process's streams count them: the rank's own index (see
-    `_alias`) is 0; an index the lease lacks raises CUDA's invalid-ordinal error."""
+    """The position in `_streams` of device `index`: a rank's own index (see `_alias`) and 0
+    are its one stream; an index the lease lacks raises CUDA's invalid-ordinal error."""
     if index == _alias:
         return 0
     _check_ordinal(index)
+    if _alias is not None and index != 0:
+        raise RuntimeError(
+            f"CUDA error: invalid device ordinal {index}: cuda:{index} is another rank's GPU; "
+            f"this rank has cuda:{_alias} (cuda:0 names it too)"
+        )
     return index
 
 
 def alias() -> int | None:
-    """The local rank whose index also names cuda:0, in a one-GPU-per-rank attach."""
+    """A rank's own device index, in a one-GPU-per-rank attach (cuda:0 names it too)."""
     return _alias
 
 
@@ -134,14 +145,20 @@ def current_index() -> int:
 
 def set_current(index: int) -> None:
     global _current
-    _current = canonical(index)
+    position = canonical(index)
+    _current = _alias if _alias is not None else position
 
 
-def install(new_streams: list[DeviceStream], alias_index: int | None = None) -> None:
-    global _current, _forked_child, _alias
-    _current = 0
+def install(
+    new_streams: list[DeviceStream], alias_index: int | None = None, visible: int = 0
+) -> None:
+    """`alias_index`: this process is one rank with one GPU (its stream, opened as device
+    `alias_index`) of a lease of `visible` GPUs."""
+    global _current, _forked_child, _alias, _visible
     _forked_child = False
-    _alias = alias_index if alias_index and len(new_streams) == 1 else None
+    _alias = alias_index if alias_index is not None and len(new_streams) == 1 else None
+    _current = 0 if _alias is None else _alias
+    _visible = max(visible, 1 if _alias is None else _alias + 1)
     _start(new_streams)
 
 

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._C import _distributed_c10d as _c10d_C
 
 from gpupool.protocol.v1.dataplane import (
     Connection,
@@ -437,7 +438,7 @@ class Collectives:
         gloo = group.backend == "gloo"
         tensors = _tensor_list(body.get("tensors", []))
         if action == "barrier":
-            options = dist.BarrierOptions()
+            options = _c10d_C.BarrierOptions()
             options.timeout = datetime.timedelta(seconds=group.timeout_s)
             if not gloo:
                 options.device_ids = [self.device.index or 0]
@@ -446,7 +447,7 @@ class Collectives:
         if action == "all_reduce":
             op = _reduce_op(body.get("op"))
             average = gloo and op == dist.ReduceOp.AVG
-            options = dist.AllreduceOptions()
+            options = _c10d_C.AllreduceOptions()
             options.reduceOp = dist.ReduceOp.SUM if average else op
             with _dense(tensors) as dense:
                 _wait(pg.allreduce(dense, options))
@@ -455,7 +456,7 @@ class Collectives:
                         _average(t, group.size)
             return
         if action == "broadcast":
-            options = dist.BroadcastOptions()
+            options = _c10d_C.BroadcastOptions()
             options.rootRank = _rank(body.get("root"), group.size)
             with _dense(tensors) as dense:
                 _wait(pg.broadcast(dense, options))
@@ -475,7 +476,7 @@ class Collectives:
         if action in ("reduce_scatter", "reduce_scatter_tensor"):
             op = _reduce_op(body.get("op"))
             average = gloo and op == dist.ReduceOp.AVG
-            options = dist.ReduceScatterOptions()
+            options = _c10d_C.ReduceScatterOptions()
             options.reduceOp = dist.ReduceOp.SUM if average else op
             output = _one(body.get("output"))
             with _dense([output]) as dense:
@@ -497,7 +498,7 @@ class Collectives:
             with _dense([output]) as dense:
                 _wait(
                     pg.alltoall_base(
-                        dense[0], given.contiguous(), out_splits, in_splits, dist.AllToAllOptions()
+                        dense[0], given.contiguous(), out_splits, in_splits, _c10d_C.AllToAllOptions()
                     )
                 )
             return

@@ -258,6 +258,7 @@ class Executor:
             Rec.EVENT: self._event,
             Rec.QUERY: self._query,
             Rec.DIST: self._dist,
+            Rec.STORAGE: self._storage,
         }
         self._loop = None if _runloop is None else _new_loop(self)
 
@@ -875,6 +876,29 @@ class Executor:
         except Exception as exc:
             self.collectives.destroy(group)
             self._fail(exc, f"torch.distributed {action}", [], None)
+
+    def _storage(self, rec: list[Any], link: Link) -> None:
+        _, tensor, nbytes = rec
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ProtocolError("STORAGE needs a size in bytes")
+        if self.error is not None:
+            return
+        try:
+            if not isinstance(tensor, torch.Tensor):
+                raise RuntimeError("resize of a storage the worker does not hold")
+            storage = tensor.untyped_storage()
+            grows = nbytes > storage.nbytes()
+            span = tensor.storage_offset() + 1 + sum(
+                (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())
+            )
+            if grows and nbytes > span * tensor.element_size():
+                raise ValueError(f"a storage grows to what its tensor spans, not {nbytes} bytes")
+            # A CPU worker's storages are counted: a new size is charged before it exists.
+            with self.memory.reserve(nbytes - storage.nbytes() if grows else 0):
+                storage.resize_(nbytes)
+            self.memory.recount([tensor])
+        except Exception as exc:
+            self._fail(exc, "storage resize_", [tensor], None)
 
     def _swap(self, rec: list[Any], link: Link) -> None:
         if self.elastic is None:

@@ -172,6 +172,10 @@ class Rec(IntEnum):
     "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
     "send", "recv", "barrier", "all_to_all_single") runs on the worker's tensors in place;
     "destroy" leaves the group. Workers that take it say `"dist": DIST_VERSION` in WELCOME."""
+    STORAGE = 24
+    """[STORAGE, tensor, nbytes]: resize the storage under the tensor to nbytes, keeping its
+    shape: 0 frees the memory, its size allocates it again (uninitialised), as FSDP2 does with
+    unsharded parameters between their all-gathers. Workers that take it say `"dist"` too."""
 
 
 class Ext(IntEnum):
