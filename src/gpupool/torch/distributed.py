@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import os
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -33,6 +34,10 @@ from gpupool.torch import runtime
 from gpupool.torch.stream import DeviceStream
 from gpupool.torch.tensor import RemoteTensor
 
+TIMEOUT_S = float(os.environ.get("GPUPOOL_DIST_TIMEOUT_S", "600") or 600)
+"""The longest a collective may wait on the workers (torch's default for a custom backend is
+30 minutes): a worker that vanished without closing its connections (a host gone) fails every
+rank's collective after this, or after the program's own timeout if shorter."""
 BACKEND = "gpupool"
 """The backend's name in torch.distributed (also PrivateUse1's: the remote tensors' C++ device)."""
 ASKED = frozenset({None, "", "nccl", "gloo", "cuda:nccl,cpu:gloo", "cpu:gloo,cuda:nccl"})
@@ -94,7 +99,7 @@ class RemoteGroup(dist.ProcessGroup):
             store.set("gpupool/host", str(self.stream.address))
         self.group_id = bytes(store.get("gpupool/group")).decode()
         host = bytes(store.get("gpupool/host")).decode()
-        self.timeout_s = max(1.0, timeout.total_seconds())
+        self.timeout_s = max(1.0, min(timeout.total_seconds(), TIMEOUT_S))
         body = {"rank": rank, "size": size, "host": host, "timeout_s": self.timeout_s}
         self.stream.emit([Rec.DIST, "init", self.group_id, body])
         self.stream.flush()  # the other ranks' workers wait for this one to join
