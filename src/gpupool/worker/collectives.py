@@ -415,8 +415,10 @@ class Collectives:
         group = self.groups.get(name)
         if group is None:
             raise CollectiveFailed(f"{action}: this worker is in no process group {name}")
+        # Past the limit, the lease's out-of-memory error (LimitExceeded) as it is.
+        scratch = self._scratch(action, body)
         try:
-            with self._scratch(action, body):
+            with scratch:
                 self._run(group, action, body)
         except Exception as exc:
             raise CollectiveFailed(
