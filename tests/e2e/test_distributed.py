@@ -62,7 +62,9 @@ def local_run(mode: str, ranks: int) -> dict[int, dict[str, Any]]:
     return rank_lines(done.stdout)
 
 
-def assert_same_training(remote: dict[int, dict[str, Any]], local: dict[int, dict[str, Any]]) -> None:
+def assert_same_training(
+    remote: dict[int, dict[str, Any]], local: dict[int, dict[str, Any]]
+) -> None:
     """The op order is the same on both sides (gloo sums the same way on the client and on the
     workers), so losses and parameters are equal, not only close."""
     assert sorted(remote) == sorted(local)

@@ -94,7 +94,9 @@ def run_ranks(
     return found
 
 
-def lease_workers(factory: Callable[..., WorkerHandle], count: int, **options: Any) -> list[WorkerHandle]:
+def lease_workers(
+    factory: Callable[..., WorkerHandle], count: int, **options: Any
+) -> list[WorkerHandle]:
     workers = [factory(LEASE, **options) for _ in range(count)]
     introduce(workers)
     return workers
@@ -129,9 +131,7 @@ def test_collective_buffers_count_against_the_lease_memory(
     assert [fits[r]["sum"] for r in (0, 1)] == [2.0, 2.0]
 
 
-def _store_request(
-    address: str, token: str, frames: list[list[Any]]
-) -> list[list[Any]]:
+def _store_request(address: str, token: str, frames: list[list[Any]]) -> list[list[Any]]:
     sock = connect(parse_address(address))
     try:
         sock.settimeout(scaled(10))

@@ -54,7 +54,6 @@ from gpupool.torch.stream import AttachError, DeviceStream, WorkerLost, open_str
 from gpupool.torch.tensor import RemoteTensor
 
 __all__ = [
-    "rank_from_environment",
     "AttachError",
     "CaptureWarning",
     "CapturedStep",
@@ -67,6 +66,7 @@ __all__ = [
     "capture",
     "detach",
     "fastpath_active",
+    "rank_from_environment",
 ]
 
 

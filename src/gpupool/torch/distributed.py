@@ -22,11 +22,12 @@ import functools
 import os
 import uuid
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d_C
+from torch._C._distributed_c10d import PrefixStore, ProcessGroup, Work
 from torch.distributed import distributed_c10d as c10d
 
 from gpupool.protocol.v1.dataplane import Rec
@@ -55,7 +56,7 @@ _REDUCE_OPS = {
 }
 
 
-class StreamWork(dist._Work):
+class StreamWork(Work):
     """A collective placed in a device's stream: every later op of that device sees its
     result, so the program never waits for it (a read waits, as for any op)."""
 
@@ -74,14 +75,18 @@ class StreamWork(dist._Work):
         return self._future
 
 
-class RemoteGroup(dist.ProcessGroup):
+if TYPE_CHECKING:  # torch's stubs type the C++ overloads, not a Python group's methods
+    _GroupBase = object
+else:
+    _GroupBase = ProcessGroup
+
+
+class RemoteGroup(_GroupBase):
     """One rank's process group on a remote device (the rank's worker is a member of the
     workers' group of the same name); host tensors go to a gloo group of the clients."""
 
-    def __init__(
-        self, store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
-    ) -> None:
-        super().__init__(rank, size)
+    def __init__(self, store: Any, rank: int, size: int, timeout: datetime.timedelta) -> None:
+        super().__init__(rank, size)  # type: ignore[call-arg]
         self._rank, self._size = rank, size
         self._group_name = self._group_desc = ""
         self.stream: DeviceStream = runtime.stream()
@@ -90,7 +95,7 @@ class RemoteGroup(dist.ProcessGroup):
                 f"the worker of {self.stream.device} takes no torch.distributed collectives "
                 "(an older worker): upgrade the pool's agents"
             )
-        self._cpu = dist.ProcessGroupGloo(dist.PrefixStore("cpu", store), rank, size, timeout)
+        self._cpu: Any = dist.ProcessGroupGloo(PrefixStore("cpu", store), rank, size, timeout)
         # Rank 0 names the group and says where its worker is: the workers' rendezvous store
         # lives there. The client store carries only these two names; the worker checks the
         # address is one of its lease's, and the lease's worker secret opens it.
@@ -109,23 +114,23 @@ class RemoteGroup(dist.ProcessGroup):
 
     # ---- what torch asks of a group ----------------------------------------------------
 
-    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+    def getBackendName(self) -> str:
         return BACKEND
 
     def name(self) -> str:
         return BACKEND
 
     # torch names a group after making it (a Python group keeps the names itself)
-    def setGroupName(self, name: str) -> None:  # noqa: N802
+    def setGroupName(self, name: str) -> None:
         self._group_name = name
 
-    def getGroupName(self) -> str:  # noqa: N802
+    def getGroupName(self) -> str:
         return self._group_name
 
-    def setGroupDesc(self, desc: str) -> None:  # noqa: N802
+    def setGroupDesc(self, desc: str) -> None:
         self._group_desc = desc
 
-    def getGroupDesc(self) -> str:  # noqa: N802
+    def getGroupDesc(self) -> str:
         return self._group_desc
 
     def size(self) -> int:
@@ -310,9 +315,7 @@ def _reduce_op(op: Any) -> str:
     raise ValueError(f"reduce op {op} is not supported on remote GPUs (PREMUL_SUM is not)")
 
 
-def _create(
-    store: dist.Store, rank: int, size: int, timeout: datetime.timedelta
-) -> RemoteGroup:
+def _create(store: Any, rank: int, size: int, timeout: datetime.timedelta) -> RemoteGroup:
     return RemoteGroup(store, rank, size, timeout)
 
 
@@ -352,7 +355,7 @@ def _patch_fsdp() -> None:
         function.__gpupool__ = True  # type: ignore[attr-defined]
     _fsdp_param.alloc_storage, _fsdp_param.free_storage = alloc_storage, free_storage
     if getattr(_fsdp_param_group, "alloc_storage", None) is alloc:
-        _fsdp_param_group.alloc_storage = alloc_storage
+        setattr(_fsdp_param_group, "alloc_storage", alloc_storage)  # noqa: B010 - no stub
 
 
 # ---- installing ---------------------------------------------------------------------------

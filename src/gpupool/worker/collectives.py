@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch._C import _distributed_c10d as _c10d_C
+from torch._C._distributed_c10d import HashStore, PrefixStore, Store
 
 from gpupool.protocol.v1.dataplane import (
     Connection,
@@ -41,6 +42,7 @@ from gpupool.protocol.v1.dataplane import (
 from gpupool.worker.memory import NO_RESERVATION, MemoryLimit, Reservation
 
 log = logging.getLogger(__name__)
+
 
 DEFAULT_TIMEOUT_S = 300.0
 """A collective (and the rendezvous) that has not finished in this long fails on every rank."""
@@ -83,18 +85,18 @@ class HostedStores:
     its size is bounded all the same."""
 
     def __init__(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
-        self._stores: dict[str, dist.Store] = {}
+        self._stores: dict[str, Store] = {}
         self._lock = threading.Lock()
         self.timeout_s = timeout_s
 
-    def store(self, group: str) -> dist.Store:
+    def store(self, group: str) -> Store:
         _check_group(group)
         with self._lock:
             store = self._stores.get(group)
             if store is None:
                 if len(self._stores) >= MAX_GROUPS:
                     raise ProtocolError(f"more than {MAX_GROUPS} process groups on one worker")
-                store = dist.HashStore()
+                store = HashStore()
                 store.set_timeout(datetime.timedelta(seconds=self.timeout_s))
                 self._stores[group] = store
             return store
@@ -122,7 +124,7 @@ class HostedStores:
             return
         conn.send([Kind.RESULT, req, answer])
 
-    def _answer(self, store: dist.Store, op: Any, key: Any, value: Any) -> Any:
+    def _answer(self, store: Store, op: Any, key: Any, value: Any) -> Any:
         if op == "num_keys":
             return store.num_keys()
         keys = key if isinstance(key, list) else [key]
@@ -174,7 +176,7 @@ def _seconds(value: Any) -> datetime.timedelta:
     return datetime.timedelta(seconds=float(value))
 
 
-class PeerStore(dist.Store):
+class PeerStore(Store):
     """The rendezvous store of a group, kept by rank 0's worker, as torch's process groups use
     a store: each call one STORE request over a peer connection of its own."""
 
@@ -244,7 +246,9 @@ def open_store_connection(address: str, lease: str, token: str) -> Connection:
     try:
         sock = connect(parse_address(address))
     except (ValueError, OSError, DataPlaneError) as exc:
-        raise CollectiveFailed(f"cannot reach the group's rank 0 worker at {address}: {exc}") from exc
+        raise CollectiveFailed(
+            f"cannot reach the group's rank 0 worker at {address}: {exc}"
+        ) from exc
     try:
         sock.settimeout(30)
         role_handshake(sock, lease, token, Role.PEER)
@@ -315,7 +319,7 @@ class Collectives:
         if len(self.groups) >= MAX_GROUPS:
             raise ProtocolError(f"more than {MAX_GROUPS} process groups on one worker")
         timeout_s = float(timeout_s)
-        store: dist.Store
+        store: Store
         peer_store: PeerStore | None = None
         if rank == 0:
             store = self.hosted.store(name)
@@ -327,7 +331,7 @@ class Collectives:
                 lambda: open_store_connection(address, self.lease, self.token), name, timeout_s
             )
             store = peer_store
-        prefixed = dist.PrefixStore(f"gpupool/{name}", store)
+        prefixed = PrefixStore(f"gpupool/{name}", store)
         try:
             pg, backend, held = self._make_group(prefixed, rank, size, timeout_s)
         except Exception as exc:
@@ -348,7 +352,7 @@ class Collectives:
         return self.check_peer(host)
 
     def _make_group(
-        self, store: dist.Store, rank: int, size: int, timeout_s: float
+        self, store: Store, rank: int, size: int, timeout_s: float
     ) -> tuple[Any, str, Reservation]:
         timeout = datetime.timedelta(seconds=timeout_s)
         if self.device.type == "cuda":
@@ -373,7 +377,7 @@ class Collectives:
                 raise
             return pg, "nccl", held
         gloo = dist.ProcessGroupGloo
-        options = gloo._Options()
+        options = gloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
         options._devices = [self._gloo_device()]
         return gloo(store, rank, size, options), "gloo", NO_RESERVATION
@@ -440,17 +444,17 @@ class Collectives:
         gloo = group.backend == "gloo"
         tensors = _tensor_list(body.get("tensors", []))
         if action == "barrier":
-            options = _c10d_C.BarrierOptions()
-            options.timeout = datetime.timedelta(seconds=group.timeout_s)
+            barrier = _c10d_C.BarrierOptions()
+            barrier.timeout = datetime.timedelta(seconds=group.timeout_s)
             if not gloo:
-                options.device_ids = [self.device.index or 0]
-            _wait(pg.barrier(options))
+                barrier.device_ids = [self.device.index or 0]
+            _wait(pg.barrier(barrier))
             return
         if action == "all_reduce":
             op = _reduce_op(body.get("op"))
             average = gloo and op == dist.ReduceOp.AVG
             options = _c10d_C.AllreduceOptions()
-            options.reduceOp = dist.ReduceOp.SUM if average else op
+            options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM) if average else op
             with _dense(tensors) as dense:
                 _wait(pg.allreduce(dense, options))
                 if average:
@@ -458,10 +462,10 @@ class Collectives:
                         _average(t, group.size)
             return
         if action == "broadcast":
-            options = _c10d_C.BroadcastOptions()
-            options.rootRank = _rank(body.get("root"), group.size)
+            broadcast = _c10d_C.BroadcastOptions()
+            broadcast.rootRank = _rank(body.get("root"), group.size)
             with _dense(tensors) as dense:
-                _wait(pg.broadcast(dense, options))
+                _wait(pg.broadcast(dense, broadcast))
             return
         if action == "all_gather":
             outputs = _tensor_list(body.get("outputs", []))
@@ -478,18 +482,18 @@ class Collectives:
         if action in ("reduce_scatter", "reduce_scatter_tensor"):
             op = _reduce_op(body.get("op"))
             average = gloo and op == dist.ReduceOp.AVG
-            options = _c10d_C.ReduceScatterOptions()
-            options.reduceOp = dist.ReduceOp.SUM if average else op
+            scatter = _c10d_C.ReduceScatterOptions()
+            scatter.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM) if average else op
             output = _one(body.get("output"))
             with _dense([output]) as dense:
                 if action == "reduce_scatter":
                     inputs = _tensor_list(body.get("inputs", []))
                     if len(inputs) != group.size:
                         raise ValueError(f"reduce_scatter takes {group.size} inputs")
-                    _wait(pg.reduce_scatter(dense, [tensors_contiguous(inputs)], options))
+                    _wait(pg.reduce_scatter(dense, [tensors_contiguous(inputs)], scatter))
                 else:
                     given = _one(body.get("input")).contiguous()
-                    _wait(pg._reduce_scatter_base(dense[0], given, options))
+                    _wait(pg._reduce_scatter_base(dense[0], given, scatter))
                 if average:
                     _average(dense[0], group.size)
             return
@@ -500,7 +504,11 @@ class Collectives:
             with _dense([output]) as dense:
                 _wait(
                     pg.alltoall_base(
-                        dense[0], given.contiguous(), out_splits, in_splits, _c10d_C.AllToAllOptions()
+                        dense[0],
+                        given.contiguous(),
+                        out_splits,
+                        in_splits,
+                        _c10d_C.AllToAllOptions(),
                     )
                 )
             return
@@ -555,7 +563,9 @@ def _tensor_list(value: Any) -> list[torch.Tensor]:
 
 def _one(value: Any) -> torch.Tensor:
     if not isinstance(value, torch.Tensor):
-        raise RuntimeError("a collective's tensor is not held by this worker (an op before it failed)")
+        raise RuntimeError(
+            "a collective's tensor is not held by this worker (an op before it failed)"
+        )
     return value
 
 

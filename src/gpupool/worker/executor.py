@@ -888,8 +888,13 @@ class Executor:
                 raise RuntimeError("resize of a storage the worker does not hold")
             storage = tensor.untyped_storage()
             grows = nbytes > storage.nbytes()
-            span = tensor.storage_offset() + 1 + sum(
-                (size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride())
+            span = (
+                tensor.storage_offset()
+                + 1
+                + sum(
+                    (size - 1) * stride
+                    for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+                )
             )
             if grows and nbytes > span * tensor.element_size():
                 raise ValueError(f"a storage grows to what its tensor spans, not {nbytes} bytes")

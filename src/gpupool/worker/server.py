@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from gpupool.protocol.v1.dataplane import (
+    DIST_VERSION,
     FLAGS_VERSION,
     HELLO_TIMEOUT_S,
     MAX_FRAME_BYTES,
-    DIST_VERSION,
     STREAMS_VERSION,
     VERSION,
     WORKER_EXIT_DEVICE_BROKEN,

@@ -22,8 +22,10 @@ try:
         if step == 0:
             print(json.dumps({"rank": rank, "ready": True}), flush=True)
         step += 1
-except Exception as exc:  # noqa: BLE001 - the test reads what each rank was told
-    print(json.dumps({"rank": rank, "error": f"{type(exc).__name__}: {exc}", "steps": step}),
-          flush=True)
+except Exception as exc:
+    print(
+        json.dumps({"rank": rank, "error": f"{type(exc).__name__}: {exc}", "steps": step}),
+        flush=True,
+    )
     sys.stdout.flush()
     os._exit(3)

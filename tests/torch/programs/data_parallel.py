@@ -23,8 +23,10 @@ def model_for(device: str) -> nn.Module:
 def batches(rank: int, steps: int, accumulate: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each rank's own data, made on the host so that both runs see the same values."""
     g = torch.Generator().manual_seed(1000 + rank)
-    return [(torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
-            for _ in range(steps * accumulate)]
+    return [
+        (torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g))
+        for _ in range(steps * accumulate)
+    ]
 
 
 def main() -> None:
@@ -74,8 +76,18 @@ def main() -> None:
     for p in trained.parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         params.append(full.detach().cpu().flatten().tolist())
-    print(json.dumps({"rank": rank, "world": world, "losses": losses, "params": params,
-                      "device": str(next(model.parameters()).device)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "world": world,
+                "losses": losses,
+                "params": params,
+                "device": str(next(model.parameters()).device),
+            }
+        ),
+        flush=True,
+    )
     dist.destroy_process_group()
 
 
