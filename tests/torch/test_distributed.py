@@ -164,3 +164,23 @@ def test_a_group_store_opens_only_to_the_workers_of_the_lease(
         ],
     )
     assert answers == [[Kind.RESULT, 1, None], [Kind.RESULT, 2, b"v"], [Kind.RESULT, 3, 3]]
+
+
+def test_the_ddp_benchmark_runs_tiny_on_cpu_workers_and_trains_as_locally(tmp_path: Path) -> None:
+    """bench/ddp_remote.py (two GPUs in earnest) in its tiny CPU configuration: both phases
+    run, and the remote ranks' losses are the local ones."""
+    out = tmp_path / "ddp_remote.json"
+    bench = Path(__file__).resolve().parents[2] / "bench" / "ddp_remote.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), "--tiny", "--device", "cpu", "--steps", "2", "--warmup", "1",
+         "--out", str(out)],
+        env={**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1"},
+        capture_output=True, text=True, timeout=scaled(300),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    assert sorted(report["models"]) == ["gpt2", "resnet50"]
+    for result in report["models"].values():
+        assert result["remote"]["losses"] == result["local"]["losses"]
+        assert result["remote"]["device"] == "cuda:0" and result["local"]["device"] == "cpu"
+        assert len(result["remote"]["steps_ms"]) == 2 and result["remote_over_local"] > 0

@@ -396,6 +396,19 @@ class Collectives:
                 host = address.host
         return gloo.create_device(hostname=host)
 
+    def describe(self) -> dict[str, Any]:
+        """The groups this worker is in, as its stats show them."""
+        return {
+            name: {
+                "backend": g.backend,
+                "rank": g.rank,
+                "size": g.size,
+                "held_bytes": g.held.nbytes,
+                "timeout_s": g.timeout_s,
+            }
+            for name, g in self.groups.items()
+        }
+
     def destroy(self, name: str) -> None:
         group = self.groups.pop(name, None)
         self.hosted.drop(name)

@@ -761,6 +761,7 @@ class Executor:
             "busy_cpu_s": self.activity.busy_cpu_s,
             "programs": self.programs.describe(),
             "flags": flags.current(),
+            "dist": {} if self.collectives is None else self.collectives.describe(),
         }
 
     def _seed(self, rec: list[Any], link: Link) -> None:
