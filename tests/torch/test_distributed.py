@@ -184,3 +184,21 @@ def test_the_ddp_benchmark_runs_tiny_on_cpu_workers_and_trains_as_locally(tmp_pa
         assert result["remote"]["losses"] == result["local"]["losses"]
         assert result["remote"]["device"] == "cuda:0" and result["local"]["device"] == "cpu"
         assert len(result["remote"]["steps_ms"]) == 2 and result["remote_over_local"] > 0
+
+
+def test_a_launcher_rank_takes_its_gpu_and_ranks_that_do_not_match_the_lease_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gpupool.torch
+
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    assert gpupool.torch.rank_from_environment(2) is None  # no launcher: every GPU, as before
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert gpupool.torch.rank_from_environment(4) == (3, 1)  # one lease for every rank
+    assert gpupool.torch.rank_from_environment(2) == (1, 1)  # a lease per host
+    with pytest.raises(gpupool.torch.AttachError, match="one rank per GPU"):
+        gpupool.torch.rank_from_environment(3)
