@@ -15,7 +15,7 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.i
 timeout -k 5 200 python3 bench/gpu/nccl_remote.py > "$OUT/nccl_remote.log" 2>&1
 echo "nccl_remote rc=$?"
 grep -v '^SUMMARY' "$OUT/nccl_remote.log" | cut -c1-600 | tail -15
-timeout -k 5 150 python3 bench/ddp_remote.py --ranks 1 --device cuda --steps 8 --warmup 3 \
+timeout -k 5 120 python3 bench/ddp_remote.py --ranks 1 --device cuda --steps 8 --warmup 3 \
   --label h200_one_gpu --out "$OUT/ddp_remote_1gpu.json" > "$OUT/ddp_remote.log" 2>&1
 echo "ddp_remote rc=$?"
 tail -5 "$OUT/ddp_remote.log" | cut -c1-600
