@@ -84,10 +84,10 @@ class NetPool:
 
     # ---- agents ----------------------------------------------------------------------------
 
-    def start_agent(self, name: str) -> None:
+    def start_agent(self, name: str, fake: str = FAKE_SPEC) -> None:
         host = self.agents[name]
         argv = gpupool_argv(
-            "agent", "--url", self.url, "--node", name, "--fake", FAKE_SPEC,
+            "agent", "--url", self.url, "--node", name, "--fake", fake,
             "--interval", str(AGENT_INTERVAL_S), "--data-dir", str(self.workdir / f"agent-{name}"),
             "--address", host.address, "--api-host", host.address,
         )  # fmt: skip

@@ -218,7 +218,7 @@ def test_the_address_in_the_peer_list_is_compared_in_one_spelling() -> None:
         str(parse_address("tcp://127.0.0.1:5000"))
     ]
     with pytest.raises(PeerNotNamed):
-        links._check_named("tcp://127.0.0.2:5000")
-    assert links._check_named("tcp://127.0.0.1:5000")
+        links.check_named("tcp://127.0.0.2:5000")
+    assert links.check_named("tcp://127.0.0.1:5000")
     with pytest.raises(PeerNotNamed, match="peer secret"):
-        PeerLinks("l", "", wait_s=0)._check_named("tcp://127.0.0.1:5000")
+        PeerLinks("l", "", wait_s=0).check_named("tcp://127.0.0.1:5000")

@@ -66,6 +66,7 @@ __all__ = [
     "capture",
     "detach",
     "fastpath_active",
+    "rank_from_environment",
 ]
 
 
@@ -79,8 +80,17 @@ def attach(
     request: LeaseCreate | Mapping[str, Any] | None = None,
     url: str | None = None,
     api_token: str | None = None,
+    rank: int | None = None,
+    local_rank: int | None = None,
 ) -> list[torch.device]:
     """Show the lease's GPUs to this process as cuda:0 … cuda:N-1 and return those devices.
+
+    `rank=r` (one process per GPU, as `torchrun` starts them): attach to GPU r of the lease
+    only; this process sees it as cuda:`local_rank` (default r), as on a node with a GPU per
+    rank, and cuda:0 names it too, so `torch.cuda.set_device(local_rank)`,
+    `.to(f"cuda:{local_rank}")` and DDP's `device_ids=[local_rank]` work unchanged.
+    `torch.distributed` groups of such processes run their collectives among the lease's
+    workers (`gpupool.torch.distributed`).
 
     `lease` is a lease id, or an object (or dict) with `id`, `workers` and `token`.
     Unix-socket workers on this host also share memory for tensor bytes (`shm_mib` each way).
@@ -106,18 +116,51 @@ def attach(
         _install_hooks()
         return [torch.device("cuda", i) for i in range(pending.device_count)]
     lease_id, addresses, secret = _resolve(lease, workers, token)
-    streams = _open_streams(lease_id, addresses, secret, shm_mib)
-    runtime.install(streams)
+    gpus = len(addresses)
+    if rank is not None:
+        if not 0 <= rank < gpus:
+            raise AttachError(f"rank {rank} has no GPU: the lease {lease_id} has {gpus} GPU(s)")
+        addresses = [addresses[rank]]
+    alias = None if rank is None else (rank if local_rank is None else local_rank)
+    streams = _open_streams(lease_id, addresses, secret, shm_mib, first_index=alias or 0)
+    if rank is not None:
+        streams[0].lease_gpu = rank
+    runtime.install(streams, alias, visible=gpus)
     _install_hooks()
     return [s.device for s in streams]
 
 
+def rank_from_environment(gpus: int) -> tuple[int, int] | None:
+    """(rank, local rank) of a process a launcher started as one rank of a distributed program
+    (torchrun's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE), when the lease has one GPU
+    per rank; None for a process of no launcher. A lease whose GPUs do not match the ranks is
+    refused: several ranks cannot share one worker."""
+    env = os.environ
+    if "RANK" not in env and "LOCAL_RANK" not in env:
+        return None
+    try:
+        rank = int(env.get("RANK", env.get("LOCAL_RANK", "0")))
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        world = int(env.get("WORLD_SIZE", "1"))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    except ValueError as exc:
+        raise AttachError(f"a launcher's RANK / WORLD_SIZE are not numbers: {exc}") from None
+    if gpus == world:
+        return rank, local_rank
+    if gpus == local_world:  # one lease per host of a multi-host launch
+        return local_rank, local_rank
+    raise AttachError(
+        f"{world} ranks ({local_world} on this host) and a lease of {gpus} GPU(s): run one "
+        "rank per GPU of the lease (torchrun --nproc-per-node equal to gpupool run --gpus)"
+    )
+
+
 def _open_streams(
-    lease_id: str, addresses: Sequence[str], secret: str, shm_mib: int
+    lease_id: str, addresses: Sequence[str], secret: str, shm_mib: int, first_index: int = 0
 ) -> list[DeviceStream]:
     streams: list[DeviceStream] = []
     try:
-        for index, address in enumerate(addresses):
+        for index, address in enumerate(addresses, start=first_index):
             streams.append(open_stream(index, parse_address(address), lease_id, secret, shm_mib))
     except BaseException:
         for opened in streams:
@@ -141,6 +184,10 @@ def _install_hooks() -> None:
     optim.install()
     flags.install()
     compiler.install()
+    if torch.distributed.is_available():
+        from gpupool.torch import distributed
+
+        distributed.install()
     atexit.register(detach)  # close the connections in order; the workers free everything
 
 
@@ -149,6 +196,10 @@ def detach() -> None:
     if not runtime.attached():
         return
     atexit.unregister(detach)
+    if torch.distributed.is_available():
+        from gpupool.torch import distributed
+
+        distributed.uninstall()
     compiler.uninstall()
     flags.uninstall()
     optim.uninstall()

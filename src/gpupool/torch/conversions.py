@@ -28,9 +28,13 @@ def _resolve(device: Any) -> Any:
         else:
             return device
     if isinstance(device, int) and not isinstance(device, bool):
-        return torch.device("cuda", device)
-    if isinstance(device, torch.device) and device.type == "cuda" and device.index is None:
-        return torch.device("cuda", runtime.current_index())
+        device = torch.device("cuda", device)
+    if isinstance(device, torch.device) and device.type == "cuda":
+        if device.index is None:
+            return torch.device("cuda", runtime.current_index())
+        own = runtime.alias()
+        if own is not None and device.index == 0:  # a rank's cuda:0 is its cuda:<local rank>
+            return torch.device("cuda", own)
     return device
 
 

@@ -239,13 +239,22 @@ _COMPOSITE_KEYS = (
 )
 
 
+_DEVICE_KEYS = (torch._C.DispatchKey.PrivateUse1,)
+"""Library ops with a kernel of their own for PrivateUse1 (FSDP2's `fsdp::` copy-in and
+split ops, written in aten ops for any accelerator): that kernel runs, in the client."""
+
+
 def _composite_route(func: Any) -> Any:
     """Ops outside aten (library ops such as torch.nn's `torch_nn::` ones) never run on a
     worker, which takes aten ops only; where one is a composite of other ops, those run."""
     name = func.name()
     if name.startswith("aten::"):
         return None
-    keys = [k for k in _COMPOSITE_KEYS if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)]
+    keys = [
+        k
+        for k in (*_COMPOSITE_KEYS, *_DEVICE_KEYS)
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, k)
+    ]
     if not keys:
         return None
     key = keys[0]

@@ -27,6 +27,12 @@ _deferred_seeds: dict[int, int] = {}
 """Seeds set before a lazy lease was acquired (torch.manual_seed at the top of a program),
 by device index: the first records each stream sends, so results equal a non-lazy run."""
 _acquiring = threading.Lock()
+_alias: int | None = None
+_visible = 0
+"""How many GPUs a rank of a one-GPU-per-rank attach counts (see device_count)."""
+"""One GPU per process (a rank of a distributed program, `attach(rank=...)`): its device is
+cuda:0, and cuda:<local rank>, the index such programs pass to `torch.cuda.set_device` and
+`.to()`, names the same device."""
 _forked_child = False
 """This process is a forked child (a DataLoader worker) of a process attached to remote GPUs."""
 
@@ -65,7 +71,11 @@ def pending() -> bool:
 
 
 def device_count() -> int:
-    """The lease's GPUs, known from the request before a lazy lease is acquired."""
+    """The lease's GPUs, known from the request before a lazy lease is acquired. A rank that
+    attached to one of them counts them all, as a process of a local multi-GPU launch does
+    (torch's own code sizes per-device tables by it), though only its own can be used."""
+    if _alias is not None:
+        return _visible
     if _streams or _pending is None:
         return len(_streams)
     return _pending.device_count
@@ -79,8 +89,27 @@ def stream(index: int | None = None) -> DeviceStream:
         _acquire()
     i = _current if index is None else index
     if not 0 <= i < len(_streams):  # inline: factory ops of every step come through here
-        _check_ordinal(i)
+        i = canonical(i)
     return _streams[i]
+
+
+def canonical(index: int) -> int:
+    """The position in `_streams` of device `index`: a rank's own index (see `_alias`) and 0
+    are its one stream; an index the lease lacks raises CUDA's invalid-ordinal error."""
+    if index == _alias:
+        return 0
+    _check_ordinal(index)
+    if _alias is not None and index != 0:
+        raise RuntimeError(
+            f"CUDA error: invalid device ordinal {index}: cuda:{index} is another rank's GPU; "
+            f"this rank has cuda:{_alias} (cuda:0 names it too)"
+        )
+    return index
+
+
+def alias() -> int | None:
+    """A rank's own device index, in a one-GPU-per-rank attach (cuda:0 names it too)."""
+    return _alias
 
 
 def _check_ordinal(index: int) -> None:
@@ -116,14 +145,20 @@ def current_index() -> int:
 
 def set_current(index: int) -> None:
     global _current
-    _check_ordinal(index)
-    _current = index
+    position = canonical(index)
+    _current = _alias if _alias is not None else position
 
 
-def install(new_streams: list[DeviceStream]) -> None:
-    global _current, _forked_child
-    _current = 0
+def install(
+    new_streams: list[DeviceStream], alias_index: int | None = None, visible: int = 0
+) -> None:
+    """`alias_index`: this process is one rank with one GPU (its stream, opened as device
+    `alias_index`) of a lease of `visible` GPUs."""
+    global _current, _forked_child, _alias, _visible
     _forked_child = False
+    _alias = alias_index if alias_index is not None and len(new_streams) == 1 else None
+    _current = 0 if _alias is None else _alias
+    _visible = max(visible, 1 if _alias is None else _alias + 1)
     _start(new_streams)
 
 
@@ -144,7 +179,8 @@ def _start(new_streams: list[DeviceStream]) -> None:
 
 def uninstall() -> None:
     """Close the streams, then give a lazily taken lease back (its workers end with it)."""
-    global _flusher, _pending
+    global _flusher, _pending, _alias
+    _alias = None
     if _flusher is not None:
         _flusher.stop()
         _flusher = None

@@ -240,6 +240,10 @@ class DeviceStream:
         """The torch.cuda stream (client-chosen id, 0: default) the worker runs records on."""
         self._wire: _Wire | None = None
         """Sends non-blocking puts' bytes, and what queues behind them, in the background."""
+        self.lease_gpu = index
+        """Which GPU of the lease this is (a rank's one GPU is its cuda:0 but GPU r)."""
+        self.dist_rank: int | None = None
+        """This process's rank in a torch.distributed group on this device, once it has one."""
 
     # ---- facts ---------------------------------------------------------------------------
 
@@ -250,6 +254,12 @@ class DeviceStream:
     @property
     def lease(self) -> str:
         return str(self.welcome.get("lease", ""))
+
+    @property
+    def who(self) -> str:
+        """The device as error messages name it: with the program's rank, where it has one."""
+        rank = "" if self.dist_rank is None else f"rank {self.dist_rank}, "
+        return f"{rank}{self.device} (GPU {self.lease_gpu} of the lease, worker {self.address})"
 
     @property
     def is_cuda_worker(self) -> bool:
@@ -412,8 +422,8 @@ class DeviceStream:
                     "subprocess cannot use it (as with CUDA: use the 'spawn' start method)"
                 )
             raise WorkerLost(
-                f"lease {self.lease}: {self.device} (worker {self.address}) is no longer "
-                "connected; the tensors it held are gone"
+                f"lease {self.lease}: {self.who} is no longer connected; the tensors it held "
+                "are gone"
             )
 
     def forked(self) -> None:
@@ -438,9 +448,8 @@ class DeviceStream:
         self.open = False
         self.records.clear()
         raise WorkerLost(
-            f"lease {self.lease}: lost the connection to {self.device} (worker "
-            f"{self.address}): {exc}. The worker died, was stopped (the lease ended) or cannot "
-            "be reached; the tensors it held are gone"
+            f"lease {self.lease}: lost the connection to {self.who}: {exc}. The worker died, "
+            "was stopped (the lease ended) or cannot be reached; the tensors it held are gone"
         ) from exc
 
     # ---- bytes in ------------------------------------------------------------------------
@@ -628,7 +637,7 @@ class DeviceStream:
             if head[1] is None:
                 self.open = False
                 raise WorkerLost(
-                    f"lease {self.lease}: the worker of {self.device} closed the connection: "
+                    f"lease {self.lease}: the worker of {self.who} closed the connection: "
                     f"{body.message}"
                 )
             raise remote_exception(body)

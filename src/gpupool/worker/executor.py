@@ -38,6 +38,7 @@ from gpupool.protocol.v1.tensors import (
 from gpupool.worker import flags
 from gpupool.worker.activity import Activity
 from gpupool.worker.admission import Admission
+from gpupool.worker.collectives import COLLECTIVES, Collectives
 from gpupool.worker.geometry import keeping_geometry
 from gpupool.worker.memory import (
     NO_RESERVATION,
@@ -224,6 +225,9 @@ class Executor:
     """Tensors other workers of the lease sent for RECV records."""
     peers: PeerLinks | None = None
     """Connections to the lease's other workers, for SEND records (set by the server)."""
+    collectives: Collectives | None = None
+    """torch.distributed process groups among the lease's workers, for DIST records (set by
+    the server)."""
 
     def __post_init__(self) -> None:
         zero_fill_cpu_allocations()  # a tenant never gets memory no kernel of its wrote
@@ -261,6 +265,8 @@ class Executor:
             Rec.STREAM: self._stream,
             Rec.EVENT: self._event,
             Rec.QUERY: self._query,
+            Rec.DIST: self._dist,
+            Rec.STORAGE: self._storage,
         }
         self._loop = None if _runloop is None else _new_loop(self)
 
@@ -331,6 +337,8 @@ class Executor:
     def reset(self) -> None:
         """Forget everything the previous client left (it disconnected)."""
         self.arrivals.clear()
+        if self.collectives is not None:
+            self.collectives.clear()
         if self.peers is not None:
             self.peers.close()
         self.tensors.clear()
@@ -798,6 +806,7 @@ class Executor:
             "busy_cpu_s": self.activity.busy_cpu_s,
             "programs": self.programs.describe(),
             "flags": flags.current(),
+            "dist": {} if self.collectives is None else self.collectives.describe(),
         }
 
     def _seed(self, rec: list[Any], link: Link) -> None:
@@ -886,6 +895,61 @@ class Executor:
             self._report_error(req, link)
             return
         link.reply([Kind.RESULT, req, answer])
+
+    def _dist(self, rec: list[Any], link: Link) -> None:
+        _, action, group, body = rec
+        if not isinstance(action, str) or not isinstance(group, str) or not isinstance(body, dict):
+            raise ProtocolError("DIST needs an action, a group and a body")
+        if self.collectives is None:
+            raise ProtocolError("this worker takes no process groups")
+        if action == "destroy":
+            self.collectives.destroy(group)
+            return
+        if action != "init" and action not in COLLECTIVES:
+            raise ProtocolError(f"unknown DIST action {action!r:.40}")
+        if self.error is not None:
+            # This rank cannot take part: leaving the group fails the other ranks' collective
+            # at once (their connections to it close), rather than after its timeout.
+            self.collectives.destroy(group)
+            return
+        try:
+            if action == "init":
+                self.collectives.init(group, body)
+            else:
+                self.collectives.run(action, group, body)
+        except ProtocolError:
+            raise
+        except Exception as exc:
+            self.collectives.destroy(group)
+            self._fail(exc, f"torch.distributed {action}", [], None)
+
+    def _storage(self, rec: list[Any], link: Link) -> None:
+        _, tensor, nbytes = rec
+        if not isinstance(nbytes, int) or nbytes < 0:
+            raise ProtocolError("STORAGE needs a size in bytes")
+        if self.error is not None:
+            return
+        try:
+            if not isinstance(tensor, torch.Tensor):
+                raise RuntimeError("resize of a storage the worker does not hold")
+            storage = tensor.untyped_storage()
+            grows = nbytes > storage.nbytes()
+            span = (
+                tensor.storage_offset()
+                + 1
+                + sum(
+                    (size - 1) * stride
+                    for size, stride in zip(tensor.shape, tensor.stride(), strict=True)
+                )
+            )
+            if grows and nbytes > span * tensor.element_size():
+                raise ValueError(f"a storage grows to what its tensor spans, not {nbytes} bytes")
+            # A CPU worker's storages are counted: a new size is charged before it exists.
+            with self.memory.reserve(nbytes - storage.nbytes() if grows else 0):
+                storage.resize_(nbytes)
+            self.memory.recount([tensor])
+        except Exception as exc:
+            self._fail(exc, "storage resize_", [tensor], None)
 
     def _swap(self, rec: list[Any], link: Link) -> None:
         if self.elastic is None:

@@ -41,13 +41,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and _HOST_ALLOC_FAILED in str(exc)
 
 
+class _Ledger(Protocol):
+    def unreserve(self, nbytes: int) -> None: ...
+
+
 class Reservation:
     """Bytes charged to a ledger ahead of an allocation (a buffer, an op's outputs): released
     once the memory is freed or counted as a stored tensor. Releasing twice is harmless."""
 
     __slots__ = ("_ledger", "nbytes")
 
-    def __init__(self, ledger: HostMemory | None, nbytes: int) -> None:
+    def __init__(self, ledger: _Ledger | None, nbytes: int) -> None:
         self._ledger = ledger
         self.nbytes = nbytes
 
@@ -104,6 +108,11 @@ class MemoryLimit(Protocol):
 
     def reserve_host(self, nbytes: int, what: str) -> Reservation:
         """Charge a host buffer before it is allocated; raise LimitExceeded if it cannot fit."""
+
+    def hold_outside(self, nbytes: int, what: str) -> Reservation:
+        """Memory a library allocates behind the counted allocator (a process group's
+        communication buffers: NCCL's on the device, gloo's on the host), held to the lease's
+        limit for as long as the reservation lasts; raise LimitExceeded if it cannot fit."""
 
     def release(self, tensor: torch.Tensor) -> None: ...
 
@@ -185,6 +194,10 @@ class CudaMemory:
         self._host_follows = host_limit_bytes is None
         """Without an allowance of its own, host memory is held to the device limit."""
         self.host = HostMemory(limit_bytes if host_limit_bytes is None else host_limit_bytes)
+        self.outside_bytes = 0
+        """Device memory of the lease's that the caching allocator does not see (NCCL's
+        buffers): the allocator's share is the limit less this."""
+        self._outside_lock = threading.Lock()
         self.set_limit(limit_bytes)
 
     @property
@@ -193,7 +206,8 @@ class CudaMemory:
 
     def set_limit(self, limit_bytes: int | None) -> None:
         total = torch.cuda.get_device_properties(self.device).total_memory
-        fraction = 1.0 if limit_bytes is None else min(1.0, limit_bytes / total)
+        allocator = None if limit_bytes is None else max(0, limit_bytes - self.outside_bytes)
+        fraction = 1.0 if allocator is None else min(1.0, allocator / total)
         torch.cuda.set_per_process_memory_fraction(fraction, self.device)
         self.limit_bytes = limit_bytes
         if self._host_follows:
@@ -236,6 +250,28 @@ class CudaMemory:
 
     def reserve_host(self, nbytes: int, what: str) -> Reservation:
         return self.host.reserve_host(nbytes, what)
+
+    def hold_outside(self, nbytes: int, what: str) -> Reservation:
+        """The allocator's share shrinks by `nbytes` (its per-process fraction), so the
+        allocator and the library together stay within the lease's limit."""
+        if nbytes <= 0:
+            return NO_RESERVATION
+        with self._outside_lock:
+            limit = self.limit_bytes
+            if limit is not None and self.outside_bytes + nbytes + self.held_bytes() > limit:
+                raise LimitExceeded(
+                    f"{what} ({nbytes / MiB:.1f} MiB) does not fit the lease's limit of "
+                    f"{limit // MiB} MiB ({self.held_bytes() / MiB:.1f} MiB held)"
+                )
+            self.outside_bytes += nbytes
+            self.set_limit(limit)
+        return Reservation(self, nbytes)
+
+    def unreserve(self, nbytes: int) -> None:
+        """An outside hold ended (its process group was destroyed)."""
+        with self._outside_lock:
+            self.outside_bytes = max(0, self.outside_bytes - nbytes)
+            self.set_limit(self.limit_bytes)
 
     def release(self, tensor: torch.Tensor) -> None:
         self.host.release(tensor)
@@ -479,6 +515,9 @@ class HostMemory:
         return self._reserve(nbytes, "the op's outputs")
 
     def reserve_host(self, nbytes: int, what: str) -> Reservation:
+        return self._reserve(nbytes, what)
+
+    def hold_outside(self, nbytes: int, what: str) -> Reservation:
         return self._reserve(nbytes, what)
 
     def _reserve(self, nbytes: int, what: str) -> Reservation:

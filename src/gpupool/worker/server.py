@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from gpupool.protocol.v1.dataplane import (
+    DIST_VERSION,
     FLAGS_VERSION,
     HELLO_TIMEOUT_S,
     MAX_FRAME_BYTES,
@@ -51,6 +52,7 @@ from gpupool.protocol.v1.dataplane import (
 from gpupool.protocol.v1.simgpu import SimulatedGpuMemory
 from gpupool.worker.activity import Activity, StatusFile
 from gpupool.worker.admission import warm_up, warmed
+from gpupool.worker.collectives import Collectives
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor, first_line
 from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
@@ -212,6 +214,10 @@ class Worker:
         self.activity.memory_limit_bytes = self.memory.limit_bytes
         self.executor = Executor(config.lease_id, self.device, self.memory, self.activity)
         self.executor.peers = PeerLinks(config.lease_id, config.peer_token, config.peer_wait_s)
+        self.executor.collectives = Collectives(
+            config.lease_id, self.device, self.memory, config.peer_token
+        )
+        self.executor.collectives.check_peer = self.executor.peers.check_named
         self.elastic = Elasticity(
             self.executor, self.memory, config.idle_timeout_s, config.managed, self.room
         )
@@ -237,6 +243,8 @@ class Worker:
         # accept() wakes up now and then: SIGTERM may be delivered to any thread (CUDA's
         # own among them), and then nothing interrupts a main thread blocked in accept().
         self._listener.settimeout(ACCEPT_TICK_S)
+        if self.executor.collectives is not None:
+            self.executor.collectives.own_address = str(self.address)
         if self._status:
             self._status.start()
         if self.memory.counts_storages:
@@ -478,7 +486,10 @@ class Worker:
                 return
             if role == Role.PEER:
                 sock.settimeout(None)  # open for the whole session, idle between copies
-                self.executor.arrivals.serve_peer(conn)
+                collectives = self.executor.collectives
+                self.executor.arrivals.serve_peer(
+                    conn, None if collectives is None else collectives.hosted.serve
+                )
                 return
             head = conn.recv().head()
             if head[0] != Kind.CONTROL or len(head) != 3 or not isinstance(head[2], dict):
@@ -581,6 +592,7 @@ class Worker:
             "peer_copy": True,
             "flags": FLAGS_VERSION,
             "streams": STREAMS_VERSION,
+            "dist": DIST_VERSION,
             "pid": os.getpid(),
             "host": socket.gethostname(),
         }

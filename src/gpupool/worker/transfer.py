@@ -71,11 +71,17 @@ class Arrivals:
         """Charge every receive buffer to this lease's memory (the executor's)."""
         self._reserve = reserve
 
-    def serve_peer(self, conn: Connection) -> None:
-        """A peer worker's connection (its own thread): receive transfers until it closes."""
+    def serve_peer(
+        self, conn: Connection, store: Callable[[Connection, list[Any]], None] | None = None
+    ) -> None:
+        """A peer worker's connection (its own thread): receive transfers until it closes;
+        STORE requests (a process group's rendezvous) go to `store`."""
         while True:
             frame = conn.recv()
             head = frame.head()
+            if head and head[0] == Kind.STORE and store is not None:
+                store(conn, head)
+                continue
             if head[0] != Kind.TRANSFER or len(head) < 4 or not isinstance(head[1], int):
                 raise ProtocolError("a peer sends [TRANSFER, id, dtype, shape, nbytes]")
             xid = head[1]
@@ -237,7 +243,7 @@ class PeerLinks:
     def named(self) -> frozenset[str]:
         return self._named
 
-    def _check_named(self, address: str) -> str:
+    def check_named(self, address: str) -> str:
         """`address` as named by the agent, waiting a little for the agent to name it."""
         if not self.token:
             raise PeerNotNamed("this worker was started without its lease's peer secret")
@@ -279,7 +285,7 @@ class PeerLinks:
         conn = self._conns.get(address)
         if conn is not None:
             return conn
-        address = self._check_named(address)
+        address = self.check_named(address)
         conn = self._conns.get(address)
         if conn is not None:
             return conn

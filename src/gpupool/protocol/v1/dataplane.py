@@ -47,6 +47,8 @@ FLAGS_VERSION = 1
 """Version of the FLAGS record's names and values."""
 STREAMS_VERSION = 1
 """Version of the STREAM, EVENT and QUERY records."""
+DIST_VERSION = 1
+"""Version of the DIST record's actions and bodies, and of the peers' STORE frames."""
 HELLO_TIMEOUT_S = 10.0
 
 _HEADER = struct.Struct(">II")
@@ -83,6 +85,12 @@ class Kind(IntEnum):
     """worker → worker of the same lease (role `peer`): [TRANSFER, transfer_id, dtype, shape,
     nbytes], the bytes following as [PUT, transfer_id, offset] chunks; or [TRANSFER,
     transfer_id, None, message] when the sender could not produce the tensor."""
+    STORE = 12
+    """worker → worker of the same lease (role `peer`, a connection of its own): [STORE, req,
+    group, op, key, value] on the rendezvous store of a process group that the receiving
+    worker hosts (`gpupool.worker.collectives`); answered with [RESULT, req, value] or ERROR.
+    ops: "set" (value: bytes), "get", "add" (value: int), "check", "wait" (value: seconds),
+    "compare_set" (value: [expected, desired]), "delete", "num_keys"."""
 
 
 class Rec(IntEnum):
@@ -156,6 +164,18 @@ class Rec(IntEnum):
     """[QUERY, req, what, a, b]: answered with RESULT. "event_query" / "event_sync" (event a),
     "stream_query" / "stream_sync" (stream a), "elapsed" (ms from event a to event b, as the
     worker's device measured them), "reset_peak" (the peak memory counter)."""
+    DIST = 23
+    """[DIST, action, group, body]: torch.distributed among the workers of one lease, in stream
+    order. "init" (body {rank, size, host, timeout_s}): this worker joins process group
+    `group` as `rank` of `size`; the worker at `host` (a worker of the lease, rank 0's) keeps
+    its rendezvous store. A collective (body {tensors, ...}: "all_reduce", "broadcast",
+    "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+    "send", "recv", "barrier", "all_to_all_single") runs on the worker's tensors in place;
+    "destroy" leaves the group. Workers that take it say `"dist": DIST_VERSION` in WELCOME."""
+    STORAGE = 24
+    """[STORAGE, tensor, nbytes]: resize the storage under the tensor to nbytes, keeping its
+    shape: 0 frees the memory, its size allocates it again (uninitialised), as FSDP2 does with
+    unsharded parameters between their all-gathers. Workers that take it say `"dist"` too."""
 
 
 class Ext(IntEnum):

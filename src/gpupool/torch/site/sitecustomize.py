@@ -36,11 +36,24 @@ def _attach_from_environment() -> None:
         return
     import gpupool.torch
 
+    workers = [w for w in (settings["GPUPOOL_WORKERS"] or "").split(",") if w]
+    ranks = gpupool.torch.rank_from_environment(len(workers))
     gpupool.torch.attach(
         settings["GPUPOOL_LEASE"] or "",
-        workers=[w for w in (settings["GPUPOOL_WORKERS"] or "").split(",") if w],
+        workers=workers,
         token=settings["GPUPOOL_LEASE_TOKEN"],
+        rank=None if ranks is None else ranks[0],
+        local_rank=None if ranks is None else ranks[1],
     )
+
+
+def _launcher() -> bool:
+    """torchrun (or `python -m torch.distributed.run`) itself: it starts the ranks, which
+    attach one GPU each, and must neither attach nor take the variables from them."""
+    argv = getattr(sys, "orig_argv", [])
+    if len(argv) > 1 and os.path.basename(argv[1]) == "torchrun":
+        return True
+    return argv[1:3] in (["-m", "torch.distributed.run"], ["-m", "torch.distributed.launch"])
 
 
 class _AttachAfterTorch(importlib.abc.MetaPathFinder):
@@ -74,7 +87,7 @@ class _AttachAfterTorch(importlib.abc.MetaPathFinder):
         return spec
 
 
-if os.environ.get("GPUPOOL_WORKERS") or os.environ.get("GPUPOOL_LAZY"):
+if (os.environ.get("GPUPOOL_WORKERS") or os.environ.get("GPUPOOL_LAZY")) and not _launcher():
     sys.meta_path.insert(0, _AttachAfterTorch())
 
 _here = os.path.dirname(os.path.abspath(__file__))
