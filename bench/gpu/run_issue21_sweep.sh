@@ -2,7 +2,8 @@
 # On the GPU machine (nvidia-h200, torch 2.11 CUDA build): one part of PyTorch's OpInfo sweep
 # with the worker on the GPU against the client's CPU (issue 21). The whole sweep is longer
 # than one device command may run, so it is split into PARTS parts (default 4) by op:
-#   bash bench/gpu/run_issue21_sweep.sh 1      # then 2, 3, 4; each within 7 minutes  (carry .whl)
+#   bash bench/gpu/run_issue21_sweep.sh 1      # then 2, 3, 4; each within 7 minutes  (carry .whl,
+#   made by `../shared/tools/device-wheels controller agent k8s programs`: expecttest)
 # Part K runs `bench/opinfo_sweep.py --shard K/PARTS` (every PARTS-th op from the K-th), all
 # three passes (fp32 and bf16 forward, fp32 backward), with a deadline that leaves the rest of
 # the 7 minutes to setup: ops left out by it are counted, not silently dropped. The test
