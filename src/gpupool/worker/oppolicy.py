@@ -80,9 +80,20 @@ CHECKED: dict[str, str] = {
     **{
         name: "few_views"
         for name in (
-            "split", "split_copy", "unsafe_split", "split_with_sizes", "split_with_sizes_copy",
-            "unsafe_split_with_sizes", "tensor_split", "chunk", "unsafe_chunk", "unbind",
-            "unbind_copy", "hsplit", "vsplit", "dsplit",
+            "split",
+            "split_copy",
+            "unsafe_split",
+            "split_with_sizes",
+            "split_with_sizes_copy",
+            "unsafe_split_with_sizes",
+            "tensor_split",
+            "chunk",
+            "unsafe_chunk",
+            "unbind",
+            "unbind_copy",
+            "hsplit",
+            "vsplit",
+            "dsplit",
         )
     },
     # bounds checks switched off by an argument
@@ -184,6 +195,9 @@ CHECKED: dict[str, str] = {
     "_chunk_cat": "chunk_cat",
     "_cummax_helper": "cum_helper",
     "_cummin_helper": "cum_helper",
+    # work that one argument chooses
+    "linalg_matrix_power": "matrix_power",
+    "matrix_power": "matrix_power",
     "_fused_adam": "fused_optimizer",
     "_fused_adam_": "fused_optimizer",
     "_fused_adamw": "fused_optimizer",
