@@ -56,7 +56,7 @@ def findings_json(findings: list[Finding]) -> dict[str, Any]:
                     "follows": finding.follows,
                     "replay": f"{REPLAY} {finding.seed}:{finding.session}",
                     "records": finding.records.splitlines()[-12:],
-                    "log": finding.log.splitlines()[-12:],
+                    "log": finding.log.splitlines()[:16],
                 }
             )
     return {

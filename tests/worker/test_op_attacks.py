@@ -386,6 +386,7 @@ def test_stack_internals_are_refused_and_stack_runs(raw: Raw) -> None:
         ("aten::_remove_batch_dim", [tensor(1), 1 << 24, -1, 256]),
         ("aten::_add_batch_dim", [tensor(1), 0, 1 << 24]),
         ("aten::_compute_linear_combination", [tensor(1), longs([1] * 64, [2, 32])]),
+        ("aten::_sobol_engine_ff_", [longs([0, 0, 0]), 5, longs([0] * 6, [2, 3]), 1 << 20, -2]),
         (
             "aten::mkldnn_rnn_layer",
             [tensor(1)] * 7 + [False, [3, 6, 1 << 20], 3, 2, 63] + [True] * 4,
@@ -398,7 +399,9 @@ def test_internal_kernels_that_trust_their_caller_are_refused(
     """Kernels that only their public op calls, with arguments it prepared: a forged padding
     (`_nnpack_spatial_convolution`) or batch level (`_remove_batch_dim`) crashed the worker;
     `_compute_linear_combination` (matrix_exp's) read its input past its storage with the
-    coefficients' dtype and sizes, and a reply held an address of the worker's heap."""
+    coefficients' dtype and sizes, and a reply held an address of the worker's heap;
+    `_sobol_engine_ff_` walked its state and output for a `dimension` it never compared with
+    them (the heap it wrote past aborted the worker later)."""
     raw.run(name, args, {}, [2])
     refused(raw, f"{name} is not allowed on a gpupool worker")
 

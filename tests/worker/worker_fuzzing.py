@@ -242,6 +242,13 @@ class FuzzWorker:
         except OSError:
             return ""
 
+    def crash_log(self) -> str:
+        """What the log says of the worker's death: from just before faulthandler's last report
+        (the C library's abort message comes first) to the dying thread's stack."""
+        text = self.log_tail(200_000)
+        at = text.rfind("Fatal Python error")
+        return text[-1500:] if at < 0 else text[max(0, at - 300) : at + 1200]
+
     def tracebacks(self) -> str:
         text = self.log_tail(200_000)
         return text if ("Traceback" in text or "Exception in thread" in text) else ""
@@ -1259,7 +1266,7 @@ class Fuzzer:
             else:
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
                 self._find("crash", after, session - 1, -1, f"the worker died ({how})",
-                           self.last_sent, log=self.fuzzed.log_tail(1500))  # fmt: skip
+                           self.last_sent, log=self.fuzzed.crash_log())  # fmt: skip
             self.fuzzed.kill()
             self.fuzzed = self._launch_fuzzed().ready()
             return Wire(self.fuzzed, self.guard.reply_timeout_s)
@@ -1364,7 +1371,7 @@ class Fuzzer:
             return "closed"
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
         self._find("crash", case.op, session, index, f"the worker died ({how})", sent,
-                   log=self.fuzzed.log_tail(1500))  # fmt: skip
+                   log=self.fuzzed.crash_log())  # fmt: skip
         return "crash"
 
     def _collect_call(self, wire: Wire, case: Case, session: int, index: int,

@@ -319,6 +319,12 @@ REFUSED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("quantized_gru", _PACKED),
     ("quantized_rnn_", _PACKED),
     ("_test_", "a test-only op"),
+    (
+        "_sobol_engine_",
+        "a SobolEngine kernel: it walks its state and output for `dimension` "
+        "entries it never compares with them (an out-of-range one wrote past them and corrupted "
+        "the worker's heap); torch.quasirandom keeps its engine on the host",
+    ),
     ("miopen_", "a ROCm-only kernel (workers run CUDA or CPU)"),
     ("_mps_", "an MPS-only kernel (workers run CUDA or CPU)"),
     ("_lstm_mps", "an MPS-only kernel (workers run CUDA or CPU)"),
