@@ -417,6 +417,17 @@ def test_a_call_returning_a_nested_tensor_fails_cleanly_and_the_stream_goes_on(r
     assert raw.sync()[0] == Kind.RESULT
 
 
+def test_a_qparams_search_the_arguments_make_endless_is_refused(raw: Raw) -> None:
+    """`choose_qparams_optimized` with n_bins 2**24 and ratio 1e308 searched bins for good
+    (the fuzzer's hang, seed 10): bins and ratio are bounded, and it answers at once."""
+    raw.run("aten::choose_qparams_optimized", [tensor(1), 7, 1 << 24, 1e308, 2], {}, [2, 3])
+    refused(raw, "choose_qparams_optimized refused", "n_bins")
+    raw.run("aten::choose_qparams_optimized", [tensor(1), 1 << 20, 200, 0.16, 8], {}, [2, 3])
+    refused(raw, "choose_qparams_optimized refused", "numel")
+    raw.run("aten::choose_qparams_optimized", [tensor(1), 16, 200, 0.16, 8], {}, [2, 3])
+    assert len(raw.read_floats(2)) == 1 and raw.sync()[0] == Kind.RESULT
+
+
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """A worker with a memory limit: it charges every op before it runs, from the op's meta

@@ -1025,6 +1025,33 @@ def _matrix_power(a: Args) -> None:
         raise OpRefused(f"exponent {a['n']} has no negation in int64")
 
 
+MAX_QPARAM_BINS = 1 << 16
+"""The most histogram bins `choose_qparams_optimized` searches on a worker (torch.ao asks for
+200): each bin it gives up is one more pass over the input, and nothing interrupts a kernel."""
+
+
+def _qparams_search(a: Args) -> None:
+    """`choose_qparams_optimized` (torch.ao's qparams for embedding tables) reads `numel`
+    floats at the input's data pointer from the host, then narrows a histogram of `n_bins`
+    bins by up to `ratio` of them, one pass over the input per step: n_bins 2**24 with ratio
+    1e308 held the worker for good. The input must be a float32 host tensor of at least
+    `numel` elements, the bins at most MAX_QPARAM_BINS, the ratio in [0, 1]."""
+    inp = _tensor(a["input"], "input")
+    if inp.device.type != "cpu" or inp.dtype != torch.float32:
+        raise OpRefused(f"input must be a float32 host tensor, not {inp.dtype} on {inp.device}")
+    numel = _int(a["numel"], "numel")
+    if not 0 <= numel <= inp.numel():
+        raise OpRefused(f"numel {numel} outside [0, {inp.numel()}]")
+    bins = _int(a["n_bins"], "n_bins")
+    if not 1 <= bins <= MAX_QPARAM_BINS:
+        raise OpRefused(f"n_bins {bins} outside [1, {MAX_QPARAM_BINS}]")
+    ratio = a["ratio"]
+    if not isinstance(ratio, int | float) or not 0.0 <= float(ratio) <= 1.0:
+        raise OpRefused(f"ratio {ratio} outside [0, 1]")
+    if not 1 <= _int(a["bit_width"], "bit_width") <= 16:
+        raise OpRefused(f"bit_width {a['bit_width']} outside [1, 16]")
+
+
 _OPTIMIZER_LISTS = (
     "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "momentum_buffer_list", "state_sums",
 )  # fmt: skip
@@ -1212,6 +1239,9 @@ CHECKS: dict[str, Check] = {
     "chunk_cat": Check(pre=_chunk_cat, needs=_needs("tensors", "dim", "num_chunks")),
     "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices", "dim")),
     "matrix_power": Check(pre=_matrix_power, needs=_needs("n")),
+    "qparams_search": Check(
+        pre=_qparams_search, needs=_needs("input", "numel", "n_bins", "ratio", "bit_width")
+    ),
     "fused_optimizer": Check(pre=_fused_optimizer, needs=_needs("self")),
     "no_varlen": Check(pre=_no_varlen),
     "attention_backward": Check(

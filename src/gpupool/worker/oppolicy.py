@@ -198,6 +198,7 @@ CHECKED: dict[str, str] = {
     # work that one argument chooses
     "linalg_matrix_power": "matrix_power",
     "matrix_power": "matrix_power",
+    "choose_qparams_optimized": "qparams_search",
     "_fused_adam": "fused_optimizer",
     "_fused_adam_": "fused_optimizer",
     "_fused_adamw": "fused_optimizer",
