@@ -428,6 +428,18 @@ def test_a_qparams_search_the_arguments_make_endless_is_refused(raw: Raw) -> Non
     assert len(raw.read_floats(2)) == 1 and raw.sync()[0] == Kind.RESULT
 
 
+def test_a_functional_copy_of_none_is_refused(raw: Raw) -> None:
+    """`copy(None, src)` and `copy.out(None, src, out=...)` cloned an undefined tensor: a null
+    read crashed the worker (the fuzzer's seed-12 crashes). A real copy still runs."""
+    raw.run("aten::copy", [None, tensor(1), True], {}, [2])
+    refused(raw, "aten::copy refused", "self must be a tensor")
+    raw.run("aten::zeros", [[16]], {"dtype": float32()}, [3])
+    raw.run("aten::copy.out", [None, tensor(1), True], {"out": tensor(3)}, [3])
+    refused(raw, "aten::copy.out refused", "self must be a tensor")
+    raw.run("aten::copy", [tensor(3), tensor(1), False], {}, [2])
+    assert raw.read_floats(2) == INTACT
+
+
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     """A worker with a memory limit: it charges every op before it runs, from the op's meta

@@ -1025,6 +1025,14 @@ def _matrix_power(a: Args) -> None:
         raise OpRefused(f"exponent {a['n']} has no negation in int64")
 
 
+def _copy_defined(a: Args) -> None:
+    """The functional `copy` (and `copy.out`) clones `self` without asking whether it is a
+    tensor: None, which the binding passes on as an undefined tensor, was a null read (the
+    fuzzer's seed-12 crashes). Both operands must be tensors."""
+    _tensor(a["self"], "self")
+    _tensor(a["src"], "src")
+
+
 MAX_QPARAM_BINS = 1 << 16
 """The most histogram bins `choose_qparams_optimized` searches on a worker (torch.ao asks for
 200): each bin it gives up is one more pass over the input, and nothing interrupts a kernel."""
@@ -1239,6 +1247,7 @@ CHECKS: dict[str, Check] = {
     "chunk_cat": Check(pre=_chunk_cat, needs=_needs("tensors", "dim", "num_chunks")),
     "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices", "dim")),
     "matrix_power": Check(pre=_matrix_power, needs=_needs("n")),
+    "copy_defined": Check(pre=_copy_defined, needs=_needs("self", "src")),
     "qparams_search": Check(
         pre=_qparams_search, needs=_needs("input", "numel", "n_bins", "ratio", "bit_width")
     ),

@@ -199,6 +199,7 @@ CHECKED: dict[str, str] = {
     "linalg_matrix_power": "matrix_power",
     "matrix_power": "matrix_power",
     "choose_qparams_optimized": "qparams_search",
+    "copy": "copy_defined",
     "_fused_adam": "fused_optimizer",
     "_fused_adam_": "fused_optimizer",
     "_fused_adamw": "fused_optimizer",
