@@ -56,6 +56,7 @@ def findings_json(findings: list[Finding]) -> dict[str, Any]:
                     "follows": finding.follows,
                     "replay": f"{REPLAY} {finding.seed}:{finding.session}",
                     "records": finding.records.splitlines()[-12:],
+                    "log": finding.log.splitlines()[:16],
                 }
             )
     return {
@@ -74,6 +75,8 @@ def replay(spec: str, guard: Guard) -> int:
         fuzzer.run_session(session)
         for finding in fuzzer.tally.findings:
             print(f"\n{finding.line()}\n{finding.records}")
+            if finding.log:
+                print(f"worker log:\n{finding.log}")
         print(json.dumps(fuzzer.tally.summary(10), indent=1))
         return 1 if fuzzer.tally.findings else 0
 

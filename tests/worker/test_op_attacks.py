@@ -386,6 +386,7 @@ def test_stack_internals_are_refused_and_stack_runs(raw: Raw) -> None:
         ("aten::_remove_batch_dim", [tensor(1), 1 << 24, -1, 256]),
         ("aten::_add_batch_dim", [tensor(1), 0, 1 << 24]),
         ("aten::_compute_linear_combination", [tensor(1), longs([1] * 64, [2, 32])]),
+        ("aten::_sobol_engine_ff_", [longs([0, 0, 0]), 5, longs([0] * 6, [2, 3]), 1 << 20, -2]),
         (
             "aten::mkldnn_rnn_layer",
             [tensor(1)] * 7 + [False, [3, 6, 1 << 20], 3, 2, 63] + [True] * 4,
@@ -398,7 +399,9 @@ def test_internal_kernels_that_trust_their_caller_are_refused(
     """Kernels that only their public op calls, with arguments it prepared: a forged padding
     (`_nnpack_spatial_convolution`) or batch level (`_remove_batch_dim`) crashed the worker;
     `_compute_linear_combination` (matrix_exp's) read its input past its storage with the
-    coefficients' dtype and sizes, and a reply held an address of the worker's heap."""
+    coefficients' dtype and sizes, and a reply held an address of the worker's heap;
+    `_sobol_engine_ff_` walked its state and output for a `dimension` it never compared with
+    them (the heap it wrote past aborted the worker later)."""
     raw.run(name, args, {}, [2])
     refused(raw, f"{name} is not allowed on a gpupool worker")
 
@@ -412,6 +415,29 @@ def test_a_call_returning_a_nested_tensor_fails_cleanly_and_the_stream_goes_on(r
     assert head[0] == Kind.ERROR and head[2]["kind"] == ErrorKind.UNSUPPORTED, head
     assert "nested tensor" in head[2]["message"], head
     assert raw.sync()[0] == Kind.RESULT
+
+
+def test_a_qparams_search_the_arguments_make_endless_is_refused(raw: Raw) -> None:
+    """`choose_qparams_optimized` with n_bins 2**24 and ratio 1e308 searched bins for good
+    (the fuzzer's hang, seed 10): bins and ratio are bounded, and it answers at once."""
+    raw.run("aten::choose_qparams_optimized", [tensor(1), 7, 1 << 24, 1e308, 2], {}, [2, 3])
+    refused(raw, "choose_qparams_optimized refused", "n_bins")
+    raw.run("aten::choose_qparams_optimized", [tensor(1), 1 << 20, 200, 0.16, 8], {}, [2, 3])
+    refused(raw, "choose_qparams_optimized refused", "numel")
+    raw.run("aten::choose_qparams_optimized", [tensor(1), 16, 200, 0.16, 8], {}, [2, 3])
+    assert len(raw.read_floats(2)) == 1 and raw.sync()[0] == Kind.RESULT
+
+
+def test_a_functional_copy_of_none_is_refused(raw: Raw) -> None:
+    """`copy(None, src)` and `copy.out(None, src, out=...)` cloned an undefined tensor: a null
+    read crashed the worker (the fuzzer's seed-12 crashes). A real copy still runs."""
+    raw.run("aten::copy", [None, tensor(1), True], {}, [2])
+    refused(raw, "aten::copy refused", "self must be a tensor")
+    raw.run("aten::zeros", [[16]], {"dtype": float32()}, [3])
+    raw.run("aten::copy.out", [None, tensor(1), True], {"out": tensor(3)}, [3])
+    refused(raw, "aten::copy.out refused", "self must be a tensor")
+    raw.run("aten::copy", [tensor(3), tensor(1), False], {}, [2])
+    assert raw.read_floats(2) == INTACT
 
 
 @pytest.fixture(scope="module")
@@ -453,18 +479,93 @@ def test_an_ops_check_runs_before_the_meta_kernel_that_charges_it(limited_raw: R
     refused(raw, "dtype must be a torch.dtype")
 
 
-def test_an_out_tensor_a_failed_op_left_half_resized_is_emptied(raw: Raw) -> None:
-    """`randn.out` with sizes [2, 2, -1, 2**63 - 1, 2**53] set them on `out` before their
-    product overflowed: the tensor kept a negative size, and `count_nonzero` of it crashed the
-    worker. The failed op's written tensors are checked; an unsound one is emptied."""
+def test_an_out_tensor_a_failed_op_left_half_resized_gets_its_geometry_back(raw: Raw) -> None:
+    """`randn.out` with sizes [2, 3, 2**63 - 1] set them on `out` before their product
+    overflowed: the tensor claimed 2**64 elements over 32 bytes, and `count_nonzero` of such a
+    tensor crashed the worker. The failed op's written tensors get their geometry back."""
     raw.run("aten::zeros", [[4]], {"dtype": ext(Ext.DTYPE, "float64")}, [2])
-    raw.run("aten::randn.out", [[2, 2, -1, (1 << 63) - 1, 1 << 53]], {"out": tensor(2)}, [2])
+    raw.run("aten::randn.out", [[2, 3, (1 << 63) - 1]], {"out": tensor(2)}, [2])
     refused(raw, "overflow")
     raw.send([[Rec.CALL, 97, raw.op("aten::count_nonzero"), [tensor(2)], {}, 100]])
     head = raw.conn.recv().head()
     assert head[:2] == [Kind.RESULT, 97] and head[2][3] == [], head
     raw.req += 1
     assert raw.answer([Rec.READ, raw.req, tensor(100)])[1] == (0).to_bytes(8, "little")
+    raw.req += 1
+    head, data = raw.answer([Rec.READ, raw.req, tensor(2)])
+    assert head[0] == Kind.DATA and list(head[3]) == [4] and data == bytes(32), head
+
+
+def test_a_negative_size_next_to_a_zero_is_refused(raw: Raw) -> None:
+    """`rand.generator_out` with sizes [-2, 0, 6, 2**62, 3] into a view: ATen took the negative
+    size (the product has a 0) and left the view with sizes whose strides it never computed;
+    the worker crashed on the next look at them. No list of sizes holds a negative size now;
+    -1 only where it infers one (view, reshape) or keeps one (expand)."""
+    raw.run("aten::slice.Tensor", [tensor(1), 0, 2, 10], {}, [2])
+    raw.run("aten::rand.generator_out", [[-2, 0, 6, 1 << 62, 3]], {"generator": None,
+            "out": tensor(2)}, [3])  # fmt: skip
+    refused(raw, "rand.generator_out refused", "size holds -2")
+    assert raw.read_floats(2) == INTACT[2:10]
+    raw.run("aten::new_zeros", [tensor(1), [-1, 0]], {}, [3])
+    refused(raw, "new_zeros refused", "a size is not negative")
+    raw.run("aten::view", [tensor(1), [-1, 4]], {}, [3])
+    raw.run("aten::expand", [tensor(3), [2, -1, -1]], {}, [4])
+    assert raw.read_floats(4) == INTACT * 2
+
+
+def test_batch_norm_without_the_statistics_its_mode_reads_is_refused(raw: Raw) -> None:
+    """Three crashes: `_native_batch_norm_legit.no_stats` in eval mode read running statistics
+    it was not given, `_batch_norm_impl_index_backward` of an empty 1-d input wrote into an
+    empty list of sizes, `native_batch_norm_backward` of an empty batch divided by 0."""
+    torch = pytest.importorskip("torch")
+    raw.run("aten::view", [tensor(1), [4, 4]], {}, [2])
+    raw.run("aten::_native_batch_norm_legit.no_stats", [tensor(2), None, None, False, 2.0, -1.0],
+            {}, [3, 4, 5])  # fmt: skip
+    refused(raw, "_native_batch_norm_legit.no_stats refused", "running_mean is needed")
+    raw.run("aten::zeros", [[0]], {"dtype": float32()}, [6])
+    raw.run("aten::_batch_norm_impl_index_backward",
+            [4096, tensor(6), tensor(6), longs([0, 1, 2, 3]), None, None, tensor(2), tensor(2),
+             False, 3.0, [False, True, False], longs([0, 1, 2])], {}, [7, 8, 9])  # fmt: skip
+    refused(raw, "_batch_norm_impl_index_backward refused", "1 dimensions")
+    raw.run("aten::zeros", [[0, 4]], {"dtype": float32()}, [6])
+    raw.run("aten::native_batch_norm_backward",
+            [tensor(6), tensor(6), None, None, None, tensor(1), tensor(1), True, 1e-5,
+             [True, True, True]], {}, [7, 8, 9])  # fmt: skip
+    refused(raw, "native_batch_norm_backward refused")
+    raw.run("aten::_native_batch_norm_legit.no_stats", [tensor(2), None, None, True, 0.1, 1e-5],
+            {}, [3, 4, 5])  # fmt: skip
+    expected = torch.nn.functional.batch_norm(
+        torch.arange(16.0).view(4, 4), None, None, training=True
+    )
+    assert raw.read_floats(3) == pytest.approx(expected.flatten().tolist(), abs=1e-5)
+
+
+def test_cummax_helper_of_an_unwrapped_dim_runs_wrapped(raw: Raw) -> None:
+    """`_cummax_helper` (cummax's kernel) took dim -1 of a [4, 4] input unwrapped and corrupted
+    the worker's heap: it aborted when the session's tensors were freed. The dim is wrapped as
+    cummax wraps it; an empty input, which cummax never hands it, is refused."""
+    raw.run("aten::view", [tensor(1), [4, 4]], {}, [2])
+    raw.run("aten::zeros", [[4, 4]], {"dtype": float32()}, [3])
+    raw.run("aten::zeros", [[4, 4]], {"dtype": ext(Ext.DTYPE, "int64")}, [4])
+    raw.run("aten::_cummax_helper", [tensor(2), tensor(3), tensor(4), -1], {}, [])
+    assert raw.read_floats(3) == INTACT  # increasing rows: each running max is the value
+    raw.req += 1
+    head, data = raw.answer([Rec.READ, raw.req, tensor(4)])
+    assert struct.unpack("<16q", data) == tuple(list(range(4)) * 4), head
+    raw.run("aten::zeros", [[2, 0]], {"dtype": float32()}, [5])
+    raw.run("aten::_cummax_helper", [tensor(5), tensor(5), tensor(4), 0], {}, [])
+    refused(raw, "_cummax_helper refused")
+
+
+def test_matrix_power_of_an_exponent_int64_cannot_negate_is_refused(raw: Raw) -> None:
+    """`linalg_matrix_power(x, -2**63)` negated the exponent into itself and its loop never
+    ended: the worker answered nothing again (the fuzzer's hang). Refused; other exponents,
+    however large, cost at most 63 squarings."""
+    raw.run("aten::eye", [4], {"dtype": float32()}, [2])
+    raw.run("aten::linalg_matrix_power", [tensor(2), -(1 << 63)], {}, [3])
+    refused(raw, "linalg_matrix_power refused", "no negation")
+    raw.run("aten::linalg_matrix_power", [tensor(2), -(1 << 63) + 1], {}, [3])
+    assert raw.read_floats(3) == [1.0 if i % 5 == 0 else 0.0 for i in range(16)]
 
 
 def test_the_ops_real_programs_run_through_these_checks_still_match_local(limited: Worker) -> None:

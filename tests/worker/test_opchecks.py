@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from gpupool.protocol.v1.tensors import op_overload
-from gpupool.worker.opchecks import CHECKS, OpRefused, argument_guard, guard, reach_bytes, sound
+from gpupool.worker.geometry import keeping_geometry, sound
+from gpupool.worker.opchecks import CHECKS, OpRefused, argument_guard, guard, reach_bytes
 from gpupool.worker.oppolicy import Decision, ruling
 
 aten = torch.ops.aten
@@ -309,6 +310,27 @@ def test_cumulative_helpers_write_only_outputs_of_the_inputs_shape() -> None:
     assert values.equal(torch.cummax(x, 0).values)
     refuses("aten::_cummax_helper", x, torch.empty(4), torch.empty(2, dtype=torch.long), 0)
     refuses("aten::_cummin_helper", x, torch.empty(2), torch.empty(4, dtype=torch.long), 0)
+    # cummax wraps dim and never calls its helper with an empty input: dim -1 of a [2, 3]
+    # input corrupted the heap, an empty [2, 0] one crashed or hung the kernel.
+    grid = torch.randn(2, 3)
+    values, indices = torch.empty(2, 3), torch.empty(2, 3, dtype=torch.long)
+    checked("aten::_cummax_helper")(grid, values, indices, -1)
+    assert values.equal(torch.cummax(grid, -1).values)
+    assert indices.equal(torch.cummax(grid, -1).indices)
+    refuses("aten::_cummax_helper", grid, values, indices, 2, match="dim 2 out of range")
+    refuses("aten::_cummin_helper", grid, values, indices, -(1 << 40), match="out of range")
+    empty = torch.empty(2, 0)
+    refuses("aten::_cummax_helper", empty, empty, empty.long(), 0, match="empty")
+
+
+def test_matrix_power_refuses_the_exponent_it_cannot_negate() -> None:
+    """-2**63 stays negative when negated: the square-and-multiply loop never ended."""
+    m = torch.tensor([[2.0, 0.0], [0.0, 4.0]])
+    power = checked("aten::linalg_matrix_power")
+    assert power(m, -2).allclose(torch.linalg.matrix_power(m, -2))
+    assert power(torch.eye(2), -(1 << 62)).equal(torch.eye(2))
+    refuses("aten::linalg_matrix_power", m, -(1 << 63), match="no negation")
+    refuses("aten::matrix_power", m, -(1 << 63), match="no negation")
 
 
 def test_fused_optimizers_need_every_state_the_size_of_its_param() -> None:
@@ -357,6 +379,47 @@ def test_variable_length_attention_is_refused() -> None:
         "aten::_flash_attention_forward", q, q, q, cu, cu, 8, 8, 0.0, False, False,
         match="variable-length",
     )  # fmt: skip
+
+
+def test_batch_norm_reads_only_the_statistics_its_mode_was_given() -> None:
+    """Each was a crash: eval mode without running statistics (a null tensor read:
+    `_native_batch_norm_legit.no_stats` with training=False, `_batch_norm_no_update` without
+    them), a training backward without saved ones, the backward of an empty batch (SIGFPE),
+    `_batch_norm_impl_index_backward` of an empty 1-d input (it wrote into an empty list)."""
+    x = torch.randn(4, 3)
+    grad = torch.ones(4, 3)
+    stats = torch.zeros(3), torch.ones(3)
+    refuses("aten::_native_batch_norm_legit.no_stats", x, None, None, False, 0.1, 1e-5,
+            match="running_mean is needed in eval mode")  # fmt: skip
+    out, save_mean, save_invstd = checked("aten::_native_batch_norm_legit.no_stats")(
+        x, None, None, True, 0.1, 1e-5
+    )
+    torch.testing.assert_close(out, torch.nn.functional.batch_norm(x, None, None, training=True))
+    refuses("aten::native_batch_norm", x, None, None, stats[0], None, False, 0.1, 1e-5,
+            match="running_var")  # fmt: skip
+    refuses("aten::_batch_norm_no_update", x, None, None, None, None, 0.1, 1e-5,
+            match="running_mean")  # fmt: skip
+    checked("aten::_batch_norm_no_update")(x, None, None, *stats, 0.1, 1e-5)
+    refuses("aten::native_batch_norm_backward", grad, x, None, None, None, None, None, True, 1e-5,
+            [True, True, True], match="save_mean")  # fmt: skip
+    refuses("aten::native_batch_norm_backward", grad, x, None, None, None, save_mean, None, True,
+            1e-5, [True, True, True], match="save_invstd")  # fmt: skip
+    refuses("aten::batch_norm_backward", grad, x, torch.ones(3), None, None, None, None, False,
+            1e-5, [True, True, True], torch.empty(0), match="running_mean")  # fmt: skip
+    checked("aten::native_batch_norm_backward")(
+        grad, x, None, None, None, save_mean, save_invstd, True, 1e-5, [True, True, True]
+    )
+    nothing = torch.zeros(0, 3)
+    refuses("aten::native_batch_norm_backward", nothing, nothing, None, *stats, *stats, True,
+            1e-5, [True, True, True], match="empty batch")  # fmt: skip
+    empty_grads = checked("aten::_batch_norm_impl_index_backward")(
+        0, nothing, nothing, torch.ones(3), *stats, *stats, True, 1e-5, [True, True, True],
+        torch.empty(0),
+    )  # fmt: skip
+    assert empty_grads[0].shape == (0, 3)
+    refuses("aten::_batch_norm_impl_index_backward", 4096, torch.zeros(0), torch.zeros(0),
+            torch.ones(4), None, None, torch.zeros(4), torch.zeros(4), False, 3.0,
+            [False, True, False], torch.empty(0), match="not \\[batch, channels")  # fmt: skip
 
 
 def test_batch_norm_impl_index_backward_needs_a_statistic_per_channel() -> None:
@@ -556,21 +619,56 @@ def test_enum_arguments_must_have_their_torch_type() -> None:
         assert argument_guard(name, fn, fn._op) is fn._op  # nothing to check: no wrapper
 
 
-def test_a_tensor_a_failed_op_left_unsound_is_emptied() -> None:
-    """`randn.out` set impossible sizes on its `out` before their product overflowed."""
+def test_a_tensor_an_op_left_unsound_gets_its_geometry_back() -> None:
+    """`randn.out` set impossible sizes on its `out` before their product overflowed; `rand.out`
+    returned with a negative size ATen took next to a 0. Behind the geometry guard (no argument
+    guard here, so the kernel sees both) the tensor gets its sizes, strides and offset back:
+    the op that raised still raises, the one that returned is refused."""
     randn = aten.randn.out
-    guarded = argument_guard("aten::randn.out", randn, randn._op)
-    out = torch.zeros(4, dtype=torch.float64)
+    kept = keeping_geometry(randn, randn._op)
+    base = torch.zeros(16, dtype=torch.float64)
+    out = base[2:6]
     with pytest.raises(RuntimeError, match="overflow"):
-        guarded([2, -1, (1 << 63) - 1], out=out)
-    assert out.shape == (0,) and sound(out)
+        kept([2, 3, (1 << 63) - 1], out=out)
+    assert (out.shape, out.stride(), out.storage_offset()) == ((4,), (1,), 2) and sound(out)
     bare = torch.zeros(4, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="overflow"):
-        randn([2, -1, (1 << 63) - 1], out=bare)
+        randn([1 << 62, 4], out=bare)
     assert not sound(bare)  # what torch leaves without the guard
-    assert guarded([3], out=out).shape == (3,)
-    base = torch.arange(8.0)
+    rand = aten.rand.out
+    with pytest.raises(OpRefused, match=r"left a tensor it writes with sizes \[-2, 0, 6\]"):
+        keeping_geometry(rand, rand._op)([-2, 0, 6], out=out)
+    assert out.shape == (4,) and sound(out)
+    assert kept([3], out=out).shape == (3,)  # a resize that fits is the op's to make
     assert sound(base[2:5]) and sound(base.as_strided([2, 2], [0, 4], 1))
+
+
+def test_size_lists_hold_no_negative_size_but_an_inferred_one() -> None:
+    """ATen takes a negative size next to a 0 (`rand.out` with [-2, 0, 6, 2**62, 3] left sizes
+    whose strides it never computed, and reading them crashed the worker): every list of a
+    tensor's sizes is checked, -1 allowed only where it infers or keeps a size."""
+
+    def guarded(name: str) -> Any:
+        fn = op_overload(name)
+        return argument_guard(name, fn, fn._op)
+
+    out = torch.zeros(8)
+    with pytest.raises(OpRefused, match="size holds -2: a size is not negative"):
+        guarded("aten::rand.generator_out")([-2, 0, 6, 1 << 62, 3], generator=None, out=out)
+    assert out.shape == (8,)
+    with pytest.raises(OpRefused, match="size holds -1"):
+        guarded("aten::zeros")([-1, 0])
+    with pytest.raises(OpRefused, match="output_size"):
+        guarded("aten::adaptive_avg_pool2d")(torch.ones(1, 4, 4), [-3, 0])
+    with pytest.raises(OpRefused, match=r"-1 \(infer\) is the only negative size"):
+        guarded("aten::view")(out, [-2, 0])
+    assert guarded("aten::view")(out, [-1, 4]).shape == (2, 4)
+    assert guarded("aten::expand")(torch.ones(2), [3, -1]).shape == (3, 2)
+    assert guarded("aten::unflatten.int")(out, 0, [2, -1]).shape == (2, 4)
+    assert guarded("aten::zeros")([0, 3]).shape == (0, 3)
+    assert guarded("aten::upsample_nearest2d.vec")(torch.ones(1, 1, 2, 2), None, [2.0, 2.0]).shape == (
+        1, 1, 4, 4,
+    )  # fmt: skip
 
 
 def test_foreach_ops_need_lists_of_the_same_length() -> None:

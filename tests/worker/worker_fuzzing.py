@@ -84,7 +84,8 @@ HEAP_SECRET_VAR = "GPUPOOL_FUZZ_HEAP_SECRET"
 MiB = 1 << 20
 
 LAUNCHER = r"""
-import os, sys
+import faulthandler, os, sys
+faulthandler.enable()  # a crash writes the dying thread's Python stack to the log
 secret = bytes.fromhex(os.environ.pop("GPUPOOL_FUZZ_HEAP_SECRET"))
 import torch
 # The heap secret, where no handle points: small tensors (malloc's heap, next to the client's
@@ -240,6 +241,13 @@ class FuzzWorker:
             return self.log.read_text(errors="replace")[-chars:]
         except OSError:
             return ""
+
+    def crash_log(self) -> str:
+        """What the log says of the worker's death: from just before faulthandler's last report
+        (the C library's abort message comes first) to the dying thread's stack."""
+        text = self.log_tail(200_000)
+        at = text.rfind("Fatal Python error")
+        return text[-1500:] if at < 0 else text[max(0, at - 300) : at + 1200]
 
     def tracebacks(self) -> str:
         text = self.log_tail(200_000)
@@ -939,6 +947,9 @@ class Finding:
     case: int
     detail: str
     records: str
+    log: str = ""
+    """For a crash: the end of the worker's log (faulthandler's stack, the C library's abort
+    message), which names the op that died and how."""
     follows: str | None = None
     """An earlier leak of the same session, whose values this op may only have passed on
     (`real` of a tensor that segment_reduce read out of the heap): the root cause is that one."""
@@ -1254,9 +1265,8 @@ class Fuzzer:
                            f"the worker does not take a new client: {exc!r}", self.last_sent)  # fmt: skip
             else:
                 how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-                self._find(
-                    "crash", after, session - 1, -1, f"the worker died ({how})", self.last_sent
-                )
+                self._find("crash", after, session - 1, -1, f"the worker died ({how})",
+                           self.last_sent, log=self.fuzzed.crash_log())  # fmt: skip
             self.fuzzed.kill()
             self.fuzzed = self._launch_fuzzed().ready()
             return Wire(self.fuzzed, self.guard.reply_timeout_s)
@@ -1360,7 +1370,8 @@ class Fuzzer:
             )
             return "closed"
         how = f"signal {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
-        self._find("crash", case.op, session, index, f"the worker died ({how})", sent)
+        self._find("crash", case.op, session, index, f"the worker died ({how})", sent,
+                   log=self.fuzzed.crash_log())  # fmt: skip
         return "crash"
 
     def _collect_call(self, wire: Wire, case: Case, session: int, index: int,
@@ -1425,10 +1436,11 @@ class Fuzzer:
                            f"a reply holds {len(addresses)} words that are addresses in the "
                            f"worker's memory, e.g. {int(addresses[0]):#x}", sent)  # fmt: skip
 
-    def _find(
-        self, kind: str, op: str, session: int, index: int, detail: str, sent: list[str]
-    ) -> None:
-        finding = Finding(kind, op, self.seed, session, index, detail, "\n".join(sent)[-6000:])
+    def _find(self, kind: str, op: str, session: int, index: int, detail: str, sent: list[str],
+              log: str = "") -> None:  # fmt: skip
+        finding = Finding(
+            kind, op, self.seed, session, index, detail, "\n".join(sent)[-6000:], log=log
+        )
         if kind in LEAKS:
             earlier = [f for f in self.tally.findings
                        if f.kind in LEAKS and f.session == session and f.case < index]  # fmt: skip

@@ -21,8 +21,6 @@ from typing import Any
 
 import torch
 
-from gpupool.worker.admission import written_arguments, written_tensors
-
 
 class OpRefused(RuntimeError):
     """An op's arguments would make its kernel reach outside its tensors."""
@@ -130,14 +128,61 @@ def _enum_arguments(schema: Any) -> tuple[tuple[int | None, str, type], ...]:
     return tuple(found)
 
 
+_INFERRING = frozenset(
+    {"view", "view_copy", "reshape", "_reshape_copy", "_unsafe_view", "_mkldnn_reshape",
+     "expand", "expand_copy", "broadcast_to", "unflatten"}
+)  # fmt: skip
+"""Ops whose size lists may hold -1: "infer this size" (view, reshape and their kin) or "keep
+this size" (expand, broadcast_to)."""
+_SIZE_NAMES = frozenset({"size", "sizes", "shape"})
+_SIZE_SUFFIXES = ("_size", "_sizes", "_shape")
+_INT_LISTS = frozenset({"List[int]", "List[SymInt]"})
+
+
+def _size_arguments(schema: Any) -> tuple[tuple[int | None, str, int], ...]:
+    """(position or None for keyword-only, name, smallest entry allowed) of each argument that
+    lists a tensor's sizes: a list of ints (`SymInt[]`, `int[]`) named `size`, `sizes`, `shape`
+    or `..._size(s)` / `..._shape` (`output_size`, `input_sizes`, `normalized_shape` ...)."""
+    base = schema.name.partition("::")[2]
+    lowest = -1 if base in _INFERRING else 0
+    found: list[tuple[int | None, str, int]] = []
+    position = 0
+    for argument in schema.arguments:
+        kind = str(argument.real_type)
+        if kind.startswith("Optional["):
+            kind = kind.removeprefix("Optional[").removesuffix("]")
+        name = argument.name
+        if kind in _INT_LISTS and (name in _SIZE_NAMES or name.endswith(_SIZE_SUFFIXES)):
+            found.append((None if argument.kwarg_only else position, name, lowest))
+        if not argument.kwarg_only:
+            position += 1
+    return tuple(found)
+
+
+def _smallest(value: Any) -> Any:
+    """The smallest entry of a size list as the client sent it (an int stands for a list of
+    itself), or None where it holds no comparable numbers (torch's binding refuses those)."""
+    if isinstance(value, list | tuple):
+        if not value:
+            return None
+        try:
+            return min(value)
+        except TypeError:
+            return None
+    return value if isinstance(value, int) else None
+
+
 def argument_guard(name: str, fn: Any, call: Callable[..., Any]) -> Callable[..., Any]:
     """`call` behind what every op with such arguments needs, whatever the policy says of it:
     its enum arguments (dtype, layout, memory format, device) must be of their torch type, and
-    a tensor it writes that it left unsound when it raised is emptied (`mend_written`). Ops
-    with neither keep `call` itself; the others pay one Python frame and a few type checks."""
+    its size lists hold no negative size (-1 only where it means "infer" or "keep"). ATen
+    takes a negative size next to a 0 (the product is 0, nothing to allocate): `rand.out` with
+    [-2, 0, 6, 2**62, 3] left its `out` with a negative size whose strides were never computed,
+    and the next read of it crashed the worker. Ops with neither kind of argument keep `call`
+    itself; the others pay one Python frame and a few comparisons."""
     enums = _enum_arguments(fn._schema)
-    positions, names = written_arguments(fn._schema) if may_resize(fn._schema) else ((), ())
-    if not enums and not names:
+    sizes = _size_arguments(fn._schema)
+    if not enums and not sizes:
         return call
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -151,13 +196,18 @@ def argument_guard(name: str, fn: Any, call: Callable[..., Any]) -> Callable[...
                     f"{name} refused: {arg} must be a torch.{expected.__name__}, "
                     f"not {type(value).__name__}"
                 )
-        if not names:
-            return call(*args, **kwargs)
-        try:
-            return call(*args, **kwargs)
-        except Exception:
-            mend_written(written_tensors(args, kwargs, positions, names))
-            raise
+        for position, arg, lowest in sizes:
+            if position is not None and position < len(args):
+                value = args[position]
+            else:
+                value = kwargs.get(arg)
+            smallest = _smallest(value)
+            if smallest is not None and smallest < lowest:
+                allowed = (
+                    "-1 (infer) is the only negative size" if lowest else "a size is not negative"
+                )
+                raise OpRefused(f"{name} refused: {arg} holds {smallest}: {allowed}")
+        return call(*args, **kwargs)
 
     guarded.__name__ = f"guarded_{name.replace('::', '_').replace('.', '_')}"
     return guarded
@@ -178,32 +228,6 @@ def may_resize(schema: Any) -> bool:
         return True
     base = schema.name.partition("::")[2]
     return bool(written) and base.startswith(_RESIZING_IN_PLACE)
-
-
-def sound(tensor: torch.Tensor) -> bool:
-    """Whether a strided tensor's sizes, strides and offset stay inside its storage."""
-    if tensor.is_nested or tensor.layout != torch.strided:
-        return True
-    sizes, strides, offset = list(tensor.shape), list(tensor.stride()), tensor.storage_offset()
-    if any(size < 0 for size in sizes) or offset < 0:
-        return False
-    if any(size == 0 for size in sizes):
-        return True
-    lowest = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True) if s < 0)
-    highest = offset + sum((n - 1) * s for n, s in zip(sizes, strides, strict=True) if s > 0)
-    return (
-        lowest >= 0 and (highest + 1) * tensor.element_size() <= tensor.untyped_storage().nbytes()
-    )
-
-
-def mend_written(tensors: Sequence[torch.Tensor]) -> None:
-    """An op that raised may have left a tensor it writes half-resized: `randn.out` with sizes
-    [2, -1, 2**63 - 1] set them on its `out` before computing their product overflowed, and the
-    next op that read that tensor crashed the worker. Such a tensor is made empty (its values
-    are undefined after a failed op anyway; its storage stays as it was)."""
-    for tensor in tensors:
-        if not sound(tensor):
-            tensor.set_(tensor.untyped_storage(), 0, (0,), (1,))
 
 
 # ---- small facts about tensors -----------------------------------------------------------------
@@ -584,10 +608,15 @@ _PARAMETERS = frozenset({"weight", "bias", "running_mean", "running_var"})
 
 
 def _batch_norm(a: Args) -> None:
-    """Batch-norm kernels (forward and backward) walk every per-channel tensor with the
-    input's channel count and the gradient with the input's shape."""
+    """Batch-norm kernels (forward and backward) take an input of [batch, channels, ...], walk
+    every per-channel tensor with its channel count and the gradient with its shape, and read
+    the statistics their mode needs (`_batch_norm_statistics`)."""
     inp = _tensor(a["input"], "input")
-    channels = inp.size(1) if inp.dim() > 1 else 1
+    if inp.dim() < 2:
+        # `_batch_norm_impl_index_backward` of an empty 1-d input wrote one size into an empty
+        # list of them (the worker crashed); every kernel of the family reads size(1).
+        raise OpRefused(f"input has {inp.dim()} dimensions, not [batch, channels, ...]")
+    channels = inp.size(1)
     for name in ("grad_out", "grad_output"):
         if isinstance(a.get(name), torch.Tensor):
             _shape(a[name], inp.shape, name)
@@ -598,6 +627,41 @@ def _batch_norm(a: Args) -> None:
         # was read past its storage: the fuzzer's last two crashes).
         if isinstance(value, torch.Tensor) and (value.numel() > 0 or name in _PARAMETERS):
             _covers(value, channels, name)
+    _batch_norm_statistics(a, inp)
+
+
+_TRAINING_FLAGS = ("training", "train", "update")
+_SAVED_SPREAD = ("save_invstd", "save_var", "save_var_transform")
+
+
+def _batch_norm_statistics(a: Args, inp: torch.Tensor) -> None:
+    """The CPU kernels read the statistics of their mode without asking whether they were given:
+    in eval mode the running mean and variance, in a training backward the saved mean and
+    inverse spread; a missing one was a null tensor read (`_native_batch_norm_legit.no_stats`
+    with training=False crashed the worker). The forwards without a flag that take running
+    statistics (`_batch_norm_no_update`; `_batch_norm_with_update` needs them anyway) read
+    them too. And the training-flagged backward kernels divide by the batch's size: an empty
+    input raised SIGFPE (`_batch_norm_impl_index_backward` answers an empty one itself)."""
+    backward = any(isinstance(a.get(name), torch.Tensor) for name in ("grad_out", "grad_output"))
+    flag = next((a[name] for name in _TRAINING_FLAGS if name in a), None)
+    if flag is None:
+        if backward or "running_mean" not in a:
+            return  # the sync-batch-norm pieces and cuDNN's backward: their inputs are explicit
+        training = False
+    else:
+        training = bool(flag)
+    if not training:
+        for name in ("running_mean", "running_var"):
+            if not isinstance(a.get(name), torch.Tensor):
+                raise OpRefused(f"{name} is needed in eval mode")
+    elif backward:
+        if not isinstance(a.get("save_mean"), torch.Tensor):
+            raise OpRefused("save_mean is needed for a training backward")
+        spread = next((name for name in _SAVED_SPREAD if name in a), None)
+        if spread is not None and not isinstance(a.get(spread), torch.Tensor):
+            raise OpRefused(f"{spread} is needed for a training backward")
+    if backward and flag is not None and "impl_index" not in a and inp.numel() == 0:
+        raise OpRefused("the backward of an empty batch")
 
 
 def _group_norm_backward(a: Args) -> None:
@@ -934,9 +998,66 @@ def _fft_dims(a: Args) -> None:
 
 
 def _cum_helper(a: Args) -> None:
+    """`_cummax_helper` and `_cummin_helper` (cummax's and cummin's kernels) take `dim` as
+    cummax wrapped it, and run on a non-empty input only (cummax answers the others itself):
+    dim -1 of a [2, 3] input corrupted the worker's heap (it aborted when the session's tensors
+    were freed), an empty input crashed or hung it. `dim` is wrapped here; values and indices
+    must have the input's shape."""
     inp = _tensor(a["self"], "self")
     _shape(_tensor(a["values"], "values"), inp.shape, "values")
     _shape(_tensor(a["indices"], "indices"), inp.shape, "indices")
+    if inp.numel() == 0 or inp.dim() == 0:
+        raise OpRefused(f"self {list(inp.shape)} is empty or 0-d (cummax answers it without me)")
+    dim = _int(a["dim"], "dim")
+    if not -inp.dim() <= dim < inp.dim():
+        raise OpRefused(f"dim {dim} out of range for {inp.dim()} dimensions")
+    a["dim"] = dim % inp.dim()
+
+
+_INT64_MIN = -(1 << 63)
+
+
+def _matrix_power(a: Args) -> None:
+    """`linalg_matrix_power` inverts the matrix and negates a negative exponent: -2**63 stays
+    negative, and its square-and-multiply loop never ended (the fuzzer's hang). Any other
+    exponent costs at most 63 squarings."""
+    if _int(a["n"], "n") <= _INT64_MIN:
+        raise OpRefused(f"exponent {a['n']} has no negation in int64")
+
+
+def _copy_defined(a: Args) -> None:
+    """The functional `copy` (and `copy.out`) clones `self` without asking whether it is a
+    tensor: None, which the binding passes on as an undefined tensor, was a null read (the
+    fuzzer's seed-12 crashes). Both operands must be tensors."""
+    _tensor(a["self"], "self")
+    _tensor(a["src"], "src")
+
+
+MAX_QPARAM_BINS = 1 << 16
+"""The most histogram bins `choose_qparams_optimized` searches on a worker (torch.ao asks for
+200): each bin it gives up is one more pass over the input, and nothing interrupts a kernel."""
+
+
+def _qparams_search(a: Args) -> None:
+    """`choose_qparams_optimized` (torch.ao's qparams for embedding tables) reads `numel`
+    floats at the input's data pointer from the host, then narrows a histogram of `n_bins`
+    bins by up to `ratio` of them, one pass over the input per step: n_bins 2**24 with ratio
+    1e308 held the worker for good. The input must be a float32 host tensor of at least
+    `numel` elements, the bins at most MAX_QPARAM_BINS, the ratio in [0, 1]."""
+    inp = _tensor(a["input"], "input")
+    if inp.device.type != "cpu" or inp.dtype != torch.float32:
+        raise OpRefused(f"input must be a float32 host tensor, not {inp.dtype} on {inp.device}")
+    numel = _int(a["numel"], "numel")
+    if not 0 <= numel <= inp.numel():
+        raise OpRefused(f"numel {numel} outside [0, {inp.numel()}]")
+    bins = _int(a["n_bins"], "n_bins")
+    if not 1 <= bins <= MAX_QPARAM_BINS:
+        raise OpRefused(f"n_bins {bins} outside [1, {MAX_QPARAM_BINS}]")
+    ratio = a["ratio"]
+    if not isinstance(ratio, int | float) or not 0.0 <= float(ratio) <= 1.0:
+        raise OpRefused(f"ratio {ratio} outside [0, 1]")
+    if not 1 <= _int(a["bit_width"], "bit_width") <= 16:
+        raise OpRefused(f"bit_width {a['bit_width']} outside [1, 16]")
 
 
 _OPTIMIZER_LISTS = (
@@ -1124,7 +1245,12 @@ CHECKS: dict[str, Check] = {
     "packed_batch_sizes": Check(pre=_packed_batch_sizes, needs=_needs("data", "batch_sizes")),
     "repeats": Check(pre=_repeats, needs=_needs("repeats")),
     "chunk_cat": Check(pre=_chunk_cat, needs=_needs("tensors", "dim", "num_chunks")),
-    "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices")),
+    "cum_helper": Check(pre=_cum_helper, needs=_needs("self", "values", "indices", "dim")),
+    "matrix_power": Check(pre=_matrix_power, needs=_needs("n")),
+    "copy_defined": Check(pre=_copy_defined, needs=_needs("self", "src")),
+    "qparams_search": Check(
+        pre=_qparams_search, needs=_needs("input", "numel", "n_bins", "ratio", "bit_width")
+    ),
     "fused_optimizer": Check(pre=_fused_optimizer, needs=_needs("self")),
     "no_varlen": Check(pre=_no_varlen),
     "attention_backward": Check(

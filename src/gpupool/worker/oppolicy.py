@@ -80,9 +80,20 @@ CHECKED: dict[str, str] = {
     **{
         name: "few_views"
         for name in (
-            "split", "split_copy", "unsafe_split", "split_with_sizes", "split_with_sizes_copy",
-            "unsafe_split_with_sizes", "tensor_split", "chunk", "unsafe_chunk", "unbind",
-            "unbind_copy", "hsplit", "vsplit", "dsplit",
+            "split",
+            "split_copy",
+            "unsafe_split",
+            "split_with_sizes",
+            "split_with_sizes_copy",
+            "unsafe_split_with_sizes",
+            "tensor_split",
+            "chunk",
+            "unsafe_chunk",
+            "unbind",
+            "unbind_copy",
+            "hsplit",
+            "vsplit",
+            "dsplit",
         )
     },
     # bounds checks switched off by an argument
@@ -184,6 +195,11 @@ CHECKED: dict[str, str] = {
     "_chunk_cat": "chunk_cat",
     "_cummax_helper": "cum_helper",
     "_cummin_helper": "cum_helper",
+    # work that one argument chooses
+    "linalg_matrix_power": "matrix_power",
+    "matrix_power": "matrix_power",
+    "choose_qparams_optimized": "qparams_search",
+    "copy": "copy_defined",
     "_fused_adam": "fused_optimizer",
     "_fused_adam_": "fused_optimizer",
     "_fused_adamw": "fused_optimizer",
@@ -305,6 +321,12 @@ REFUSED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("quantized_gru", _PACKED),
     ("quantized_rnn_", _PACKED),
     ("_test_", "a test-only op"),
+    (
+        "_sobol_engine_",
+        "a SobolEngine kernel: it walks its state and output for `dimension` "
+        "entries it never compares with them (an out-of-range one wrote past them and corrupted "
+        "the worker's heap); torch.quasirandom keeps its engine on the host",
+    ),
     ("miopen_", "a ROCm-only kernel (workers run CUDA or CPU)"),
     ("_mps_", "an MPS-only kernel (workers run CUDA or CPU)"),
     ("_lstm_mps", "an MPS-only kernel (workers run CUDA or CPU)"),
