@@ -37,11 +37,11 @@ from gpupool.protocol.v1.dataplane import (
     send_handshake,
 )
 from gpupool.protocol.v1.tensors import (
+    checked_shape,
     dtype_from_name,
     dtype_name,
     host_bytes,
     tensor_bytes,
-    tensor_from_bytes,
 )
 from gpupool.torch import session
 from gpupool.torch.tensor import Handle, cxx_device
@@ -656,33 +656,52 @@ class DeviceStream:
         return head[2]
 
     def _receive_tensor(self, req: int) -> torch.Tensor:
+        """The values of a READ, landed straight in the memory of the tensor returned: DATA
+        frames are received into it chunk by chunk (the worker streams them back to back, so
+        the socket's buffers keep the next chunks in flight while one is read), a read through
+        the shared arena is one torch copy out of it. No Python bytes object holds them."""
         head, tail_len = self._receive_head(req)
         if head[0] != Kind.DATA:
             self._lost(ProtocolError(f"expected DATA, got {Kind(head[0]).name}"))
         _, _, dtype, shape, offset, total, in_arena = head
         try:
+            out = _empty_for(dtype_from_name(dtype), shape, total)
             if in_arena:
                 if self._worker_arena is None:
                     raise ProtocolError("DATA in shared memory, but no arena was shared")
-                buffer = bytearray(self._worker_arena.view(0, total))
-            elif tail_len == total:
-                buffer = self.conn.read_tail()
-            else:
-                buffer = bytearray(total)
-                view = memoryview(buffer)
+                into = out.view(-1).view(torch.uint8)
                 filled = 0
                 while True:
-                    if offset != filled:
-                        raise ProtocolError(f"DATA chunk at {offset}, expected {filled}")
-                    self.conn.read_tail_into(view[filled : filled + tail_len])
-                    filled += tail_len
+                    size = int(in_arena)
+                    if offset != filled or size <= 0 or filled + size > total:
+                        raise ProtocolError(f"DATA of {size} bytes in shared memory at "
+                                            f"{offset}, expected {filled} of {total}")  # fmt: skip
+                    source = self._worker_arena.view(offset, size)
+                    into[filled : filled + size].copy_(torch.frombuffer(source, dtype=torch.uint8))
+                    filled += size
                     if filled >= total:
-                        break
-                    head, tail_len = self._receive_head(req)
-                    offset = head[4]
+                        return out
+                    head, _ = self._receive_head(req)
+                    if head[0] != Kind.DATA:
+                        raise ProtocolError(f"expected DATA, got {Kind(head[0]).name}")
+                    offset, in_arena = head[4], head[6]
+            view = host_bytes(out)
+            filled = 0
+            while filled < total or tail_len:
+                if offset != filled or filled + tail_len > total:
+                    raise ProtocolError(f"DATA chunk of {tail_len} bytes at {offset}, expected "
+                                        f"{filled} of {total}")  # fmt: skip
+                self.conn.read_tail_into(view[filled : filled + tail_len])
+                filled += tail_len
+                if filled >= total:
+                    break
+                head, tail_len = self._receive_head(req)
+                if head[0] != Kind.DATA:
+                    raise ProtocolError(f"expected DATA, got {Kind(head[0]).name}")
+                offset = head[4]
         except DataPlaneError as exc:
             self._lost(exc)
-        return tensor_from_bytes(buffer, dtype_from_name(dtype), shape)
+        return out
 
     def adopt_connection(self, fresh: DeviceStream) -> None:
         """Continue on `fresh`'s connection (a successor worker holding this stream's state):
@@ -711,6 +730,16 @@ class DeviceStream:
         for arena in (self._client_arena, self._worker_arena):
             if arena is not None:
                 arena.close()
+
+
+def _empty_for(dtype: torch.dtype, shape: Any, total: int) -> torch.Tensor:
+    """An uninitialised host tensor for a read of `total` bytes (no zero fill: each page is
+    first touched by the bytes received into it), checked to hold exactly that many."""
+    sizes = checked_shape(shape)
+    out = torch.empty(sizes, dtype=dtype)
+    if out.numel() * out.element_size() != total:
+        raise ProtocolError(f"{total} bytes do not hold {list(sizes)} of {dtype}")
+    return out
 
 
 def allocation_bytes(size: Any, stride: Any, dtype: torch.dtype | None) -> int:
