@@ -77,7 +77,13 @@ def memcpy_link(nbytes: int) -> float:
     return nbytes / best / 1e9
 
 
-def child(address: str) -> dict[str, Any]:
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def child(address: str, worker_pid: int) -> dict[str, Any]:
     import torch
 
     import gpupool.torch
@@ -98,10 +104,15 @@ def child(address: str) -> dict[str, Any]:
         dev = host.to("cuda")
         torch.cuda.synchronize()
         times = []
+        client_cpu, worker_cpu = time.process_time(), cpu_s(worker_pid)
         for _ in range(repeats):
             start = time.perf_counter()
             back = dev.cpu()
             times.append(time.perf_counter() - start)
+        # CPU per GB read, each side: what a loaded host's speed is bound by.
+        gb = repeats * mib * MiB / 1e9
+        out[f"d2h_{mib}mib_client_cpu_s_per_gb"] = (time.process_time() - client_cpu) / gb
+        out[f"d2h_{mib}mib_worker_cpu_s_per_gb"] = (cpu_s(worker_pid) - worker_cpu) / gb
         assert torch.equal(back, host), "the bytes came back different"
         out[f"d2h_{mib}mib_gb_s"] = mib * MiB / min(times) / 1e9
         out[f"d2h_{mib}mib_median_ms"] = statistics.median(times) * 1e3
@@ -129,7 +140,7 @@ def run_transport(name: str, listen: str) -> dict[str, Any]:
         )  # fmt: skip
         try:
             done = subprocess.run(
-                [sys.executable, __file__, "--child", str(ready.address)],
+                [sys.executable, __file__, "--child", str(ready.address), str(ready.pid)],
                 capture_output=True, text=True, timeout=600, cwd=ROOT,
                 env={**env, "CUDA_VISIBLE_DEVICES": ""},
             )  # fmt: skip
@@ -145,10 +156,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--label", default="")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child(args.child)))
+        print(json.dumps(child(args.child[0], int(args.child[1]))))
         return 0
     result: dict[str, Any] = {
         "machine": f"CPU workers ({platform.machine()}, {os.cpu_count()} cores)",
