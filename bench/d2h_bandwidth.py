@@ -9,6 +9,9 @@ is measured in the same run with the same buffers: a plain TCP socket on loopbac
 and for shm one memcpy of 64 MiB (the arena's bound).
 
     PYTHONPATH=src python bench/d2h_bandwidth.py --out bench/results/d2h_bandwidth.json
+    python bench/d2h_bandwidth.py --worker-device cuda:0     # a CUDA worker (GPU host)
+
+The client runs without a GPU (CUDA_VISIBLE_DEVICES=""), whatever the worker's device.
 """
 
 from __future__ import annotations
@@ -128,15 +131,15 @@ def child(address: str, worker_pid: int) -> dict[str, Any]:
     return out
 
 
-def run_transport(name: str, listen: str) -> dict[str, Any]:
+def run_transport(name: str, listen: str, device: str) -> dict[str, Any]:
     from gpupool.protocol.v1.dataplane import WorkerCredentials, start_worker_process
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with tempfile.TemporaryDirectory() as tmp:
         credentials = WorkerCredentials.generate(TOKEN, "bench-d2h-peer")
         proc, ready = start_worker_process(
-            LEASE, credentials, device="cpu", listen=listen.format(tmp=tmp), threads=1,
-            env=env, log_file=Path(tmp) / "worker.log",
+            LEASE, credentials, device=device, listen=listen.format(tmp=tmp),
+            threads=1 if device == "cpu" else None, env=env, log_file=Path(tmp) / "worker.log",
         )  # fmt: skip
         try:
             done = subprocess.run(
@@ -156,18 +159,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--label", default="")
+    parser.add_argument("--worker-device", default="cpu", help="cpu, or cuda:0 on a GPU host")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], int(args.child[1]))))
         return 0
     result: dict[str, Any] = {
-        "machine": f"CPU workers ({platform.machine()}, {os.cpu_count()} cores)",
+        "machine": f"{args.worker_device} workers ({platform.machine()}, {os.cpu_count()} cores)",
         "tcp_link_64mib_gb_s": tcp_link(64 * MiB),
         "memcpy_64mib_gb_s": memcpy_link(64 * MiB),
     }
     for name, listen in (("tcp", "tcp://127.0.0.1:0"), ("shm", "unix://{tmp}/w.sock")):
-        row = result[name] = run_transport(name, listen)
+        row = result[name] = run_transport(name, listen, args.worker_device)
         link = result["tcp_link_64mib_gb_s"] if name == "tcp" else result["memcpy_64mib_gb_s"]
         if "d2h_64mib_gb_s" in row:
             row["d2h_64mib_of_link"] = row["d2h_64mib_gb_s"] / link
