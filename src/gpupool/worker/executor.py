@@ -15,6 +15,7 @@ import torch
 
 from gpupool.protocol.v1.dataplane import (
     CHUNK_BYTES,
+    DataPlaneError,
     ErrorBody,
     ErrorKind,
     Ext,
@@ -639,6 +640,8 @@ class Executor:
             if not (tensor.is_cpu and tensor.is_contiguous()):
                 staging = self.memory.reserve_host(total, "a read's host copy")
             host = tensor.detach().contiguous().to(self._host)
+        except DataPlaneError:
+            raise  # the connection broke while chunks were going out: the server closes it
         except Exception as exc:
             staging.release()
             self._fail(exc, "read", [tensor], None)
@@ -704,6 +707,8 @@ class Executor:
             except Exception as exc:
                 if i >= 2:
                     raise
+                for _, queued, _ in pending:
+                    queued.synchronize()  # no copy may still write a buffer a put reuses
                 if not isinstance(exc, LimitExceeded):
                     log.warning("page-locked staging is off: %s", first_line(exc))
                     self._staging = None
