@@ -8,6 +8,7 @@
 set -u
 . bench/gpu/site.sh
 nvidia-smi -L
+export GPUPOOL_STAGED_READS=1  # the staged CUDA reads this measures (off by default)
 stop_workers() { pkill -9 -f 'gpupool[.]worker'; sleep 1; }
 timeout -k 5 200 python3 bench/d2h_bandwidth.py --worker-device cuda:0 --label h200 \
   --out "$OUT/d2h_bandwidth_h200.json" 2> "$OUT/d2h.err"

@@ -64,6 +64,13 @@ own are decided one by one by the op policy (`gpupool.worker.oppolicy`)."""
 SHM_READ_MIN_BYTES = 1 << 20
 """Smaller reads ride in the reply frame; larger ones go through the shared arena."""
 
+STAGED_READS = os.environ.get("GPUPOOL_STAGED_READS") == "1"
+"""A CUDA worker's reads through its page-locked staging buffers and asynchronous chunked
+copies into the shared arena: written, not yet run on a GPU, so off unless this is set
+(`bench/gpu/run_issue26_d2h.sh` sets it to measure them; the agent does not pass it on).
+Off, a CUDA worker's reads take the plain copies, chunked into the arena synchronously."""
+
+
 _MALFORMED = (IndexError, ValueError, TypeError, KeyError, AttributeError, OverflowError)
 """What a record of the wrong shape or with values of the wrong type raises in its handler."""
 
@@ -629,7 +636,8 @@ class Executor:
                     link.reply(head)
                 return
             if (
-                self._staging is not None
+                STAGED_READS
+                and self._staging is not None
                 and tensor.is_cuda
                 and total > CHUNK_BYTES
                 and self._read_pinned(head, tensor, total, link)
@@ -664,7 +672,7 @@ class Executor:
         flat = source.reshape(-1).view(torch.uint8)
         total = into.numel()
         starts = range(0, total, CHUNK_BYTES)
-        if tensor.is_cuda and link.pinned:
+        if STAGED_READS and tensor.is_cuda and link.pinned:
             events = []
             for start in starts:
                 end = min(start + CHUNK_BYTES, total)
