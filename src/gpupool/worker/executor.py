@@ -15,6 +15,7 @@ import torch
 
 from gpupool.protocol.v1.dataplane import (
     CHUNK_BYTES,
+    DataPlaneError,
     ErrorBody,
     ErrorKind,
     Ext,
@@ -62,6 +63,13 @@ own are decided one by one by the op policy (`gpupool.worker.oppolicy`)."""
 
 SHM_READ_MIN_BYTES = 1 << 20
 """Smaller reads ride in the reply frame; larger ones go through the shared arena."""
+
+STAGED_READS = os.environ.get("GPUPOOL_STAGED_READS") == "1"
+"""A CUDA worker's reads through its page-locked staging buffers and asynchronous chunked
+copies into the shared arena: written, not yet run on a GPU, so off unless this is set
+(`bench/gpu/run_issue26_d2h.sh` sets it to measure them; the agent does not pass it on).
+Off, a CUDA worker's reads take the plain copies, chunked into the arena synchronously."""
+
 
 _MALFORMED = (IndexError, ValueError, TypeError, KeyError, AttributeError, OverflowError)
 """What a record of the wrong shape or with values of the wrong type raises in its handler."""
@@ -610,8 +618,10 @@ class Executor:
             list(tensor.shape),
             0,
             0,
-            False,
+            0,
         ]
+        # offset, total, and the bytes of this chunk in the shared arena at offset (0: the
+        # chunk is the frame's tail).
         total = tensor.numel() * tensor.element_size()
         arena = link.worker_arena
         staging = NO_RESERVATION
@@ -619,15 +629,27 @@ class Executor:
             if arena is not None and SHM_READ_MIN_BYTES < total <= arena.size:
                 # One copy, device (or worker memory) straight into the shared arena.
                 into = torch.frombuffer(arena.map, dtype=torch.uint8, count=total)
-                into.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
-                head[5], head[6] = total, True
-                link.reply(head)
+                head[5] = total
+                if not self._read_arena_chunked(head, tensor, into, link):
+                    into.view(tensor.dtype).view(tensor.shape).copy_(tensor.detach())
+                    head[6] = total
+                    link.reply(head)
+                return
+            if (
+                STAGED_READS
+                and self._staging is not None
+                and tensor.is_cuda
+                and total > CHUNK_BYTES
+                and self._read_pinned(head, tensor, total, link)
+            ):
                 return
             # A copy to host memory (from the device, or of a view that is not one block: an
             # expanded tensor's copy may be far larger than its storage) is charged first.
             if not (tensor.is_cpu and tensor.is_contiguous()):
                 staging = self.memory.reserve_host(total, "a read's host copy")
             host = tensor.detach().contiguous().to(self._host)
+        except DataPlaneError:
+            raise  # the connection broke while chunks were going out: the server closes it
         except Exception as exc:
             staging.release()
             self._fail(exc, "read", [tensor], None)
@@ -636,6 +658,87 @@ class Executor:
         with staging:
             self._send_tensor(head, host, link)
             del host
+
+    def _read_arena_chunked(
+        self, head: list[Any], tensor: torch.Tensor, into: torch.Tensor, link: Link
+    ) -> bool:
+        """A read of a contiguous tensor into the shared arena in chunks, each announced as
+        soon as it is there: the client copies chunk i out while chunk i+1 is copied in (a
+        CUDA worker queues every chunk's DMA at once and announces each as its event
+        completes). False where the tensor is not one plain block (one whole copy then)."""
+        source = tensor.detach()
+        if not source.is_contiguous() or source.is_conj() or source.is_neg():
+            return False
+        flat = source.reshape(-1).view(torch.uint8)
+        total = into.numel()
+        starts = range(0, total, CHUNK_BYTES)
+        if STAGED_READS and tensor.is_cuda and link.pinned:
+            events = []
+            for start in starts:
+                end = min(start + CHUNK_BYTES, total)
+                into[start:end].copy_(flat[start:end], non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+                events.append(done)
+            for start, done in zip(starts, events, strict=True):
+                done.synchronize()
+                head[4], head[6] = start, min(CHUNK_BYTES, total - start)
+                link.reply(head)
+            return True
+        for start in starts:
+            end = min(start + CHUNK_BYTES, total)
+            into[start:end].copy_(flat[start:end])
+            head[4], head[6] = start, end - start
+            link.reply(head)
+        return True
+
+    def _read_pinned(self, head: list[Any], tensor: torch.Tensor, total: int, link: Link) -> bool:
+        """A large read of a CUDA tensor streamed through the two page-locked staging
+        buffers: the asynchronous copy of chunk i+1 runs while chunk i is sent, instead of one
+        pageable copy of the whole tensor into fresh memory before the first byte leaves.
+        False (nothing sent) where the buffers cannot be had: the pageable path answers."""
+        assert self._staging is not None
+        flat = tensor.detach()
+        if flat.is_conj() or flat.is_neg():
+            return False  # math bits travel as they are: the plain path keeps them
+        flat = flat.contiguous().reshape(-1).view(torch.uint8)
+        starts = range(0, total, CHUNK_BYTES)
+        pending: list[tuple[torch.Tensor, torch.cuda.Event, int]] = []
+        head[5] = total
+        for i, start in enumerate(starts):
+            size = min(CHUNK_BYTES, total - start)
+            try:
+                # Only the first two takes can allocate (each later one reuses the buffer of
+                # two chunks before, already sent, of the full chunk size): a refusal comes
+                # before any byte went out.
+                buffer = self._staging.take(size)
+            except Exception as exc:
+                if i >= 2:
+                    raise
+                for _, queued, _ in pending:
+                    queued.synchronize()  # no copy may still write a buffer a put reuses
+                if not isinstance(exc, LimitExceeded):
+                    log.warning("page-locked staging is off: %s", first_line(exc))
+                    self._staging = None
+                return False
+            buffer.copy_(flat[start : start + size], non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            pending.append((buffer, done, start))
+            if len(pending) == 2:
+                self._send_staged(head, pending.pop(0), link)
+        for chunk in pending:
+            self._send_staged(head, chunk, link)
+        return True
+
+    @staticmethod
+    def _send_staged(
+        head: list[Any], chunk: tuple[torch.Tensor, torch.cuda.Event, int], link: Link
+    ) -> None:
+        buffer, done, start = chunk
+        done.synchronize()
+        head[4] = start
+        link.reply(head, host_bytes(buffer))
 
     def _send_tensor(self, head: list[Any], host: torch.Tensor, link: Link) -> None:
         data = host_bytes(host)

@@ -66,7 +66,8 @@ class Kind(IntEnum):
     PUT = 4
     """client → worker: [PUT, handle, offset]; tail = the next bytes of a large put."""
     DATA = 5
-    """worker → client: [DATA, req, dtype, shape, offset, total]; tail = bytes of a read."""
+    """worker → client: [DATA, req, dtype, shape, offset, total, shm_bytes]: a chunk of a read
+    at offset, in the tail, or (shm_bytes > 0) that many bytes in the worker's arena there."""
     RESULT = 6
     """worker → client: [RESULT, req, value] — the answer to CALL, SYNC or STATS."""
     ERROR = 7

@@ -85,7 +85,7 @@ def tensor_from_bytes(
     data: bytes | bytearray | memoryview, dtype: torch.dtype, shape: Any
 ) -> torch.Tensor:
     """A host tensor over `data` (a writable buffer is shared, not copied)."""
-    shape = _checked_shape(shape)
+    shape = checked_shape(shape)
     numel = 1
     for size in shape:
         numel *= size
@@ -100,7 +100,7 @@ def tensor_from_bytes(
     return flat.view(dtype).reshape(shape)
 
 
-def _checked_shape(shape: Any) -> tuple[int, ...]:
+def checked_shape(shape: Any) -> tuple[int, ...]:
     if not isinstance(shape, list | tuple) or not all(
         isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
     ):
