@@ -374,3 +374,21 @@ def test_changed_inventory_is_sent_by_registering_again(tmp_path: Path) -> None:
         assert [len(r.gpus) for r in stub.registrations] == [2, 1]
 
     asyncio.run(scenario())
+
+
+def test_ready_workers_default_to_one_per_gpu_but_none_under_mps(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ready worker takes its MPS share at hand-over, a path not yet measured on a GPU: by
+    default GPUs under MPS start each worker for its lease, whose limits were."""
+    monkeypatch.delenv("GPUPOOL_READY_WORKERS", raising=False)
+    default = AgentSettings(controller_url="http://127.0.0.1:1", data_dir=tmp_path)
+    assert default.ready_workers is None
+    assert (default.ready_per_gpu(mps=False), default.ready_per_gpu(mps=True)) == (1, 0)
+    chosen = AgentSettings(controller_url="http://127.0.0.1:1", data_dir=tmp_path, ready_workers=2)
+    assert (chosen.ready_per_gpu(mps=False), chosen.ready_per_gpu(mps=True)) == (2, 2)
+    monkeypatch.setenv("GPUPOOL_READY_WORKERS", "3")
+    from_env = AgentSettings(controller_url="http://127.0.0.1:1", data_dir=tmp_path)
+    assert from_env.ready_per_gpu(mps=True) == 3
+    with pytest.raises(ValueError, match=r"0\.\.8"):
+        AgentSettings(controller_url="http://127.0.0.1:1", data_dir=tmp_path, ready_workers=9)

@@ -101,7 +101,7 @@ def _ready_status(agent: Agent) -> dict[str, Any]:
     """The ready pool: per GPU, workers ready now; the setting; what it has done."""
     workers = agent.workers
     if workers is None:
-        return {"per_gpu": agent.settings.ready_workers, "gpus": {}}
+        return {"per_gpu": agent.settings.ready_per_gpu(agent.mps.enabled), "gpus": {}}
     pool = workers.ready
     return {
         "per_gpu": pool.per_gpu,

@@ -149,12 +149,23 @@ class AgentSettings:
     the agent itself (`gpupool agent` defaults to gpupool-worker)."""
     worker_cgroups: bool = True
     """Put each worker in a memory cgroup of its own where the agent can (root)."""
-    ready_workers: int = field(
-        default_factory=lambda: int(os.environ.get(READY_WORKERS_ENV) or DEFAULT_PER_GPU)
+    ready_workers: int | None = field(
+        default_factory=lambda: (
+            int(os.environ[READY_WORKERS_ENV]) if os.environ.get(READY_WORKERS_ENV) else None
+        )
     )
     """Workers kept started ahead of their leases, per GPU that takes remote leases
-    (`gpupool.agent.ready`); 0: every remote lease starts its worker cold. The default comes
-    from $GPUPOOL_READY_WORKERS, else 1."""
+    (`gpupool.agent.ready`); 0: every remote lease starts its worker cold. From
+    $GPUPOOL_READY_WORKERS; None: `ready_per_gpu(mps)` decides."""
+
+    def ready_per_gpu(self, mps: bool) -> int:
+        """Ready workers per GPU: as set, else 1 — but 0 where the workers run under MPS. A
+        ready worker takes its MPS share at hand-over (the environment it sets before its
+        CUDA context exists); until that share is measured on a GPU, the default there is
+        the path whose limits were (a worker started for its lease)."""
+        if self.ready_workers is not None:
+            return self.ready_workers
+        return 0 if mps else DEFAULT_PER_GPU
 
     def __post_init__(self) -> None:
         if not _NODE_NAME.match(self.node_name):
@@ -165,7 +176,7 @@ class AgentSettings:
             raise ValueError(f"heartbeat interval must be > 0 s, got {self.heartbeat_interval_s}")
         if self.room_timeout_s is not None and self.room_timeout_s <= 0:
             raise ValueError(f"room timeout must be > 0 s, got {self.room_timeout_s}")
-        if not 0 <= self.ready_workers <= MAX_PER_GPU:
+        if self.ready_workers is not None and not 0 <= self.ready_workers <= MAX_PER_GPU:
             raise ValueError(
                 f"ready workers per GPU must be 0..{MAX_PER_GPU}, got {self.ready_workers}"
             )
@@ -295,7 +306,7 @@ class Agent:
             room_timeout_s=self.settings.room_timeout_s,
             user=user,
             cgroups=cgroups,
-            ready_per_gpu=self.settings.ready_workers,
+            ready_per_gpu=self.settings.ready_per_gpu(self.mps.enabled),
         )
         done = asyncio.Event()
         watcher = asyncio.create_task(self._watch_health(backend, stop, done), name="agent-health")

@@ -833,15 +833,16 @@ def agent(
         ),
     ] = "gpupool-worker",
     ready_workers: Annotated[
-        int,
+        int | None,
         typer.Option(
             "--ready-workers",
             envvar="GPUPOOL_READY_WORKERS",
             help="Workers kept started ahead of their leases, per GPU that takes remote "
             "leases (0..8): a new remote lease takes one instead of waiting seconds for a "
-            "worker to start; 0 starts every worker cold.",
+            "worker to start; 0 starts every worker cold. Default: 1, and 0 where workers run "
+            "under MPS (give it to have them there too).",
         ),
-    ] = 1,
+    ] = None,
 ) -> None:
     watch_modes = ("enforce", "report", "off")
     if direct_watch is not None and direct_watch not in watch_modes:
@@ -852,7 +853,7 @@ def agent(
         raise BadInput(f"--room-timeout must be in (0, 3600] seconds, got {room_timeout:g}")
     if interval <= 0:
         raise BadInput(f"--interval must be more than 0, got {interval:g}")
-    if not 0 <= ready_workers <= 8:
+    if ready_workers is not None and not 0 <= ready_workers <= 8:
         raise BadInput(f"--ready-workers must be 0..8, got {ready_workers}")
     if not 1 <= vgpu_slots <= 100:
         raise BadInput(f"--vgpu-slots must be 1..100, got {vgpu_slots}")
