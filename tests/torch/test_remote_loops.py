@@ -101,6 +101,7 @@ def test_each_item_in_a_loop_is_one_round_trip_and_the_right_value(
         assert stream.round_trips - trips == 50
 
 
+@pytest.mark.timeout(600)  # five loops, three of them models: minutes on a loaded 2-core machine
 def test_the_tiny_benchmark_runs_every_loop_against_cpu_workers(tmp_path: Path) -> None:
     out = tmp_path / "real.json"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
