@@ -3,9 +3,11 @@ GPUs (gpupool): `python data_parallel.py ddp|fsdp STEPS`, under torchrun or with
 WORLD_SIZE, MASTER_ADDR and MASTER_PORT set. Prints one JSON line: the rank's losses and the
 trained parameters, which the tests compare between the two runs."""
 
+import fcntl
 import json
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -76,18 +78,21 @@ def main() -> None:
     for p in trained.parameters():
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         params.append(full.detach().cpu().flatten().tolist())
-    print(
-        json.dumps(
-            {
-                "rank": rank,
-                "world": world,
-                "losses": losses,
-                "params": params,
-                "device": str(next(model.parameters()).device),
-            }
-        ),
-        flush=True,
+    line = json.dumps(
+        {
+            "rank": rank,
+            "world": world,
+            "losses": losses,
+            "params": params,
+            "device": str(next(model.parameters()).device),
+        }
     )
+    # The ranks share torchrun's stdout, and a line longer than a pipe's atomic write (4 KiB)
+    # from two ranks at once interleaves: one rank writes at a time.
+    with open(os.path.join(tempfile.gettempdir(), "gpupool-data-parallel.lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
     dist.destroy_process_group()
 
 
