@@ -33,13 +33,10 @@ from gpupool.protocol.v1.dataplane import (
     ErrorKind,
     Kind,
     ProtocolError,
-    RemoteError,
-    Role,
-    connect,
     parse_address,
-    role_handshake,
 )
 from gpupool.worker.memory import NO_RESERVATION, MemoryLimit, Reservation
+from gpupool.worker.transfer import dial_peer
 
 log = logging.getLogger(__name__)
 
@@ -243,23 +240,7 @@ class PeerStore(Store):
 def open_store_connection(address: str, lease: str, token: str) -> Connection:
     """A peer connection to the worker that keeps a group's store (an endpoint its agent
     named: the caller checks)."""
-    try:
-        sock = connect(parse_address(address))
-    except (ValueError, OSError, DataPlaneError) as exc:
-        raise CollectiveFailed(
-            f"cannot reach the group's rank 0 worker at {address}: {exc}"
-        ) from exc
-    try:
-        sock.settimeout(30)
-        role_handshake(sock, lease, token, Role.PEER)
-        sock.settimeout(None)
-    except RemoteError as exc:
-        sock.close()
-        raise CollectiveFailed(f"the worker at {address} refused: {exc.body.message}") from exc
-    except (OSError, DataPlaneError) as exc:
-        sock.close()
-        raise CollectiveFailed(f"handshake with the worker at {address} failed: {exc}") from exc
-    return Connection(sock)
+    return dial_peer(address, lease, token, CollectiveFailed, "the group's rank 0 worker")
 
 
 # ---- the groups -------------------------------------------------------------------------

@@ -45,6 +45,29 @@ MAX_TRANSFER_BYTES = 256 << 30
 """A claim beyond this is refused before anything is allocated (a hostile or broken peer)."""
 
 
+def dial_peer(
+    address: str, lease: str, token: str, failed: type[Exception], whom: str
+) -> Connection:
+    """A peer-role connection to another worker of the lease (an endpoint its agent named:
+    the caller checks), for transfers and for a group's store; what goes wrong raises
+    `failed`, naming `whom` it could not reach."""
+    try:
+        sock = connect(parse_address(address))
+    except (ValueError, OSError, DataPlaneError) as exc:
+        raise failed(f"cannot reach {whom} at {address}: {exc}") from exc
+    try:
+        sock.settimeout(30)
+        role_handshake(sock, lease, token, Role.PEER)
+        sock.settimeout(None)
+    except RemoteError as exc:
+        sock.close()
+        raise failed(f"the worker at {address} refused: {exc.body.message}") from exc
+    except (OSError, DataPlaneError) as exc:
+        sock.close()
+        raise failed(f"handshake with the worker at {address} failed: {exc}") from exc
+    return Connection(sock)
+
+
 class TransferFailed(RuntimeError):
     pass
 
@@ -289,22 +312,9 @@ class PeerLinks:
         conn = self._conns.get(address)
         if conn is not None:
             return conn
-        try:
-            target = parse_address(address)
-            sock = connect(target)
-        except (ValueError, OSError, DataPlaneError) as exc:
-            raise TransferFailed(f"cannot reach the lease's worker at {address}: {exc}") from exc
-        try:
-            sock.settimeout(30)
-            role_handshake(sock, self.lease, self.token, Role.PEER)
-            sock.settimeout(None)
-        except RemoteError as exc:
-            sock.close()
-            raise TransferFailed(f"the worker at {address} refused: {exc.body.message}") from exc
-        except (OSError, DataPlaneError) as exc:
-            sock.close()
-            raise TransferFailed(f"handshake with the worker at {address} failed: {exc}") from exc
-        conn = self._conns[address] = Connection(sock)
+        conn = self._conns[address] = dial_peer(
+            address, self.lease, self.token, TransferFailed, "the lease's worker"
+        )
         return conn
 
     def _drop(self, address: str) -> None:
