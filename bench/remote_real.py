@@ -245,9 +245,24 @@ def pinned(tensor: Any) -> Any:
     return tensor.pin_memory() if torch.cuda.is_available() else tensor
 
 
-def resnet50_loop(device: str, tiny: bool) -> Callable[[], float]:
+def vision_step(model: Any, opt: Any, images: Any, labels: Any, device: str, kind: str) -> float:
+    """One step as a user writes it: the batch moved (non-blocking), a bf16 autocast forward,
+    backward, the optimizer's step, and the loss read."""
     import torch
     import torch.nn.functional as F
+
+    images = images.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True)
+    with torch.autocast(kind, dtype=torch.bfloat16):
+        loss = F.cross_entropy(model(images), labels)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+    return float(loss.item())
+
+
+def resnet50_loop(device: str, tiny: bool) -> Callable[[], float]:
+    import torch
 
     s = sizes(tiny)
     model = vision_model(tiny).to(device)
@@ -266,14 +281,7 @@ def resnet50_loop(device: str, tiny: bool) -> Callable[[], float]:
     def step() -> float:
         images, labels = batches[state["i"] % len(batches)]
         state["i"] += 1
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        with torch.autocast(kind, dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(images), labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return vision_step(model, opt, images, labels, device, kind)
 
     return step
 
@@ -392,7 +400,6 @@ class ImageSet:
 
 def vision_loader_loop(device: str, tiny: bool) -> Callable[[], float]:
     import torch
-    import torch.nn.functional as F
 
     s = sizes(tiny)
     model = vision_model(tiny, small=True).to(device)
@@ -411,14 +418,7 @@ def vision_loader_loop(device: str, tiny: bool) -> Callable[[], float]:
         except StopIteration:
             batches = iter(loader)
             images, labels = next(batches)
-        images = images.to(device, non_blocking=True)
-        labels = labels.to(device, non_blocking=True)
-        with torch.autocast(kind, dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(images), labels)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        return loss.item()
+        return vision_step(model, opt, images, labels, device, kind)
 
     return step
 
