@@ -182,3 +182,24 @@ def test_a_cuda_workers_host_tensors_and_buffers_count_against_its_allowance(
     assert memory.reserve(1 << 40).nbytes == 0  # device outputs: the allocator's to refuse
     memory.release(torch.zeros(1))  # never charged: nothing happens
     assert memory.host_held_bytes() == 800
+
+
+def test_a_cuda_workers_library_buffers_are_held_shown_and_returned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NCCL's buffers beside the caching allocator: the allocator's share shrinks by them, the
+    lease shows them as held (a process group's 580 MiB were once shown as 4 MiB), one that does
+    not fit is refused, and they leave the count with their process group."""
+    fractions = _no_gpu_needed(monkeypatch)
+    allocated = {"current": 4 * MiB, "peak": 6 * MiB}
+    memory = CudaMemory(torch.device("cuda", 0), 1024 * MiB)
+    monkeypatch.setattr(memory, "_allocated", lambda which: allocated[which])
+    held = memory.hold_outside(580 * MiB, "NCCL's buffers for the process group")
+    assert memory.held_bytes() == 584 * MiB and memory.peak_bytes() == 586 * MiB
+    assert fractions[-1] == pytest.approx((1024 - 580) * MiB / (80 << 30))
+    with pytest.raises(LimitExceeded, match=r"NCCL's buffers .* 1024 MiB \(584.0 MiB held\)"):
+        memory.hold_outside(441 * MiB, "NCCL's buffers for the process group")
+    assert memory.held_bytes() == 584 * MiB  # the refused hold left nothing behind
+    held.release()
+    assert memory.held_bytes() == 4 * MiB
+    assert fractions[-1] == pytest.approx(1024 * MiB / (80 << 30))

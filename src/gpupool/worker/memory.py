@@ -217,13 +217,16 @@ class CudaMemory:
         return self.limit_bytes is not None
 
     def held_bytes(self) -> int:
-        return self._allocated("current")
+        """The allocator's bytes and the libraries' beside it (NCCL's buffers): both are the
+        lease's, and what the pool shows as held must say so (a process group's 580 MiB were
+        shown as 4 MiB when only the allocator was asked)."""
+        return self._allocated("current") + self.outside_bytes
 
     def host_held_bytes(self) -> int:
         return self.host.held_bytes()
 
     def peak_bytes(self) -> int:
-        return self._allocated("peak")
+        return self._allocated("peak") + self.outside_bytes
 
     def reset_peak(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -258,7 +261,7 @@ class CudaMemory:
             return NO_RESERVATION
         with self._outside_lock:
             limit = self.limit_bytes
-            if limit is not None and self.outside_bytes + nbytes + self.held_bytes() > limit:
+            if limit is not None and nbytes + self.held_bytes() > limit:
                 raise LimitExceeded(
                     f"{what} ({nbytes / MiB:.1f} MiB) does not fit the lease's limit of "
                     f"{limit // MiB} MiB ({self.held_bytes() / MiB:.1f} MiB held)"
