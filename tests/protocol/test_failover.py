@@ -171,3 +171,26 @@ def test_the_cli_refuses_a_url_list_that_names_no_controller() -> None:
     assert done.returncode == 2
     assert "no controller URL" in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1
+
+
+def test_a_leader_that_lost_its_database_passes_the_request_on() -> None:
+    """A leader cut off from its database answers 503 storage_unavailable until it notices it
+    leads no more; the standby that took over serves the request (a lease request's
+    request_id makes the resend safe)."""
+    seen: list[str] = []
+    lost = {"error": "storage_unavailable", "detail": "the controller's database cannot answer"}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(str(request.url.host))
+        if request.url.host == "a":
+            return httpx.Response(503, json=lost)
+        return httpx.Response(201, json={"by": request.url.host})
+
+    with httpx.Client(transport=FailoverTransport(URLS, httpx.MockTransport(handle))) as client:
+        assert client.post("http://a:1/leases").json() == {"by": "b"}
+    assert seen == ["a", "b"]
+    # With every controller cut off, the last 503 is the caller's once the budget is spent.
+    always = httpx.MockTransport(lambda request: httpx.Response(503, json=lost))
+    with httpx.Client(transport=FailoverTransport(URLS, always, budget_s=0.0)) as client:
+        response = client.post("http://a:1/leases")
+    assert response.status_code == 503 and response.json()["error"] == "storage_unavailable"

@@ -41,15 +41,21 @@ def split_urls(value: str) -> list[str]:
     return urls
 
 
+PASS_ON_ERRORS = frozenset({"not_leader", "storage_unavailable"})
+"""The 503s another controller may not give: a standby's while no controller leads (another
+will soon), and a leader's that has lost its database (cut off, it is no leader for long:
+the standby that can reach the database takes over)."""
+
+
 def not_leading(response: httpx.Response) -> bool:
-    """A standby answers 503 `not_leader` while no controller leads: another will soon."""
+    """Whether this controller cannot serve the request where another may (PASS_ON_ERRORS)."""
     if response.status_code != 503:
         return False
     try:
         body = json.loads(response.content)
     except ValueError:
         return False
-    return isinstance(body, dict) and body.get("error") == "not_leader"
+    return isinstance(body, dict) and body.get("error") in PASS_ON_ERRORS
 
 
 class Rotation:
@@ -106,7 +112,8 @@ class Outcome(enum.Enum):
     ANSWERED = "answered"
     """Any answer but a standby's `not_leader`, errors included: it is the caller's."""
     NOT_LEADING = "not_leading"
-    """No controller leads yet: another one (or this one, soon) will."""
+    """No controller leads yet, or this one lost its database: another one (or this one,
+    soon) will serve."""
     UNREACHABLE = "unreachable"
     """No answer at all (refused, timed out, cut off)."""
 
