@@ -18,10 +18,13 @@ import psutil
 from gpupool.protocol.v1.dataplane import (
     TOKEN_ENV,
     VERSION,
+    Connection,
     Ext,
     Kind,
+    Rec,
     connect,
     pack,
+    pack_records,
     parse_address,
     parse_ready,
     recv_handshake,
@@ -120,8 +123,16 @@ class RemoteRefusal(Exception):
 
 def authenticate(worker: Worker, fds: list[int] | None = None) -> socket.socket:
     """A client connection of the worker's lease: HELLO with its token, WELCOME back."""
-    sock = connect(parse_address(worker.address))
-    hello = {"v": VERSION, "lease": worker.lease, "token": worker.token, "shm": fds is not None}
+    return authenticate_to(worker.address, worker.lease, worker.token, fds)
+
+
+def authenticate_to(
+    address: str, lease: str, token: str, fds: list[int] | None = None
+) -> socket.socket:
+    """The same, to a worker started elsewhere (one of a lease's workers that know each other,
+    as tests/torch/torch_workers.py starts them)."""
+    sock = connect(parse_address(address))
+    hello = {"v": VERSION, "lease": lease, "token": token, "shm": fds is not None}
     send_handshake(sock, [Kind.HELLO, hello], fds or [])
     reply = recv_handshake(sock)
     for fd in reply.fds:
@@ -132,3 +143,65 @@ def authenticate(worker: Worker, fds: list[int] | None = None) -> socket.socket:
         raise RemoteRefusal(head[2])
     assert head[0] == Kind.WELCOME, head
     return sock
+
+
+# ---- a hostile client -------------------------------------------------------------------------
+
+
+class Raw:
+    """A hostile client: records packed by hand, every reply kept to look for the secret."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.sock.settimeout(scaled(30))
+        self.conn = Connection(self.sock)
+        self.received = bytearray()
+        self.req = 0
+        self.op_ids: dict[str, int] = {}
+
+    def send(self, records: list[Any]) -> None:
+        body = pack_records([Kind.BATCH], records)
+        self.sock.sendall(framed(body))
+
+    def op(self, name: str) -> int:
+        """The op id for `name`, DEF'd on first use."""
+        if name not in self.op_ids:
+            self.op_ids[name] = len(self.op_ids) + 1
+            self.send([[Rec.DEF, self.op_ids[name], name]])
+        return self.op_ids[name]
+
+    def run(self, name: str, args: list[Any], kwargs: dict[str, Any] | None = None,
+            outs: list[int | None] | None = None) -> None:  # fmt: skip
+        self.send([[Rec.OP, self.op(name), args, kwargs or {}, outs or []]])
+
+    def answer(self, record: list[Any]) -> tuple[list[Any], bytes]:
+        self.send([record])
+        frame = self.conn.recv()
+        head = frame.head()
+        tail = bytes(self.conn.read_tail()) if frame.tail_len else b""
+        self.received += msgpack.packb(head) + tail
+        assert head[1] == record[1], head
+        return head, tail
+
+    def sync(self) -> list[Any]:
+        self.req += 1
+        return self.answer([Rec.SYNC, self.req])[0]
+
+    def read_floats(self, handle: int) -> list[float]:
+        self.req += 1
+        head, tail = self.answer([Rec.READ, self.req, tensor(handle)])
+        assert head[0] == Kind.DATA and head[2] == "float32", head
+        return list(struct.unpack(f"<{len(tail) // 4}f", tail))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def refused(client: Raw, *words: str) -> str:
+    """The stream's sticky error, as the client's next sync hears it."""
+    head = client.sync()
+    assert head[0] == Kind.ERROR, f"the attack was not refused: {head}"
+    message = str(head[2]["message"])
+    for word in words:
+        assert word in message, message
+    return message

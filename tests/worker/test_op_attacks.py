@@ -20,21 +20,20 @@ import pytest
 
 from gpupool.protocol.v1.dataplane import (
     PROGRAM_VERSION,
-    Connection,
     ErrorKind,
     Ext,
     Kind,
     Rec,
     pack,
-    pack_records,
 )
 from tests.worker.raw_frames import (
+    Raw,
     Worker,
     authenticate,
     ext,
-    framed,
     literal,
     longs,
+    refused,
     slot,
     start_worker,
     tensor,
@@ -58,58 +57,9 @@ def worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
     worker.stop()
 
 
-class Raw:
-    """A hostile client: records packed by hand, every reply kept to look for the secret."""
-
-    def __init__(self, worker: Worker) -> None:
-        self.sock = authenticate(worker)
-        self.sock.settimeout(30)
-        self.conn = Connection(self.sock)
-        self.received = bytearray()
-        self.req = 0
-        self.op_ids: dict[str, int] = {}
-
-    def send(self, records: list[Any]) -> None:
-        body = pack_records([Kind.BATCH], records)
-        self.sock.sendall(framed(body))
-
-    def op(self, name: str) -> int:
-        """The op id for `name`, DEF'd on first use."""
-        if name not in self.op_ids:
-            self.op_ids[name] = len(self.op_ids) + 1
-            self.send([[Rec.DEF, self.op_ids[name], name]])
-        return self.op_ids[name]
-
-    def run(self, name: str, args: list[Any], kwargs: dict[str, Any] | None = None,
-            outs: list[int | None] | None = None) -> None:  # fmt: skip
-        self.send([[Rec.OP, self.op(name), args, kwargs or {}, outs or []]])
-
-    def answer(self, record: list[Any]) -> tuple[list[Any], bytes]:
-        self.send([record])
-        frame = self.conn.recv()
-        head = frame.head()
-        tail = bytes(self.conn.read_tail()) if frame.tail_len else b""
-        self.received += msgpack.packb(head) + tail
-        assert head[1] == record[1], head
-        return head, tail
-
-    def sync(self) -> list[Any]:
-        self.req += 1
-        return self.answer([Rec.SYNC, self.req])[0]
-
-    def read_floats(self, handle: int) -> list[float]:
-        self.req += 1
-        head, tail = self.answer([Rec.READ, self.req, tensor(handle)])
-        assert head[0] == Kind.DATA and head[2] == "float32", head
-        return list(struct.unpack(f"<{len(tail) // 4}f", tail))
-
-    def close(self) -> None:
-        self.sock.close()
-
-
 @pytest.fixture
 def raw(worker: Worker) -> Iterator[Raw]:
-    client = Raw(worker)
+    client = Raw(authenticate(worker))
     client.run("aten::arange.start_step", [0, 16, 1], {"dtype": ext(Ext.DTYPE, "float32")}, [1])
     assert client.sync()[0] == Kind.RESULT
     yield client
@@ -117,16 +67,6 @@ def raw(worker: Worker) -> Iterator[Raw]:
         assert_unharmed(worker, client)
     finally:
         client.close()
-
-
-def refused(client: Raw, *words: str) -> str:
-    """The stream's sticky error, as the client's next sync hears it."""
-    head = client.sync()
-    assert head[0] == Kind.ERROR, f"the attack was not refused: {head}"
-    message = str(head[2]["message"])
-    for word in words:
-        assert word in message, message
-    return message
 
 
 def assert_unharmed(worker: Worker, client: Raw) -> None:
@@ -452,7 +392,7 @@ def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Worker]:
 
 @pytest.fixture
 def limited_raw(limited: Worker) -> Iterator[Raw]:
-    client = Raw(limited)
+    client = Raw(authenticate(limited))
     client.run("aten::arange.start_step", [0, 16, 1], {"dtype": float32()}, [1])
     yield client
     try:
