@@ -11,6 +11,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -113,8 +114,24 @@ def test_every_collective_runs_worker_to_worker_with_the_results_of_gloo(
     # A view that is not contiguous goes through a dense copy on the worker: the sum of
     # every rank's (rank + 1) in each of its elements.
     assert [remote[r].pop("strided") for r in (0, 1)] == [[3.0] * 4] * 2
+    # recv without a source: gloo says who sent; on remote GPUs it is refused, naming why
+    assert local[1].pop("recv_any") == 0
+    assert "src=" in remote[1].pop("recv_any")
+    # lists that do not fit the group, refused at the call and naming the collective
+    refusals = [
+        "all_to_all takes 2 inputs and 2 outputs, one per rank",
+        "gather: the root's tensors are torch.float32 of shape [2], as the rank's own; one is "
+        "torch.float32 of shape [3]",
+        "scatter: the root takes 2 tensors, one per rank, not 1",
+    ]
+    assert [remote[r].pop("refused") for r in (0, 1)] == [refusals, refusals]
     assert remote == local
     assert remote[1]["recv"] == [42.0, 43.0] and remote[0]["all_reduce"] == [0.0, 3.0, 6.0, 9.0]
+    assert remote[1]["reduce"] == [0.0, 3.0, 6.0] and remote[0]["reduce_avg"] == [1.5, 2.5, 3.5]
+    assert remote[1]["gather"] == [[20.0, 20.0], [21.0, 21.0]] and "gather" not in remote[0]
+    assert [remote[r]["scatter"] for r in (0, 1)] == [[30.0, 30.0], [31.0, 31.0]]
+    assert remote[1]["all_to_all"] == [[1.0, 1.0], [101.0, 101.0]]
+    assert remote[0]["host_gather"] == [[1.0] * 3, [2.0] * 3]
 
 
 def test_collective_buffers_count_against_the_lease_memory(
@@ -202,3 +219,16 @@ def test_a_launcher_rank_takes_its_gpu_and_ranks_that_do_not_match_the_lease_are
     assert gpupool.torch.rank_from_environment(2) == (1, 1)  # a lease per host
     with pytest.raises(gpupool.torch.AttachError, match="one rank per GPU"):
         gpupool.torch.rank_from_environment(3)
+
+
+def test_a_rooted_collective_is_not_sent_to_a_worker_too_old_to_know_it() -> None:
+    """A worker of DIST version 1 would drop the stream on "gather" as an unknown action: the
+    client says what is missing instead, before anything is sent."""
+    from gpupool.torch.distributed import RemoteGroup
+
+    def group(version: int) -> Any:
+        return SimpleNamespace(stream=SimpleNamespace(welcome={"dist": version}, device="cuda:1"))
+
+    with pytest.raises(RuntimeError, match=r"gather: the worker of cuda:1 .* version 1.*upgrade"):
+        RemoteGroup._needs_rooted(group(1), "gather")
+    RemoteGroup._needs_rooted(group(2), "gather")

@@ -43,6 +43,8 @@ BACKEND = "gpupool"
 """The backend's name in torch.distributed (also PrivateUse1's: the remote tensors' C++ device)."""
 ASKED = frozenset({None, "", "nccl", "gloo", "cuda:nccl,cpu:gloo", "cpu:gloo,cuda:nccl"})
 """Backends a program asks for that mean "the GPUs": remote devices get the gpupool backend."""
+ROOTED_VERSION = 2
+"""The workers' DIST version that runs reduce, gather, scatter and all_to_all."""
 
 _REDUCE_OPS = {
     dist.ReduceOp.SUM: "sum",
@@ -161,6 +163,21 @@ class RemoteGroup(_GroupBase):
             raise ValueError(f"{what}: tensors on a remote GPU and on the host in one collective")
         return False
 
+    def _root(self, root: int, what: str) -> int:
+        root = int(root)
+        if not 0 <= root < self._size:
+            raise ValueError(f"{what}: rank {root} is not in this group of {self._size}")
+        return root
+
+    def _needs_rooted(self, what: str) -> None:
+        """An older worker would drop the stream on an action it does not know."""
+        version = self.stream.welcome.get("dist")
+        if not isinstance(version, int) or version < ROOTED_VERSION:
+            raise RuntimeError(
+                f"{what}: the worker of {self.stream.device} runs torch.distributed collectives "
+                f"of version {version}, without {what} (an older worker): upgrade the pool's agents"
+            )
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
         opts = opts if opts is not None else _c10d_C.AllreduceOptions()
         if not self._on_remote(tensors, "all_reduce"):
@@ -186,6 +203,22 @@ class RemoteGroup(_GroupBase):
             self._place("broadcast", {"tensors": [_ext(t)], "root": int(opts.rootRank)}, [t])
         return StreamWork(list(tensors))
 
+    def reduce(self, tensors: list[torch.Tensor], opts: Any = None) -> Any:
+        """Every rank's tensor reduced into the root's; the others' are left undefined, as
+        torch says of them."""
+        opts = opts if opts is not None else _c10d_C.ReduceOptions()
+        if not self._on_remote(tensors, "reduce"):
+            return self._cpu.reduce(tensors, opts)
+        if len(tensors) != 1:
+            raise ValueError("reduce takes one tensor")
+        self._needs_rooted("reduce")
+        body = {
+            "tensors": [_ext(tensors[0])],
+            "root": self._root(opts.rootRank, "reduce"),
+            "op": _reduce_op(opts.reduceOp),
+        }
+        return self._place("reduce", body, list(tensors))
+
     def allgather(
         self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
     ) -> Any:
@@ -197,6 +230,49 @@ class RemoteGroup(_GroupBase):
             raise ValueError("all_gather takes one input tensor and one list of outputs")
         body = {"tensors": [_ext(inputs[0])], "outputs": [_ext(t) for t in outputs[0]]}
         return self._place("all_gather", body, outputs[0])
+
+    def gather(
+        self, outputs: list[list[torch.Tensor]], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        """The root gets one output per rank; the other ranks pass none (torch hands them []
+        or, with torchcomms, [[]])."""
+        opts = opts if opts is not None else _c10d_C.GatherOptions()
+        flat = [t for group in outputs for t in group]
+        if not self._on_remote([*flat, *inputs], "gather"):
+            return self._cpu.gather(outputs, inputs, opts)
+        if len(inputs) != 1:
+            raise ValueError("gather takes one input tensor")
+        self._needs_rooted("gather")
+        root = self._root(opts.rootRank, "gather")
+        if self._rank == root:
+            if len(outputs) != 1:
+                raise ValueError("gather's root takes one list of outputs")
+            _check_like(inputs[0], outputs[0], self._size, "gather")
+        elif flat:
+            raise ValueError(f"gather: only the root (rank {root}) takes output tensors")
+        body = {"input": _ext(inputs[0]), "outputs": [_ext(t) for t in flat], "root": root}
+        return self._place("gather", body, flat)
+
+    def scatter(
+        self, outputs: list[torch.Tensor], inputs: list[list[torch.Tensor]], opts: Any = None
+    ) -> Any:
+        """The root passes one input per rank; the other ranks pass none."""
+        opts = opts if opts is not None else _c10d_C.ScatterOptions()
+        flat = [t for group in inputs for t in group]
+        if not self._on_remote([*outputs, *flat], "scatter"):
+            return self._cpu.scatter(outputs, inputs, opts)
+        if len(outputs) != 1:
+            raise ValueError("scatter takes one output tensor")
+        self._needs_rooted("scatter")
+        root = self._root(opts.rootRank, "scatter")
+        if self._rank == root:
+            if len(inputs) != 1:
+                raise ValueError("scatter's root takes one list of inputs")
+            _check_like(outputs[0], inputs[0], self._size, "scatter")
+        elif flat:
+            raise ValueError(f"scatter: only the root (rank {root}) takes input tensors")
+        body = {"output": _ext(outputs[0]), "inputs": [_ext(t) for t in flat], "root": root}
+        return self._place("scatter", body, list(outputs))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
         opts = opts if opts is not None else _c10d_C.AllgatherOptions()
@@ -267,6 +343,23 @@ class RemoteGroup(_GroupBase):
         }
         return self._place("all_to_all_single", body, [output])
 
+    def alltoall(
+        self, outputs: list[torch.Tensor], inputs: list[torch.Tensor], opts: Any = None
+    ) -> Any:
+        """Input i goes to rank i, output i comes from rank i (sizes may differ per rank)."""
+        opts = opts if opts is not None else _c10d_C.AllToAllOptions()
+        if not self._on_remote([*outputs, *inputs], "all_to_all"):
+            return self._cpu.alltoall(outputs, inputs, opts)
+        if len(outputs) != self._size or len(inputs) != self._size:
+            raise ValueError(
+                f"all_to_all takes {self._size} inputs and {self._size} outputs, one per rank"
+            )
+        self._needs_rooted("all_to_all")
+        if any(t.dtype != inputs[0].dtype for t in [*outputs, *inputs]):
+            raise ValueError("all_to_all: the inputs and outputs have one dtype")
+        body = {"outputs": [_ext(t) for t in outputs], "inputs": [_ext(t) for t in inputs]}
+        return self._place("all_to_all", body, list(outputs))
+
     def send(self, tensors: list[torch.Tensor], dst: int, tag: int = 0) -> Any:
         if not self._on_remote(tensors, "send"):
             return self._cpu.send(tensors, dst, tag)
@@ -278,6 +371,18 @@ class RemoteGroup(_GroupBase):
             return self._cpu.recv(tensors, src, tag)
         body = {"tensors": [_ext(t) for t in tensors], "peer": int(src), "tag": int(tag)}
         return self._place("recv", body, list(tensors))
+
+    def recv_anysource(self, tensors: list[torch.Tensor], tag: int = 0) -> Any:
+        """`recv(t)` without a source. NCCL has no receive from any source, and the program
+        learns the sender from the Work at once, while the worker would know it only when its
+        stream got there: on remote tensors this fails at the call, rather than hang."""
+        if not self._on_remote(tensors, "recv"):
+            return self._cpu.recv_anysource(tensors, tag)
+        raise NotImplementedError(
+            "recv from any source (src=None) does not run on remote GPUs: NCCL has none, "
+            "and the sender would be known only when the worker's stream reaches the receive; "
+            "name the sender: dist.recv(tensor, src=rank)"
+        )
 
     # torch >= 2.13 calls these; older torch the underscored names
     all_gather_single = _allgather_base
@@ -302,6 +407,19 @@ class RemoteGroup(_GroupBase):
 
     def abort(self) -> None:
         self.shutdown()
+
+
+def _check_like(t: torch.Tensor, others: list[torch.Tensor], size: int, what: str) -> None:
+    """A root's list: one tensor per rank, each of `t`'s dtype and shape (NCCL copies each
+    rank's bytes by `t`'s size)."""
+    if len(others) != size:
+        raise ValueError(f"{what}: the root takes {size} tensors, one per rank, not {len(others)}")
+    for other in others:
+        if other.dtype != t.dtype or other.shape != t.shape:
+            raise ValueError(
+                f"{what}: the root's tensors are {t.dtype} of shape {list(t.shape)}, as the "
+                f"rank's own; one is {other.dtype} of shape {list(other.shape)}"
+            )
 
 
 def _ext(t: torch.Tensor) -> Any:

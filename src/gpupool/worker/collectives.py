@@ -51,8 +51,9 @@ MAX_STORE_VALUE_BYTES = 1 << 20
 MAX_KEY_CHARS = 512
 COLLECTIVES = frozenset(
     {
-        "all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-        "reduce_scatter_tensor", "send", "recv", "barrier", "all_to_all_single",
+        "all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor", "gather",
+        "scatter", "reduce_scatter", "reduce_scatter_tensor", "send", "recv", "barrier",
+        "all_to_all_single", "all_to_all",
     }
 )  # fmt: skip
 _REDUCE_OPS = {
@@ -425,13 +426,22 @@ class Collectives:
             ) from exc
 
     def _scratch(self, action: str, body: dict[str, Any]) -> Reservation:
-        """gloo's working buffers of a collective (about its inputs' size), charged to a CPU
-        worker's lease while it runs; a CUDA worker's NCCL buffers are held by the group."""
+        """gloo's working buffers of a collective, charged to a CPU worker's lease while it
+        runs: a buffer the size of its largest tensor, or one flat copy of its lists of
+        tensors, which gloo makes for gather, all_gather, reduce_scatter and all_to_all. A CUDA
+        worker's NCCL buffers are held by the group."""
         if self.device.type == "cuda":
             return NO_RESERVATION
         tensors = [t for t in _tensors(body) if isinstance(t, torch.Tensor)]
-        nbytes = max((t.numel() * t.element_size() for t in tensors), default=0)
-        return self.memory.hold_outside(nbytes, f"the buffers of {action}")
+        largest = max((_nbytes(t) for t in tensors), default=0)
+        listed = sum(
+            _nbytes(t)
+            for key in ("inputs", "outputs")
+            if isinstance(body.get(key), list)
+            for t in body[key]
+            if isinstance(t, torch.Tensor)
+        )
+        return self.memory.hold_outside(max(largest, listed), f"the buffers of {action}")
 
     def _run(self, group: Group, action: str, body: dict[str, Any]) -> None:
         pg = group.pg
@@ -460,6 +470,15 @@ class Collectives:
             broadcast.rootRank = _rank(body.get("root"), group.size)
             with _dense(tensors) as dense:
                 _wait(pg.broadcast(dense, broadcast))
+            return
+        if action == "reduce":
+            self._reduce(group, tensors, body)
+            return
+        if action == "gather":
+            self._gather(group, body)
+            return
+        if action == "scatter":
+            self._scatter(group, body)
             return
         if action == "all_gather":
             outputs = _tensor_list(body.get("outputs", []))
@@ -506,6 +525,16 @@ class Collectives:
                     )
                 )
             return
+        if action == "all_to_all":
+            outputs = _tensor_list(body.get("outputs", []))
+            inputs = _tensor_list(body.get("inputs", []))
+            if len(outputs) != group.size or len(inputs) != group.size:
+                raise ValueError(f"all_to_all takes {group.size} inputs and {group.size} outputs")
+            if any(t.dtype != inputs[0].dtype for t in [*outputs, *inputs]):
+                raise ValueError("all_to_all's inputs and outputs have one dtype")
+            with _dense(outputs) as dense:
+                _wait(pg.alltoall(dense, tensors_contiguous(inputs), _c10d_C.AllToAllOptions()))
+            return
         if action in ("send", "recv"):
             peer = _rank(body.get("peer"), group.size)
             tag = body.get("tag", 0)
@@ -518,6 +547,39 @@ class Collectives:
                     _wait(pg.recv(dense, peer, tag))
             return
         raise ProtocolError(f"unknown collective {action!r:.40}")
+
+    def _reduce(self, group: Group, tensors: list[torch.Tensor], body: dict[str, Any]) -> None:
+        """gloo has no AVG: a sum, and the root divides (as all_reduce does)."""
+        if len(tensors) != 1:
+            raise ValueError("reduce takes one tensor")
+        op = _reduce_op(body.get("op"))
+        average = group.backend == "gloo" and op == dist.ReduceOp.AVG
+        options = _c10d_C.ReduceOptions()
+        options.rootRank = _rank(body.get("root"), group.size)
+        options.reduceOp = dist.ReduceOp(dist.ReduceOp.SUM) if average else op
+        with _dense(tensors) as dense:
+            _wait(group.pg.reduce(dense, options))
+            if average and group.rank == options.rootRank:
+                _average(dense[0], group.size)
+
+    def _gather(self, group: Group, body: dict[str, Any]) -> None:
+        """The root's outputs are checked against its own input: NCCL copies each rank's
+        bytes into them by that size."""
+        options = _c10d_C.GatherOptions()
+        options.rootRank = _rank(body.get("root"), group.size)
+        given = _one(body.get("input"))
+        outputs = _rooted_list(group, options.rootRank, body.get("outputs"), given, "gather")
+        with _dense(outputs) as dense:
+            _wait(group.pg.gather([dense] if dense else [], [given.contiguous()], options))
+
+    def _scatter(self, group: Group, body: dict[str, Any]) -> None:
+        options = _c10d_C.ScatterOptions()
+        options.rootRank = _rank(body.get("root"), group.size)
+        output = _one(body.get("output"))
+        inputs = _rooted_list(group, options.rootRank, body.get("inputs"), output, "scatter")
+        with _dense([output]) as dense:
+            given = [tensors_contiguous(inputs)] if inputs else []
+            _wait(group.pg.scatter(dense, given, options))
 
 
 def new_group_name() -> str:
@@ -535,6 +597,33 @@ def _average(t: torch.Tensor, size: int) -> None:
         t.div_(size)
     else:
         t.floor_divide_(size)
+
+
+def _rooted_list(
+    group: Group, root: int, value: Any, like: torch.Tensor, what: str
+) -> list[torch.Tensor]:
+    """The list only the root of a gather or scatter passes: one tensor per rank, each of
+    `like`'s dtype and shape, on the root; none on the others."""
+    tensors = _tensor_list([] if value is None else value)
+    if group.rank != root:
+        if tensors:
+            raise ValueError(f"{what}: only the root (rank {root}) passes a list of tensors")
+        return tensors
+    if len(tensors) != group.size:
+        raise ValueError(
+            f"{what}: the root takes {group.size} tensors, one per rank, not {len(tensors)}"
+        )
+    for t in tensors:
+        if t.dtype != like.dtype or t.shape != like.shape:
+            raise ValueError(
+                f"{what}: the root's tensors are {like.dtype} of shape {list(like.shape)}; "
+                f"one is {t.dtype} of shape {list(t.shape)}"
+            )
+    return tensors
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
 
 
 def _tensors(body: dict[str, Any]) -> list[Any]:

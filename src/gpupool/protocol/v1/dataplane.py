@@ -47,8 +47,9 @@ FLAGS_VERSION = 1
 """Version of the FLAGS record's names and values."""
 STREAMS_VERSION = 1
 """Version of the STREAM, EVENT and QUERY records."""
-DIST_VERSION = 1
-"""Version of the DIST record's actions and bodies, and of the peers' STORE frames."""
+DIST_VERSION = 2
+"""Version of the DIST record's actions and bodies, and of the peers' STORE frames. 2 added
+"reduce", "gather", "scatter" and "all_to_all": a client asks for 2 before it sends them."""
 HELLO_TIMEOUT_S = 10.0
 
 _HEADER = struct.Struct(">II")
@@ -170,9 +171,10 @@ class Rec(IntEnum):
     order. "init" (body {rank, size, host, timeout_s}): this worker joins process group
     `group` as `rank` of `size`; the worker at `host` (a worker of the lease, rank 0's) keeps
     its rendezvous store. A collective (body {tensors, ...}: "all_reduce", "broadcast",
-    "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
-    "send", "recv", "barrier", "all_to_all_single") runs on the worker's tensors in place;
-    "destroy" leaves the group. Workers that take it say `"dist": DIST_VERSION` in WELCOME."""
+    "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter", "reduce_scatter",
+    "reduce_scatter_tensor", "send", "recv", "barrier", "all_to_all_single", "all_to_all")
+    runs on the worker's tensors in place; "destroy" leaves the group. Workers that take it
+    say `"dist": DIST_VERSION` in WELCOME."""
     STORAGE = 24
     """[STORAGE, tensor, nbytes]: resize the storage under the tensor to nbytes, keeping its
     shape: 0 frees the memory, its size allocates it again (uninitialised), as FSDP2 does with
