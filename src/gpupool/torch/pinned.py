@@ -10,6 +10,7 @@ memory of its own that `is_pinned()` recognises, as long as any tensor or view u
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 import threading
@@ -17,8 +18,12 @@ import weakref
 
 import torch
 
-_PINNED: dict[int, int] = {}
-"""Start address → length of every pinned block alive (its views share the storage)."""
+_PINNED: dict[int, tuple[int, int]] = {}
+"""Start address → (length, block number) of every pinned block alive (its views share the
+storage). The number tells blocks at one address apart: a freed mmap unmaps its memory before
+its finalizer runs, with the GIL released, so the loader's pin thread can map the next block at
+that very address first; the old finalizer must then leave the new block's entry alone."""
+_numbers = itertools.count()
 _lock = threading.Lock()
 """DataLoader pins in a thread of its own while the program's thread asks is_pinned()."""
 
@@ -40,10 +45,10 @@ def pin(tensor: torch.Tensor) -> torch.Tensor:
     span = _span(tuple(tensor.shape), strides) * tensor.element_size()
     block = _Block(-1, max(span, 1))
     flat = torch.frombuffer(block, dtype=torch.uint8, count=max(span, 1))
-    address = flat.data_ptr()
+    address, number = flat.data_ptr(), next(_numbers)
     with _lock:
-        _PINNED[address] = span
-    weakref.finalize(block, _forget, address)
+        _PINNED[address] = (span, number)
+    weakref.finalize(block, _forget, address, number)
     del block  # the storage keeps it alive: it ends when the last view of it does
     pinned = flat[:span].view(tensor.dtype).as_strided(tuple(tensor.shape), strides)
     with torch.no_grad():
@@ -71,9 +76,10 @@ def pinned_blocks() -> int:
         return len(_PINNED)
 
 
-def _forget(address: int) -> None:
+def _forget(address: int, number: int) -> None:
     with _lock:
-        _PINNED.pop(address, None)
+        if _PINNED.get(address, (0, -1))[1] == number:
+            del _PINNED[address]
 
 
 def _fresh_lock_in_child() -> None:
