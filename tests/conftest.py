@@ -18,7 +18,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from gpupool.cli.pool import stop_process
+from gpupool.cli.local import stop_process
 from gpupool.protocol.v1.tokens import new_token
 from tests.timing import SLOWDOWN_ENV, scaled, slowdown
 

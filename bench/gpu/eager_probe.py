@@ -72,9 +72,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     if variant == "flush10":
         runtime.FLUSH_INTERVAL_S = 0.010
     if variant == "nopoll":
-        from gpupool.torch import session
+        from gpupool.torch import stream as stream_module
 
-        session.poll_notices = lambda stream: None
+        stream_module.poll_notices = lambda stream: None
     if variant == "noflusher":
         runtime._Flusher.start = lambda self: None  # type: ignore[method-assign]
     import gpupool.torch

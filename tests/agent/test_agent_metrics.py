@@ -53,7 +53,7 @@ def test_gpus_are_exported_under_dcgm_exporter_names_and_labels(agent: Agent) ->
     assert isinstance(backend, FakeBackend)
     backend.set_utilization(0, 87.5)
     backend.set_memory_used(0, 30000)
-    samples = parse(metrics.exposition(metrics.read_view(agent)).decode())
+    samples = parse(metrics.exposition(agent.metrics_view()).decode())
     uuid0 = "GPU-sim-sim-a-0"
     assert value(samples, "DCGM_FI_DEV_GPU_UTIL", UUID=uuid0) == 87.5
     assert value(samples, "DCGM_FI_DEV_FB_USED", UUID=uuid0) == 30000
@@ -82,7 +82,7 @@ def test_xid_errors_are_counted_per_code_and_the_last_one_kept(agent: Agent) -> 
     for code in (48, 48, 79):
         agent.health_counts.observe(backend.inject_xid(1, code))
     agent.health_counts.observe(backend.inject_ecc(1))
-    samples = parse(metrics.exposition(metrics.read_view(agent)).decode())
+    samples = parse(metrics.exposition(agent.metrics_view()).decode())
     uuid1 = "GPU-sim-sim-a-1"
     assert value(samples, "gpupool_gpu_xid_errors_total", UUID=uuid1, xid="48") == 2
     assert value(samples, "gpupool_gpu_xid_errors_total", UUID=uuid1, xid="79") == 1
@@ -110,7 +110,7 @@ def test_leases_and_modes_come_from_the_controllers_reply(agent: Agent) -> None:
             mode="draining", target_mode="physical", leases=["l-a", "l-b"]
         ),
     }
-    samples = parse(metrics.exposition(metrics.read_view(agent)).decode())
+    samples = parse(metrics.exposition(agent.metrics_view()).decode())
     assert value(samples, "gpupool_gpu_mode", UUID="GPU-sim-sim-a-1", mode="draining") == 1
     assert value(samples, "gpupool_gpu_mode", UUID="GPU-sim-sim-a-1", mode="virtual") == 0
     held = {(lab["lease"], lab["UUID"]) for lab, _ in samples["gpupool_lease_gpu"]}

@@ -98,7 +98,7 @@ def test_rule_expressions_use_only_metrics_that_gpupool_exports(tmp_path: Path) 
         AgentSettings(controller_url="http://127.0.0.1:9", data_dir=tmp_path, node_name="n"),
         backend=backend,
     )
-    agent_text = agent_metrics.exposition(agent_metrics.read_view(agent)).decode()
+    agent_text = agent_metrics.exposition(agent.metrics_view()).decode()
     exported = exported_names(controller_text) | exported_names(agent_text)
     for rule in RULES:
         used = metric_names(rule.expr)

@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from gpupool.cli.pool import stop_process
+from gpupool.cli.local import stop_process
 from tests.conftest import AUTH
 from tests.timing import scaled
 

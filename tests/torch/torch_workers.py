@@ -8,7 +8,7 @@ import os
 import subprocess
 from dataclasses import dataclass
 
-from gpupool.cli.pool import stop_process
+from gpupool.cli.local import stop_process
 from gpupool.protocol.v1.dataplane import (
     WorkerCredentials,
     parse_address,

@@ -25,7 +25,7 @@ import torch
 
 import gpupool.torch
 from gpupool.agent.workers import Worker as AgentWorker
-from gpupool.cli.pool import stop_process
+from gpupool.cli.local import stop_process
 from gpupool.protocol.v1.dataplane import WORKER_EXIT_DEVICE_BROKEN, start_worker_process
 from tests.torch.torch_workers import cuda_device_count
 

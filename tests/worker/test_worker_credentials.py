@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gpupool.torch
-from gpupool.cli.pool import stop_process
+from gpupool.cli.local import stop_process
 from gpupool.protocol.v1.dataplane import (
     VERSION,
     Connection,

@@ -3,15 +3,31 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 from fastapi import FastAPI, HTTPException, Response
 from pydantic import BaseModel, ConfigDict
 
 from gpupool.agent import metrics
+from gpupool.agent.backends import Backend
+from gpupool.agent.metrics import AgentView
 
-if TYPE_CHECKING:
-    from gpupool.agent.service import Agent
+
+class ServedAgent(Protocol):
+    """What the API serves of the agent (gpupool.agent.service.Agent, which starts the API)."""
+
+    @property
+    def backend(self) -> Backend | None: ...
+
+    def status(self) -> dict[str, Any]:
+        """The agent's local view, as /agent/v1/status answers it."""
+        ...
+
+    def wake(self) -> bool: ...
+
+    def metrics_view(self) -> AgentView:
+        """Blocks (the backend reads the GPUs): call it in a thread."""
+        ...
 
 
 class FaultIn(BaseModel):
@@ -22,43 +38,12 @@ class FaultIn(BaseModel):
     value: float | None = None
 
 
-def create_agent_app(agent: Agent) -> FastAPI:
+def create_agent_app(agent: ServedAgent) -> FastAPI:
     app = FastAPI(title="gpupool agent", docs_url=None, redoc_url=None)
 
     @app.get("/agent/v1/status")
     async def status() -> dict[str, Any]:
-        backend = agent.backend
-        return {
-            "node": agent.settings.node_name,
-            "backend": backend.name if backend else None,
-            "simulated": bool(backend and backend.simulated),
-            "registered": agent.registered,
-            "controller_reachable": agent.controller_reachable,
-            "faults_reported": agent.faults_reported,
-            "mps": {
-                uuid: {
-                    "workers": agent.mps.pipe_dir(uuid),
-                    "direct": agent.mps.direct_pipe_dir(uuid),
-                }
-                for uuid in agent.mps.daemons
-            },
-            "direct_watch": {
-                "mode": agent.watch.mode.value,
-                "socket": str(agent.settings.attach_path) if agent.attach_server else None,
-                "attached": [{"pid": r.pid, "lease_id": r.lease_id} for r in agent.watch.roots()],
-                "stopped": dict(agent.watch.stopped),
-                "reported": dict(agent.watch.reported),
-                "events": [
-                    e.model_dump(mode="json", exclude_none=True)
-                    for e in list(agent.watch.events)[-50:]
-                ],
-            },
-            "ready_workers": _ready_status(agent),
-            "health_events": [
-                {"gpu_uuid": e.gpu_uuid, "kind": e.kind, "value": e.value, "message": e.message}
-                for e in list(agent.health_events)[-50:]
-            ],
-        }
+        return agent.status()
 
     @app.post("/agent/v1/wake", status_code=202)
     async def wake() -> dict[str, bool]:
@@ -68,7 +53,7 @@ def create_agent_app(agent: Agent) -> FastAPI:
 
     @app.get("/metrics")
     async def scrape() -> Response:
-        view = await asyncio.to_thread(metrics.read_view, agent)
+        view = await asyncio.to_thread(agent.metrics_view)
         return Response(metrics.exposition(view), media_type=metrics.CONTENT_TYPE)
 
     @app.post("/agent/v1/faults")
@@ -95,21 +80,3 @@ def create_agent_app(agent: Agent) -> FastAPI:
         return {"gpu_uuid": event.gpu_uuid, "kind": event.kind, "message": event.message}
 
     return app
-
-
-def _ready_status(agent: Agent) -> dict[str, Any]:
-    """The ready pool: per GPU, workers ready now; the setting; what it has done."""
-    workers = agent.workers
-    if workers is None:
-        return {"per_gpu": agent.settings.ready_per_gpu(agent.mps.enabled), "gpus": {}}
-    pool = workers.ready
-    return {
-        "per_gpu": pool.per_gpu,
-        "wanted": pool.wanted,
-        "gpus": pool.counts(),
-        "started": pool.started,
-        "handed_over": pool.handed_over,
-        "replaced": pool.replaced,
-        "problem": pool.problem,
-        "workers": workers.starts(),
-    }

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -15,9 +15,6 @@ from prometheus_client.registry import Collector
 from gpupool import __version__
 from gpupool.agent.backends.base import GpuEvent
 from gpupool.protocol.v1.api import GpuDesired, GpuInventory, GpuTelemetry
-
-if TYPE_CHECKING:
-    from gpupool.agent.service import Agent
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MIB = 1024 * 1024
@@ -106,33 +103,6 @@ class AgentView:
     """Ready workers alive now, per GPU that takes remote leases (gpupool.agent.ready)."""
     ready_wanted: int = 0
     ready_handed_over: int = 0
-
-
-def read_view(agent: Agent) -> AgentView:
-    """Blocks (the backend reads the GPUs): call it in a thread."""
-    backend = agent.backend
-    inventory = backend.inventory() if backend is not None else []
-    telemetry = backend.telemetry() if backend is not None else []
-    return AgentView(
-        node=agent.settings.node_name,
-        backend=backend.name if backend is not None else "none",
-        simulated=bool(backend is not None and backend.simulated),
-        registered=agent.registered,
-        controller_reachable=agent.controller_reachable,
-        heartbeats_sent=agent.heartbeats_sent,
-        mps_daemons=len(agent.mps.daemons),
-        inventory=inventory,
-        telemetry=telemetry,
-        desired=dict(agent.desired),
-        health=agent.health_counts.copy(),
-        direct_stopped=dict(agent.watch.stopped),
-        direct_reported=dict(agent.watch.reported),
-        direct_usage=dict(agent.watch.usage),
-        direct_attached=len(agent.watch.roots()),
-        ready_workers=agent.workers.ready.counts() if agent.workers is not None else {},
-        ready_wanted=agent.workers.ready.wanted if agent.workers is not None else 0,
-        ready_handed_over=agent.workers.ready.handed_over if agent.workers is not None else 0,
-    )
 
 
 def _gpu_label_values(gpu: GpuInventory, node: str) -> list[str]:

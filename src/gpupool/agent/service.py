@@ -23,7 +23,7 @@ from gpupool.agent.attach import AttachServer
 from gpupool.agent.backends import Backend, FakeBackend, GpuEvent, detect
 from gpupool.agent.health import is_fault, isolation_reason
 from gpupool.agent.isolation import Cgroups, CgroupUnavailable, WorkerUser, worker_user
-from gpupool.agent.metrics import HealthCounts
+from gpupool.agent.metrics import AgentView, HealthCounts
 from gpupool.agent.mps import MpsSupervisor
 from gpupool.agent.ready import DEFAULT_PER_GPU, MAX_PER_GPU
 from gpupool.agent.watch import WATCH_INTERVAL_S, DirectWatch, WatchMode
@@ -491,6 +491,88 @@ class Agent:
             self._wake_pending = True
             asyncio.get_running_loop().call_later(wait_s, self._early_heartbeat)
         return True
+
+    # ---- what the agent's API serves -------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The agent's local view, as its API's /agent/v1/status answers it."""
+        backend = self.backend
+        return {
+            "node": self.settings.node_name,
+            "backend": backend.name if backend else None,
+            "simulated": bool(backend and backend.simulated),
+            "registered": self.registered,
+            "controller_reachable": self.controller_reachable,
+            "faults_reported": self.faults_reported,
+            "mps": {
+                uuid: {
+                    "workers": self.mps.pipe_dir(uuid),
+                    "direct": self.mps.direct_pipe_dir(uuid),
+                }
+                for uuid in self.mps.daemons
+            },
+            "direct_watch": {
+                "mode": self.watch.mode.value,
+                "socket": str(self.settings.attach_path) if self.attach_server else None,
+                "attached": [{"pid": r.pid, "lease_id": r.lease_id} for r in self.watch.roots()],
+                "stopped": dict(self.watch.stopped),
+                "reported": dict(self.watch.reported),
+                "events": [
+                    e.model_dump(mode="json", exclude_none=True)
+                    for e in list(self.watch.events)[-50:]
+                ],
+            },
+            "ready_workers": self._ready_status(),
+            "health_events": [
+                {"gpu_uuid": e.gpu_uuid, "kind": e.kind, "value": e.value, "message": e.message}
+                for e in list(self.health_events)[-50:]
+            ],
+        }
+
+    def _ready_status(self) -> dict[str, Any]:
+        """The ready pool: per GPU, workers ready now; the setting; what it has done."""
+        workers = self.workers
+        if workers is None:
+            return {"per_gpu": self.settings.ready_per_gpu(self.mps.enabled), "gpus": {}}
+        pool = workers.ready
+        return {
+            "per_gpu": pool.per_gpu,
+            "wanted": pool.wanted,
+            "gpus": pool.counts(),
+            "started": pool.started,
+            "handed_over": pool.handed_over,
+            "replaced": pool.replaced,
+            "problem": pool.problem,
+            "workers": workers.starts(),
+        }
+
+    def metrics_view(self) -> AgentView:
+        """What the agent's Prometheus metrics show. Blocks (the backend reads the GPUs): call
+        it in a thread."""
+        backend = self.backend
+        inventory = backend.inventory() if backend is not None else []
+        telemetry = backend.telemetry() if backend is not None else []
+        workers = self.workers
+        return AgentView(
+            node=self.settings.node_name,
+            backend=backend.name if backend is not None else "none",
+            simulated=bool(backend is not None and backend.simulated),
+            registered=self.registered,
+            controller_reachable=self.controller_reachable,
+            heartbeats_sent=self.heartbeats_sent,
+            mps_daemons=len(self.mps.daemons),
+            inventory=inventory,
+            telemetry=telemetry,
+            desired=dict(self.desired),
+            health=self.health_counts.copy(),
+            direct_stopped=dict(self.watch.stopped),
+            direct_reported=dict(self.watch.reported),
+            direct_usage=dict(self.watch.usage),
+            direct_attached=len(self.watch.roots()),
+            ready_workers=workers.ready.counts() if workers is not None else {},
+            ready_wanted=workers.ready.wanted if workers is not None else 0,
+            ready_handed_over=workers.ready.handed_over if workers is not None else 0,
+        )
 
     def _early_heartbeat(self) -> None:
         self._wake_pending = False

@@ -22,21 +22,21 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from gpupool.cli.local import (
+    agent_command,
+    choose_fake_spec,
+    local_node_name,
+    stop_process,
+    wait_until_healthy,
+)
 from gpupool.cli.output import (
     duration,
     gpus_table,
     leases_table,
     placement_text,
     seconds_since,
-    stdout_console,
-)
-from gpupool.cli.pool import (
-    agent_command,
-    choose_fake_spec,
-    local_node_name,
     simulated_banner,
-    stop_process,
-    wait_until_healthy,
+    stdout_console,
 )
 from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
 from gpupool.protocol.v1.api import GpuOut, LeaseOut, TokenCreate, TokenCreated

@@ -1,4 +1,5 @@
-"""A pool `gpupool up` runs on this machine: its port, its pid file, its processes, its stop."""
+"""A pool run on this machine (`gpupool up`, `gpupool demo`): its port, its pid file, its GPUs
+(real or simulated), its processes, their stop."""
 
 from __future__ import annotations
 
@@ -6,14 +7,18 @@ import errno
 import os
 import signal
 import socket
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import psutil
 
 from gpupool.cli.errors import BadInput
+from gpupool.client.sdk import ApiError, ControllerUnreachable, PoolClient
 
 PID_FILE = "up.pid"
 LOG_FILE = "up.log"
@@ -21,6 +26,8 @@ DOWN_GRACE_S = 60.0
 """How long `gpupool down` lets `gpupool up` stop its agent and workers (each has its own
 10 s grace) before it kills what is left."""
 KILL_GRACE_S = 5.0
+STOP_GRACE_S = 10.0
+DEFAULT_FAKE_SPEC = "4xH100-80GB"
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -196,3 +203,95 @@ def log_tail(path: Path, lines: int = 5) -> str:
         return ""
     kept = [line.strip() for line in text.splitlines() if line.strip()]
     return " | ".join(kept[-lines:])
+
+
+# ---- GPUs, real or simulated ----------------------------------------------------------------
+
+
+def check_fake_spec(spec: str) -> None:
+    from gpupool.agent.backends import parse_spec
+
+    try:
+        parse_spec(spec)
+    except ValueError as exc:
+        raise BadInput(str(exc)) from None
+
+
+def real_gpus_found(node_name: str | None = None) -> bool:
+    """Whether NVML sees an NVIDIA GPU on this machine."""
+    from gpupool.agent.backends import detect
+
+    backend = detect(node_name or socket.gethostname())
+    if backend is None:
+        return False
+    backend.close()
+    return True
+
+
+def choose_fake_spec(fake: str | None, default: str = DEFAULT_FAKE_SPEC) -> tuple[str | None, str]:
+    """The fake backend's spec to use (None: real GPUs), and why, for the banner."""
+    if fake is not None:
+        check_fake_spec(fake)
+        return fake, "--fake was given"
+    if real_gpus_found():
+        return None, "NVML found GPUs"
+    return default, "no NVIDIA GPU found on this machine"
+
+
+# ---- the pool's processes ------------------------------------------------------------------
+
+
+def agent_command(
+    url: str,
+    data_dir: Path,
+    fake_spec: str | None,
+    node: str | None = None,
+    interval_s: float | None = None,
+) -> list[str]:
+    cmd = [sys.executable, "-m", "gpupool.cli", "agent", "--url", url, "--data-dir", str(data_dir)]
+    cmd.append("--no-banner")  # the parent has shown it
+    if fake_spec is not None:
+        cmd += ["--fake", fake_spec]
+    if node is not None:
+        cmd += ["--node", node]
+    if interval_s is not None:
+        cmd += ["--interval", f"{interval_s:g}"]
+    return cmd
+
+
+def local_node_name() -> str:
+    """The node name an agent started here without --node registers (AgentSettings')."""
+    return socket.gethostname()
+
+
+def controller_healthy(url: str) -> bool:
+    try:
+        with PoolClient(url, timeout=2) as client:
+            return client.health().get("status") == "ok"
+    except (ApiError, ControllerUnreachable):
+        return False
+
+
+def wait_until_healthy(
+    url: str, timeout_s: float, alive: subprocess.Popen[bytes] | None = None
+) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if controller_healthy(url):
+            return True
+        if alive is not None and alive.poll() is not None:
+            return False
+        time.sleep(0.2)
+    return False
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
+    """TERM, then KILL after the grace period."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()

@@ -462,6 +462,16 @@ def pool_panel(pool: PoolSummary) -> Panel:
     return Panel(table, title=title, title_align="left", expand=False)
 
 
+def simulated_banner(spec: str, why: str) -> Panel:
+    return Panel(
+        f"[bold]SIMULATED GPUs[/bold]: {spec} ({why}).\n"
+        "Leases, quotas and the queue are real; the GPUs and their telemetry are not.",
+        border_style="yellow",
+        style="yellow",
+        expand=False,
+    )
+
+
 def ha_leader(ha: HaOut) -> str:
     if ha.leader is None:
         return "[red]none[/red] (a takeover is under way)"

@@ -9,24 +9,33 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import psutil
 import typer
-from rich.panel import Panel
 
 from gpupool.cli import local
 from gpupool.cli.context import cli_context
 from gpupool.cli.errors import BadInput, CommandFailed
+from gpupool.cli.local import (
+    DEFAULT_FAKE_SPEC,
+    agent_command,
+    check_fake_spec,
+    choose_fake_spec,
+    controller_healthy,
+    local_node_name,
+    real_gpus_found,
+    stop_process,
+)
 from gpupool.cli.output import (
     OutputFormat,
     OutputOption,
     note,
     pool_panel,
     show,
+    simulated_banner,
     stderr_console,
 )
 from gpupool.cli.signals import exit_status_of, raise_interrupted, signals_to
@@ -41,13 +50,11 @@ from gpupool.client.sdk import (
 from gpupool.core.errors import quoted
 from gpupool.startup import imports_without_gc
 
-DEFAULT_FAKE_SPEC = "4xH100-80GB"
 DEFAULT_MAX_PRIORITY = 0
 """ControllerSettings.default_max_priority's default (the CLI does not import the controller
 until it runs one; tests/cli checks the two agree)."""
 DEFAULT_PORT = 8900
 DEFAULT_DATA_DIR = Path(".gpupool")
-STOP_GRACE_S = 10.0
 
 HostOption = Annotated[str, typer.Option("--host", help="Address to listen on.")]
 PortOption = Annotated[int, typer.Option("--port", help="Port to listen on.")]
@@ -86,46 +93,6 @@ def show_pool(ctx: typer.Context, output: OutputOption = OutputFormat.TABLE) -> 
 
 
 # ---- processes ----------------------------------------------------------------------------
-
-
-def simulated_banner(spec: str, why: str) -> Panel:
-    return Panel(
-        f"[bold]SIMULATED GPUs[/bold]: {spec} ({why}).\n"
-        "Leases, quotas and the queue are real; the GPUs and their telemetry are not.",
-        border_style="yellow",
-        style="yellow",
-        expand=False,
-    )
-
-
-def check_fake_spec(spec: str) -> None:
-    from gpupool.agent.backends import parse_spec
-
-    try:
-        parse_spec(spec)
-    except ValueError as exc:
-        raise BadInput(str(exc)) from None
-
-
-def real_gpus_found(node_name: str | None = None) -> bool:
-    """Whether NVML sees an NVIDIA GPU on this machine."""
-    from gpupool.agent.backends import detect
-
-    backend = detect(node_name or socket.gethostname())
-    if backend is None:
-        return False
-    backend.close()
-    return True
-
-
-def choose_fake_spec(fake: str | None, default: str = DEFAULT_FAKE_SPEC) -> tuple[str | None, str]:
-    """The fake backend's spec to use (None: real GPUs), and why, for the banner."""
-    if fake is not None:
-        check_fake_spec(fake)
-        return fake, "--fake was given"
-    if real_gpus_found():
-        return None, "NVML found GPUs"
-    return default, "no NVIDIA GPU found on this machine"
 
 
 def local_url(host: str, port: int, tls: bool = False) -> str:
@@ -169,62 +136,6 @@ def tls_files(cert: Path | None, key: Path | None) -> tuple[Path | None, Path | 
 def quiet_http_logs() -> None:
     """One INFO line per HTTP request (heartbeats, health polls) would bury the real news."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
-
-
-def agent_command(
-    url: str,
-    data_dir: Path,
-    fake_spec: str | None,
-    node: str | None = None,
-    interval_s: float | None = None,
-) -> list[str]:
-    cmd = [sys.executable, "-m", "gpupool.cli", "agent", "--url", url, "--data-dir", str(data_dir)]
-    cmd.append("--no-banner")  # the parent has shown it
-    if fake_spec is not None:
-        cmd += ["--fake", fake_spec]
-    if node is not None:
-        cmd += ["--node", node]
-    if interval_s is not None:
-        cmd += ["--interval", f"{interval_s:g}"]
-    return cmd
-
-
-def local_node_name() -> str:
-    """The node name an agent started here without --node registers (AgentSettings')."""
-    return socket.gethostname()
-
-
-def controller_healthy(url: str) -> bool:
-    try:
-        with PoolClient(url, timeout=2) as client:
-            return client.health().get("status") == "ok"
-    except (ApiError, ControllerUnreachable):
-        return False
-
-
-def wait_until_healthy(
-    url: str, timeout_s: float, alive: subprocess.Popen[bytes] | None = None
-) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if controller_healthy(url):
-            return True
-        if alive is not None and alive.poll() is not None:
-            return False
-        time.sleep(0.2)
-    return False
-
-
-def stop_process(proc: subprocess.Popen[Any], grace_s: float = STOP_GRACE_S) -> None:
-    """TERM, then KILL after the grace period."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 class LocalAgent:

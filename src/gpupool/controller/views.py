@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from gpupool.controller.elastic_record import swap_reason
 from gpupool.controller.models import EventRow, GpuRow, LeaseRow, NodeRow, TenantRow
 from gpupool.core import Pool
 from gpupool.core.model import GpuUsage, Usage
@@ -58,8 +59,6 @@ def lease_out(
 
 def _swap_reason(row: LeaseRow) -> str | None:
     """Why a swapped lease is out, or why a running one is asked to go (oversubscription)."""
-    from gpupool.controller.services.oversubscription import swap_reason
-
     return swap_reason(row) if row.state in ("swapped", "granted", "active", "idle") else None
 
 

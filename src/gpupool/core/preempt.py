@@ -10,18 +10,43 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from gpupool.core.model import LeaseRequest, Slice
+from gpupool.core.model import Gpu, GpuUsage, LeaseRequest, Quota, Ratios, Slice
 from gpupool.core.placement.filters import Demand, demand_of, slot_fits, statically_fits
-from gpupool.core.placement.index import NodeShape, Slot, slot_of
-from gpupool.core.placement.select import held_back_shape
-
-if TYPE_CHECKING:
-    from gpupool.core.pool import Pool
+from gpupool.core.placement.index import NodeIndex, NodeShape, Slot, slot_of
+from gpupool.core.placement.select import Memo, held_back_shape
 
 Room = tuple[tuple[str, int, int], ...]
 """(GPU uuid, compute %, memory MiB) kept free for one request."""
+
+
+class PoolView(Protocol):
+    """What planning reads of the pool (gpupool.core.pool.Pool, which calls in here): its
+    GPUs and their use, who holds what at which priority, the quotas, the placement index."""
+
+    @property
+    def ratios(self) -> Ratios: ...
+    @property
+    def gpus(self) -> Mapping[str, Gpu]: ...
+    @property
+    def nodes_up(self) -> Collection[str]: ...
+    @property
+    def quotas(self) -> Mapping[str, Quota]: ...
+    @property
+    def holdings(self) -> Mapping[str, tuple[Slice, ...]]: ...
+    @property
+    def owners(self) -> Mapping[str, str]: ...
+    @property
+    def usage(self) -> Mapping[str, GpuUsage]: ...
+    @property
+    def priorities(self) -> Mapping[str, int]: ...
+    @property
+    def preempting(self) -> Mapping[str, str]: ...
+    @property
+    def index(self) -> NodeIndex: ...
+    @property
+    def placement_memo(self) -> Memo: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +70,7 @@ def units_of(slices: Iterable[Slice]) -> float:
     return sum(1.0 if s.whole else s.compute_pct / 100 for s in slices)
 
 
-def held_units(pool: Pool, tenant: str) -> float:
+def held_units(pool: PoolView, tenant: str) -> float:
     return sum(
         units_of(pool.holdings[lid]) for lid, owner in pool.owners.items() if owner == tenant
     )
@@ -66,14 +91,14 @@ def _shortage(slot: Slot, demand: Demand) -> float:
     ) / max(slot.capacity_memory, 1)
 
 
-def _candidate_nodes(pool: Pool, request: LeaseRequest) -> list[str]:
+def _candidate_nodes(pool: PoolView, request: LeaseRequest) -> list[str]:
     if request.node is not None:
         return [request.node] if request.node in pool.nodes_up else []
     return [n for g in pool.index for n in g.nodes if n in pool.nodes_up]
 
 
 def reserve_room(
-    pool: Pool,
+    pool: PoolView,
     request: LeaseRequest,
     held: Mapping[str, tuple[int, int]],
     prefer_leases: Iterable[str] = (),
@@ -135,7 +160,9 @@ def reserve_room(
     return tuple(_room_on(slot, uuid, demand) for _c, uuid, slot in spread[: demand.gpus])
 
 
-def _closest(shape: NodeShape, demand: Demand, pool: Pool) -> tuple[float, tuple[int, ...]] | None:
+def _closest(
+    shape: NodeShape, demand: Demand, pool: PoolView
+) -> tuple[float, tuple[int, ...]] | None:
     """On a server of this shape, the GPUs short the least of fitting `demand`, and by how much."""
     key = (shape, demand, "~closest", 0)
     memo = pool.placement_memo
@@ -154,14 +181,14 @@ def _closest(shape: NodeShape, demand: Demand, pool: Pool) -> tuple[float, tuple
     return found
 
 
-def _slot(pool: Pool, uuid: str) -> Slot | None:
+def _slot(pool: PoolView, uuid: str) -> Slot | None:
     gpu = pool.gpus.get(uuid)
     if gpu is None:
         return None
     return slot_of(gpu, pool.usage[uuid], pool.ratios)
 
 
-def _eligible_victims(pool: Pool, request: LeaseRequest) -> dict[str, float]:
+def _eligible_victims(pool: PoolView, request: LeaseRequest) -> dict[str, float]:
     """Leases that may be preempted for `request`, with what ending each costs."""
     budget: dict[str, float] = {}
     for tenant, quota in pool.quotas.items():
@@ -181,7 +208,7 @@ def _eligible_victims(pool: Pool, request: LeaseRequest) -> dict[str, float]:
     return out
 
 
-def _free_after(slot: Slot, uuid: str, pool: Pool, gone: set[str]) -> Slot:
+def _free_after(slot: Slot, uuid: str, pool: PoolView, gone: set[str]) -> Slot:
     compute, memory = slot.free_compute, slot.free_memory
     for lid in gone:
         for s in pool.holdings.get(lid, ()):
@@ -199,7 +226,7 @@ def _free_after(slot: Slot, uuid: str, pool: Pool, gone: set[str]) -> Slot:
 
 
 def _cheapest_on_gpu(
-    pool: Pool,
+    pool: PoolView,
     uuid: str,
     slot: Slot,
     demand: Demand,
@@ -234,7 +261,7 @@ def _cheapest_on_gpu(
 
 
 def plan_preemption(
-    pool: Pool, lease_id: str, request: LeaseRequest, among: Collection[str] | None = None
+    pool: PoolView, lease_id: str, request: LeaseRequest, among: Collection[str] | None = None
 ) -> Preemption | None:
     """The cheapest set of lower-priority leases whose end makes `request` fit, or None.
 
@@ -277,7 +304,7 @@ def plan_preemption(
 
 
 def _clear_greedily(
-    pool: Pool,
+    pool: PoolView,
     offers: list[tuple[str, Slot]],
     demand: Demand,
     costs: Mapping[str, float],
@@ -305,7 +332,7 @@ def _clear_greedily(
     return (total, gone, picked) if gone else None
 
 
-def _guarantees_hold(pool: Pool, gone: set[str]) -> bool:
+def _guarantees_hold(pool: PoolView, gone: set[str]) -> bool:
     taken: dict[str, float] = {}
     for lid in gone:
         owner = pool.owners.get(lid, "")
@@ -318,5 +345,7 @@ def _guarantees_hold(pool: Pool, gone: set[str]) -> bool:
     return True
 
 
-def _fits_after(pool: Pool, demand: Demand, picked: list[tuple[str, Slot]], gone: set[str]) -> bool:
+def _fits_after(
+    pool: PoolView, demand: Demand, picked: list[tuple[str, Slot]], gone: set[str]
+) -> bool:
     return all(slot_fits(_free_after(slot, uuid, pool, gone), demand) for uuid, slot in picked)

@@ -40,6 +40,7 @@ from gpupool.torch import (
     optim,
     runtime,
     serialization,
+    session,  # noqa: F401 - answers the streams' swap and move notices
 )
 from gpupool.torch.capture import CapturedStep, CaptureWarning, capture
 from gpupool.torch.dispatch import fastpath_active

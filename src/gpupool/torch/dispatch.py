@@ -39,7 +39,7 @@ from gpupool.torch.shapes import (
     op_info,
     to_meta,
 )
-from gpupool.torch.stream import DeviceStream
+from gpupool.torch.stream import DeviceStream, stream_of
 from gpupool.torch.tensor import (
     CONJ,
     NEG,
@@ -154,7 +154,7 @@ def _encode_remote(value: RemoteTensor, enc: _Encoding) -> Any:
                 "Expected all tensors to be on the same device, but found at least two "
                 f"devices, {enc.stream.device} and {stream.device}!"
             )
-        enc.stream = stream
+        enc.stream = stream_of(handle)
     enc.key.append(value._sig)
     return handle.ext
 
@@ -468,7 +468,7 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     device = kwargs.get("device")
     if not isinstance(source, RemoteTensor):
         raise NotImplementedError("_to_copy of a host tensor reached the remote dispatcher")
-    here = source._gp.stream
+    here = stream_of(source._gp)
     if device is None or (is_remote_device(device) and device.index in (None, here.index)):
         rest = {
             k: v for k, v in kwargs.items() if k not in ("device", "pin_memory", "non_blocking")
@@ -522,7 +522,7 @@ def _transfer(source: RemoteTensor, target: DeviceStream, dtype: torch.dtype) ->
 def _send(
     source: RemoteTensor, target: DeviceStream, handle: int, dtype: torch.dtype | None, into: bool
 ) -> None:
-    here = source._gp.stream
+    here = stream_of(source._gp)
     xid = next(_TRANSFER_IDS)
     here.emit([Rec.SEND, xid, source._gp.ext, str(target.address)])
     here.flush()  # the target's worker waits for these bytes: nothing may hold them back
@@ -552,10 +552,11 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
                 raw = _apply_bits(source, source_bits ^ target_bits)
                 run(op_info(func), (_raw(target), raw, *args[2:]), kwargs)
                 return target
-            if direct_copy(source._gp.stream, target._gp.stream) and not (
+            target_stream = stream_of(target._gp)
+            if direct_copy(stream_of(source._gp), target_stream) and not (
                 source_bits or target_bits
             ):
-                _send(source, target._gp.stream, target._gp.id, None, into=True)
+                _send(source, target_stream, target._gp.id, None, into=True)
                 return target
             source = download(source)
         elif source.device.type == "meta":
@@ -566,7 +567,7 @@ def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         # As on a local GPU, only a pinned source copies asynchronously: pageable memory may
         # change the moment the call returns.
         non_blocking = non_blocking and pinned.is_pinned(source)
-        target._gp.stream.put(target._gp, source, non_blocking)
+        stream_of(target._gp).put(target._gp, source, non_blocking)
         return target
     target.copy_(download(source))
     return target

@@ -31,6 +31,7 @@ import torch
 
 from gpupool.torch import dispatch, rnn, rules, runtime
 from gpupool.torch.shapes import op_info
+from gpupool.torch.stream import stream_of
 from gpupool.torch.tensor import BACKEND, RemoteTensor, ensure_backend
 
 aten = torch.ops.aten
@@ -253,7 +254,7 @@ def scaled_dot_product_attention(
         return aten.clone.default(out, memory_format=torch.contiguous_format)
     choice = _sdp_choice(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     mask = _float_mask(attn_mask, query.dtype)
-    on_cuda = query._gp.stream.is_cuda_worker
+    on_cuda = stream_of(query._gp).is_cuda_worker
     if choice == FLASH and not on_cuda:
         return aten._scaled_dot_product_flash_attention_for_cpu.default(
             query, key, value, dropout_p, is_causal, attn_mask=mask, scale=scale

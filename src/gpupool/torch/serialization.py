@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from gpupool.torch.tensor import RemoteTensor
+from gpupool.torch.tensor import RemoteTensor, bind_reduce
 
 _ORIGINALS: dict[str, Any] = {}
 _state = threading.local()
@@ -35,6 +35,9 @@ def reduce_remote(tensor: RemoteTensor, protocol: Any) -> Any:
     if tensor.requires_grad:
         host.requires_grad_(True)
     return host.__reduce_ex__(protocol)
+
+
+bind_reduce(reduce_remote)
 
 
 def _tag(storage: Any) -> str | None:

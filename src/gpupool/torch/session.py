@@ -9,75 +9,28 @@ lock held, so no batch goes out between the answer and its reply:
 - "move": the client sends RESUME now; the worker hands the state to its successor and names
   it; the client reconnects there with the lease's token. Records already queued go to the
   new worker, so the program sees a pause and nothing else.
+
+The stream reads the notices (`gpupool.torch.stream.on_notice`); this module, above it as a
+move opens a new stream connection, answers them: importing it sets `stream.settle`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from gpupool.protocol.v1.dataplane import (
     DataPlaneError,
     Kind,
-    ProtocolError,
     Rec,
     pack_records,
     parse_address,
 )
-
-if TYPE_CHECKING:
-    from gpupool.torch.stream import DeviceStream
+from gpupool.torch import stream as stream_module
+from gpupool.torch.stream import DeviceStream, open_stream
 
 log = logging.getLogger("gpupool.torch.session")
-
-
-class Elastic:
-    """What one DeviceStream knows about its slice's elasticity."""
-
-    __slots__ = (
-        "event", "last_bytes", "last_path", "last_pause_s", "last_swap_s", "moves", "paused_s",
-        "resumes", "swapped", "swaps",
-    )  # fmt: skip
-
-    def __init__(self) -> None:
-        self.event: str | None = None
-        """The last notice not answered yet: "swap" or "move"."""
-        self.swapped = False
-        self.swaps = 0
-        self.resumes = 0
-        self.moves = 0
-        self.paused_s = 0.0
-        """Time this program waited in RESUME (restores and handoffs), in total."""
-        self.last_pause_s = 0.0
-        self.last_swap_s = 0.0
-        """How long the worker took for the last swap-out (its own measure)."""
-        self.last_bytes = 0
-        """Bytes of state the last swap-out or handoff moved."""
-        self.last_path: str | None = None
-        """How the last handoff moved the state: cuda_ipc, shm or stream (the worker says)."""
-
-
-def on_notice(stream: DeviceStream, head: list[Any]) -> None:
-    body = head[1] if len(head) > 1 else None
-    event = body.get("event") if isinstance(body, dict) else None
-    if event not in ("swap", "move"):
-        raise ProtocolError(f"unknown notice {body!r:.200}")
-    stream.elastic.event = event
-
-
-def poll_notices(stream: DeviceStream) -> None:
-    """Read notices the worker sent while the client was not waiting for a reply (lock held)."""
-    conn = stream.conn
-    while conn.readable(0):
-        try:
-            head = conn.recv().head()
-        except DataPlaneError as exc:
-            stream._lost(exc)
-        if head[0] == Kind.NOTICE:
-            on_notice(stream, head)
-            continue
-        stream._lost(ProtocolError(f"unexpected frame {Kind(head[0]).name} between requests"))
 
 
 def settle(stream: DeviceStream, idle: bool) -> None:
@@ -124,8 +77,6 @@ def resume(stream: DeviceStream) -> None:
 
 def follow(stream: DeviceStream, address: str) -> None:
     """Reconnect the stream to the worker that holds its state now."""
-    from gpupool.torch.stream import open_stream
-
     fresh = open_stream(
         stream.index, parse_address(address), stream.lease, stream.token, stream.shm_mib
     )
@@ -143,3 +94,6 @@ def _request(stream: DeviceStream, kind: Rec) -> Any:
         stream._lost(exc)
     stream.round_trips += 1
     return stream._receive_result(req)
+
+
+stream_module.settle = settle

@@ -13,7 +13,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, cast
 
 import torch
 
@@ -45,11 +45,9 @@ from gpupool.protocol.v1.tensors import (
     host_bytes,
     tensor_bytes,
 )
-from gpupool.torch import session
 from gpupool.torch.tensor import Handle, cxx_device
 
 if TYPE_CHECKING:
-    from gpupool.torch.capture import Recorder
     from gpupool.torch.shapes import OpInfo
 
 HANDLE_IDS = itertools.count(1)
@@ -85,6 +83,16 @@ flags_snapshot: Callable[[], dict[str, Any]] | None = None
 worker follows (FLAGS records)."""
 
 
+def _unanswered(stream: DeviceStream, idle: bool) -> None:
+    raise RuntimeError("gpupool.torch.session was not imported")
+
+
+settle: Callable[[DeviceStream, bool], None] = _unanswered
+"""gpupool.torch.session.settle, which session sets when imported: answers a swap or move
+notice, and resumes a swapped stream before it sends ops (lock held). It lives above this
+module, as a move reconnects through open_stream."""
+
+
 def pack_batch(batch: list[Any]) -> bytes:
     """One BATCH frame body of these records."""
     packed = fast_pack(_BATCH_HEAD, batch) if fast_pack is not None else None
@@ -101,6 +109,48 @@ class WorkerLost(RuntimeError):
     The message names the lease and the worker, and says what was seen, so that a program
     stopped by it can be told apart from a bug of its own.
     """
+
+
+class Elastic:
+    """What one DeviceStream knows about its slice's elasticity."""
+
+    __slots__ = (
+        "event", "last_bytes", "last_path", "last_pause_s", "last_swap_s", "moves", "paused_s",
+        "resumes", "swapped", "swaps",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        self.event: str | None = None
+        """The last notice not answered yet: "swap" or "move"."""
+        self.swapped = False
+        self.swaps = 0
+        self.resumes = 0
+        self.moves = 0
+        self.paused_s = 0.0
+        """Time this program waited in RESUME (restores and handoffs), in total."""
+        self.last_pause_s = 0.0
+        self.last_swap_s = 0.0
+        """How long the worker took for the last swap-out (its own measure)."""
+        self.last_bytes = 0
+        """Bytes of state the last swap-out or handoff moved."""
+        self.last_path: str | None = None
+        """How the last handoff moved the state: cuda_ipc, shm or stream (the worker says)."""
+
+
+class OpRecorder(Protocol):
+    """What a stream tells whoever records a step's ops (gpupool.torch.capture's Recorder)."""
+
+    def on_new_handle(self, stream: DeviceStream, handle: Handle) -> None: ...
+
+    def on_emit(self, stream: DeviceStream, record: list[Any]) -> None: ...
+
+    def on_put(self, stream: DeviceStream, handle: Handle, host: torch.Tensor) -> None: ...
+
+    def on_wait(self, stream: DeviceStream, what: str) -> None: ...
+
+    def on_call(self, stream: DeviceStream, op: str) -> None: ...
+
+    def on_release(self, handle: int) -> None: ...
 
 
 class _Wire:
@@ -226,12 +276,12 @@ class DeviceStream:
         self._client_arena = client_arena
         self._worker_arena = worker_arena
         self._arena_cursor = 0
-        self.recorder: Recorder | None = None
+        self.recorder: OpRecorder | None = None
         """Set while gpupool.torch.capture records a step: it sees every op, put and read."""
         self.watched: set[int] = set()
         """Handles captured programs read; `released` collects those the client dropped."""
         self.released: set[int] = set()
-        self.elastic = session.Elastic()
+        self.elastic = Elastic()
         self.token = ""
         self.shm_mib = 0
         """How open_stream connected: what a move to a successor worker connects with."""
@@ -336,10 +386,10 @@ class DeviceStream:
         if self.lock.acquire(blocking=False):
             try:
                 self._polled_at = now
-                session.poll_notices(self)
+                poll_notices(self)
                 if self.elastic.event:
                     self.quiet_wire()
-                    session.settle(self, idle=not self.records)
+                    settle(self, not self.records)
                 if self.records and not busy:
                     self._flush_locked()
             finally:
@@ -369,7 +419,7 @@ class DeviceStream:
         self._check_open()
         if self.elastic.event or self.elastic.swapped:
             self.quiet_wire()
-            session.settle(self, idle=False)
+            settle(self, False)
         now = time.perf_counter()
         if now - self._flags_checked_at > FLAGS_CATCH_UP_S:
             # A switch set behind the setters gpupool follows: sent ahead of this batch.
@@ -629,7 +679,7 @@ class DeviceStream:
             frame = self.conn.recv()
             head = frame.head()
             while head[0] == Kind.NOTICE:  # answered at the next flush, after this reply
-                session.on_notice(self, head)
+                on_notice(self, head)
                 frame = self.conn.recv()
                 head = frame.head()
         except DataPlaneError as exc:
@@ -745,6 +795,34 @@ if _MADV_HUGEPAGE is not None:
         _libc_madvise = _libc.madvise
         _libc_madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc_madvise.restype = ctypes.c_int
+
+
+def on_notice(stream: DeviceStream, head: list[Any]) -> None:
+    body = head[1] if len(head) > 1 else None
+    event = body.get("event") if isinstance(body, dict) else None
+    if event not in ("swap", "move"):
+        raise ProtocolError(f"unknown notice {body!r:.200}")
+    stream.elastic.event = event
+
+
+def poll_notices(stream: DeviceStream) -> None:
+    """Read notices the worker sent while the client was not waiting for a reply (lock held)."""
+    conn = stream.conn
+    while conn.readable(0):
+        try:
+            head = conn.recv().head()
+        except DataPlaneError as exc:
+            stream._lost(exc)
+        if head[0] == Kind.NOTICE:
+            on_notice(stream, head)
+            continue
+        stream._lost(ProtocolError(f"unexpected frame {Kind(head[0]).name} between requests"))
+
+
+def stream_of(handle: Handle) -> DeviceStream:
+    """The stream that made `handle` (DeviceStream.new_handle makes them all): gpupool.torch.tensor,
+    below this module, knows a handle's stream only as its `Holder` protocol."""
+    return cast(DeviceStream, handle.stream)
 
 
 def _empty_for(dtype: torch.dtype, shape: Any, total: int) -> torch.Tensor:

@@ -20,15 +20,12 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch.utils.backend_registration import rename_privateuse1_backend
 
 from gpupool.protocol.v1.tensors import handle_ext
-
-if TYPE_CHECKING:
-    from gpupool.torch.stream import DeviceStream
 
 META = torch.device("meta")
 BACKEND = "gpupool"
@@ -49,6 +46,20 @@ def bind_dispatch(fn: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> 
     """The dispatcher lives in its own module; it registers itself here when imported."""
     global _dispatch
     _dispatch = fn
+
+
+def _unbound_reduce(tensor: RemoteTensor, protocol: Any) -> Any:
+    raise RuntimeError("gpupool.torch.serialization was not imported")
+
+
+_reduce: Callable[[RemoteTensor, Any], Any] = _unbound_reduce
+
+
+def bind_reduce(fn: Callable[[RemoteTensor, Any], Any]) -> None:
+    """How a remote tensor pickles lives with torch.save's wrapper (gpupool.torch.serialization,
+    which keeps the storages a save tags); it registers itself here when imported."""
+    global _reduce
+    _reduce = fn
 
 
 class BackendTaken(RuntimeError):
@@ -132,13 +143,30 @@ def is_remote_device(device: torch.device) -> bool:
     return device.type == "cuda" or device.type == BACKEND
 
 
+class Holder(Protocol):
+    """The op stream of the device a tensor lives on, as a tensor needs it
+    (gpupool.torch.stream.DeviceStream, which makes the handles): its device, and the
+    stream's read and release of a handle."""
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def index(self) -> int: ...
+    @property
+    def cxx_device(self) -> torch.device: ...
+
+    def read(self, handle_ext: Any) -> torch.Tensor: ...
+
+    def release(self, handle: int) -> None: ...
+
+
 class Handle:
     """The worker's name for one tensor. Several RemoteTensors may share one (`detach()`),
     and the worker frees it when the last of them is gone."""
 
     __slots__ = ("__weakref__", "ext", "id", "stream")
 
-    def __init__(self, handle_id: int, stream: DeviceStream) -> None:
+    def __init__(self, handle_id: int, stream: Holder) -> None:
         self.id = handle_id
         self.ext = handle_ext(handle_id)
         self.stream = stream
@@ -234,9 +262,7 @@ class RemoteTensor(torch.Tensor):
         return new
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        from gpupool.torch.serialization import reduce_remote
-
-        return reduce_remote(self, protocol)
+        return _reduce(self, protocol)
 
 
 CONJ, NEG = 1, 2

@@ -12,18 +12,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
 import torch
 
 from gpupool.protocol.v1.dataplane import PROGRAM_VERSION, Ext, ProtocolError
 from gpupool.protocol.v1.tensors import dtype_from_name, tensor_from_bytes
-
-if TYPE_CHECKING:
-    from gpupool.worker.executor import Executor
 
 log = logging.getLogger("gpupool.worker")
 
@@ -33,6 +30,34 @@ MAX_PROGRAM_STEPS = 200_000
 MAX_PROGRAM_SLOTS = 1_000_000
 GRAPH_AFTER_RUNS = 1
 """Runs op by op (on a side stream: the warm-up CUDA graph capture wants) before capturing."""
+
+
+class DefinedOp(Protocol):
+    """An op the connection defined, as the executor resolved it."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def fn(self) -> Callable[..., Any] | None: ...
+    @property
+    def call(self) -> Callable[..., Any] | None: ...
+    @property
+    def problem(self) -> str | None: ...
+
+
+class ExecutorView(Protocol):
+    """What a program needs of the executor that defines and runs it
+    (gpupool.worker.executor.Executor, which holds the connection's programs): its device,
+    the ops and tensors the connection has, and how it decodes the client's extension types."""
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def ops(self) -> Mapping[int, DefinedOp]: ...
+    @property
+    def tensors(self) -> Mapping[int, torch.Tensor]: ...
+
+    def ext_hook(self, code: int, data: bytes) -> object: ...
 
 
 class ProgramError(RuntimeError):
@@ -152,7 +177,7 @@ class _Graph:
 class Program:
     """One captured step, as the worker runs it."""
 
-    def __init__(self, program_id: int, body: dict[str, Any], executor: Executor) -> None:
+    def __init__(self, program_id: int, body: dict[str, Any], executor: ExecutorView) -> None:
         self.id = program_id
         self.device = executor.device
         if body.get("v") != PROGRAM_VERSION:
@@ -203,7 +228,7 @@ class Program:
     # ---- definition ----------------------------------------------------------------------
 
     def _compile(
-        self, step: Any, defined: list[bool], n_inputs: int, executor: Executor
+        self, step: Any, defined: list[bool], n_inputs: int, executor: ExecutorView
     ) -> _OpStep | _PutStep:
         if not isinstance(step, list) or not step:
             raise ProtocolError("a program step must be a non-empty list")
@@ -279,7 +304,7 @@ class Program:
                     f"recorded for {list(spec[0])} {spec[2]}"
                 )
 
-    def run(self, inputs: list[torch.Tensor], executor: Executor) -> list[Any]:
+    def run(self, inputs: list[torch.Tensor], executor: ExecutorView) -> list[Any]:
         """Run once; returns the slots (outputs and escapes are read from them)."""
         self.runs += 1
         self.failed_step = None
@@ -326,7 +351,7 @@ class Program:
                 out.append(slots[slot])
         return out
 
-    def _slots(self, inputs: list[torch.Tensor], executor: Executor) -> list[Any]:
+    def _slots(self, inputs: list[torch.Tensor], executor: ExecutorView) -> list[Any]:
         slots: list[Any] = [None] * self.n_slots
         slots[: len(inputs)] = inputs
         tensors = executor.tensors
@@ -339,7 +364,7 @@ class Program:
             slots[slot] = tensor
         return slots
 
-    def _warm_up(self, inputs: list[torch.Tensor], executor: Executor) -> list[Any]:
+    def _warm_up(self, inputs: list[torch.Tensor], executor: ExecutorView) -> list[Any]:
         """Op by op on a side stream, as CUDA graph capture wants its first run (cuBLAS and
         cuDNN set up their workspaces outside the graph)."""
         current = torch.cuda.current_stream(self.device)
@@ -354,7 +379,7 @@ class Program:
                 value.record_stream(current)
         return slots
 
-    def _capture(self, inputs: list[torch.Tensor], executor: Executor) -> list[Any]:
+    def _capture(self, inputs: list[torch.Tensor], executor: ExecutorView) -> list[Any]:
         static = []
         for tensor in inputs:
             buffer = torch.empty_strided(
@@ -420,7 +445,7 @@ class Programs:
     def __init__(self) -> None:
         self.programs: dict[int, Program] = {}
 
-    def define(self, program_id: Any, body: Any, executor: Executor) -> None:
+    def define(self, program_id: Any, body: Any, executor: ExecutorView) -> None:
         if not isinstance(program_id, int) or not isinstance(body, bytes):
             raise ProtocolError("PROGRAM needs an id and a body")
         if program_id in self.programs:
@@ -452,7 +477,7 @@ class Programs:
         return [[p.id, p.mode, p.runs] for p in self.programs.values()]
 
 
-def decode_body(body: bytes, executor: Executor) -> Any:
+def decode_body(body: bytes, executor: ExecutorView) -> Any:
     """Tensors in a program are slots; a handle there would bind the program to whatever the
     handle holds at definition, so it is refused."""
 

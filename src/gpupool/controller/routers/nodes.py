@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Response, status
 
 from gpupool.controller.routers.common import ADMIN, AGENTS, ANYONE, Key, get_store
-from gpupool.controller.services import elastic, nodes
+from gpupool.controller.services import nodes
 from gpupool.controller.services.auth import Principal
 from gpupool.controller.store import Store
 from gpupool.protocol.v1.api import (
@@ -69,14 +69,14 @@ async def drain_node(
     name: Key, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> list[str]:
     """No new leases on the node; its remote leases migrate away. Returns those leases."""
-    return await store.write(lambda s: elastic.drain_node(store, s, name, who.actor))
+    return await store.write(lambda s: nodes.drain(store, s, name, who.actor))
 
 
 @router.post("/nodes/{name}/undrain", status_code=status.HTTP_204_NO_CONTENT)
 async def undrain_node(
     name: Key, store: Store = Depends(get_store), who: Principal = Depends(ADMIN)
 ) -> Response:
-    await store.write(lambda s: elastic.undrain_node(store, s, name, who.actor))
+    await store.write(lambda s: nodes.undrain(store, s, name, who.actor))
     return Response(status_code=status.HTTP_204_NO_CONTENT)
 
 

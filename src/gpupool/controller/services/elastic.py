@@ -1,4 +1,4 @@
-"""Elastic remote leases: swap-out when idle, restore, live resize, migration, node drain.
+"""Elastic remote leases: swap-out when idle, restore, live resize, migration, evacuation.
 
 A remote lease's workers are numbered by generation. While its state moves, `row.elastic`
 holds the handoff: the slices of the generation that still holds the state (`from`), kept
@@ -16,10 +16,16 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from gpupool.controller.elastic_record import (
+    generation,
+    handoff,
+    room_denied_seq,
+    swap_order,
+    swap_reason,
+)
 from gpupool.controller.models import LeaseRow, LeaseSliceRow, utcnow
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, persist_mode_changes
-from gpupool.controller.services.oversubscription import room_denied_seq, swap_order, swap_reason
 from gpupool.controller.store import Store, request_of, slices_of
 from gpupool.controller.views import lease_out
 from gpupool.core import (
@@ -46,15 +52,6 @@ MOVABLE = frozenset({LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE})
 
 
 # ---- the handoff record -----------------------------------------------------------------
-
-
-def generation(row: LeaseRow) -> int:
-    return int((row.elastic or {}).get("gen", 0))
-
-
-def handoff(row: LeaseRow) -> dict[str, Any] | None:
-    value = (row.elastic or {}).get("handoff")
-    return value if isinstance(value, dict) else None
 
 
 def _piece(s: LeaseSliceRow) -> dict[str, Any]:
@@ -228,50 +225,6 @@ def evacuate(store: Store, session: Session, uuid: str, actor: str, why: str) ->
             continue
         moved.append(lease_id)
     return moved
-
-
-def drain_node(store: Store, session: Session, name: str, actor: str) -> list[str]:
-    """No new leases on the node's GPUs; its remote leases move away now; direct leases end
-    on their own (the GPUs switch when empty). Returns the leases that started moving."""
-    from gpupool.controller.services import gpus as gpu_service
-
-    uuids = [u for u, g in store.pool.gpus.items() if g.node == name]
-    if name not in store.node_rows and not uuids:
-        raise NotFound(f"no node {name!r}")
-    moved: list[str] = []
-    for lease_id in sorted(store.pool.leases_on(uuids)):
-        row = store.lease_rows.get(lease_id)
-        if row is None or row.access != Access.REMOTE.value or SHADOW in lease_id:
-            continue
-        if LeaseState(row.state) not in MOVABLE or handoff(row) is not None:
-            continue
-        migrate(store, session, lease_id, actor, avoid_nodes=(name,), reason="drain")
-        moved.append(lease_id)
-    for uuid in uuids:
-        if store.pool.gpus[uuid].mode.value != "draining":
-            gpu_service.drain(store, session, uuid, actor)
-    record(session, actor, "node.drain", name, f"draining: {len(moved)} remote lease(s) moving")
-    return moved
-
-
-def undrain_node(store: Store, session: Session, name: str, actor: str) -> None:
-    """The node's GPUs take leases again (the mode they were draining to, or virtual)."""
-    from gpupool.controller.services import gpus as gpu_service
-
-    uuids = [u for u, g in store.pool.gpus.items() if g.node == name]
-    if name not in store.node_rows and not uuids:
-        raise NotFound(f"no node {name!r}")
-    for uuid in uuids:
-        gpu = store.pool.gpus[uuid]
-        if gpu.mode.value == "draining":
-            gpu_service.set_mode(
-                store,
-                session,
-                uuid,
-                (gpu.target_mode or gpu.mode).value if gpu.target_mode else "virtual",
-                actor,
-            )
-    record(session, actor, "node.undrain", name, "takes leases again")
 
 
 # ---- what the workers report ---------------------------------------------------------------

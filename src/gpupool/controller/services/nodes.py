@@ -1,4 +1,4 @@
-"""Nodes: registration with their GPU inventory, heartbeats, and marking silent nodes down."""
+"""Nodes: registration with their GPU inventory, heartbeats, marking silent nodes down, drain."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from gpupool.controller.elastic_record import generation, handoff
 from gpupool.controller.models import GpuRow, LeaseRow, NodeRow, utcnow
 from gpupool.controller.services import elastic, oversubscription
+from gpupool.controller.services import gpus as gpu_service
 from gpupool.controller.services.events import record
 from gpupool.controller.services.leases import persist_grants, release
 from gpupool.controller.store import Store, gpu_of, host_of
@@ -24,6 +26,7 @@ from gpupool.core import (
     ReleaseReason,
     transition,
 )
+from gpupool.core.migrate import SHADOW
 from gpupool.protocol.v1.api import (
     DirectEvents,
     DirectLease,
@@ -177,7 +180,7 @@ def own_workers(store: Store, gpus: set[str], reports: list[WorkerReport]) -> li
 def lease_gpus(row: LeaseRow) -> set[str]:
     """Every GPU a lease's workers may run on now: its slices and, while it moves, the old."""
     held = {s.gpu_uuid for s in row.slices}
-    moving = elastic.handoff(row)
+    moving = handoff(row)
     if moving is not None:
         held |= {str(p.get("gpu_uuid")) for p in moving.get("from", [])}
     return held
@@ -197,8 +200,8 @@ def note_workers(store: Store, reports: list[WorkerReport], session: Session | N
         row = store.lease_rows.get(lease_id)
         if row is None:
             continue
-        moving = elastic.handoff(row)
-        gen = int(moving["to_gen"]) if moving is not None else elastic.generation(row)
+        moving = handoff(row)
+        gen = int(moving["to_gen"]) if moving is not None else generation(row)
         endpoints = {w.gpu_uuid: w.endpoint for w in workers if w.alive and w.generation == gen}
         for piece in row.slices:
             if piece.gpu_uuid in endpoints and piece.endpoint != endpoints[piece.gpu_uuid]:
@@ -246,8 +249,8 @@ def end_leases_of_dead_workers(
         row = store.lease_rows.get(report.lease_id)
         if report.alive or row is None or row.state == LeaseState.RELEASED.value:
             continue
-        moving = elastic.handoff(row)
-        serving = int(moving["to_gen"]) if moving is not None else elastic.generation(row)
+        moving = handoff(row)
+        serving = int(moving["to_gen"]) if moving is not None else generation(row)
         if report.generation < serving:
             continue  # a worker that handed its client over (migration, restore) and left
         detail = f"worker on {report.gpu_uuid}: {report.error or 'exited'}"
@@ -436,3 +439,43 @@ def get(store: Store, session: Session, name: str) -> NodeOut:
         raise NotFound(f"no node {name!r}")
     count = session.scalar(select(func.count()).select_from(GpuRow).where(GpuRow.node == name)) or 0
     return node_out(row, count, store.live.host.get(name))
+
+
+def drain(store: Store, session: Session, name: str, actor: str) -> list[str]:
+    """No new leases on the node's GPUs; its remote leases move away now; direct leases end
+    on their own (the GPUs switch when empty). Returns the leases that started moving."""
+    uuids = [u for u, g in store.pool.gpus.items() if g.node == name]
+    if name not in store.node_rows and not uuids:
+        raise NotFound(f"no node {name!r}")
+    moved: list[str] = []
+    for lease_id in sorted(store.pool.leases_on(uuids)):
+        row = store.lease_rows.get(lease_id)
+        if row is None or row.access != Access.REMOTE.value or SHADOW in lease_id:
+            continue
+        if LeaseState(row.state) not in elastic.MOVABLE or handoff(row) is not None:
+            continue
+        elastic.migrate(store, session, lease_id, actor, avoid_nodes=(name,), reason="drain")
+        moved.append(lease_id)
+    for uuid in uuids:
+        if store.pool.gpus[uuid].mode.value != "draining":
+            gpu_service.drain(store, session, uuid, actor)
+    record(session, actor, "node.drain", name, f"draining: {len(moved)} remote lease(s) moving")
+    return moved
+
+
+def undrain(store: Store, session: Session, name: str, actor: str) -> None:
+    """The node's GPUs take leases again (the mode they were draining to, or virtual)."""
+    uuids = [u for u, g in store.pool.gpus.items() if g.node == name]
+    if name not in store.node_rows and not uuids:
+        raise NotFound(f"no node {name!r}")
+    for uuid in uuids:
+        gpu = store.pool.gpus[uuid]
+        if gpu.mode.value == "draining":
+            gpu_service.set_mode(
+                store,
+                session,
+                uuid,
+                (gpu.target_mode or gpu.mode).value if gpu.target_mode else "virtual",
+                actor,
+            )
+    record(session, actor, "node.undrain", name, "takes leases again")

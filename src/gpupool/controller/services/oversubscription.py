@@ -21,6 +21,7 @@ from typing import Any
 
 from sqlalchemy.orm import Session
 
+from gpupool.controller.elastic_record import generation, swap_order
 from gpupool.controller.models import LeaseRow
 from gpupool.controller.services.events import record
 from gpupool.controller.store import Store
@@ -32,24 +33,6 @@ from gpupool.protocol.v1.api import WorkerReport
 REASON = "oversubscription"
 ASKING = frozenset({LeaseState.GRANTED, LeaseState.ACTIVE, LeaseState.IDLE})
 """A lease in these states has a client on its worker that may allocate."""
-
-
-def swap_order(row: LeaseRow) -> dict[str, Any] | None:
-    value = (row.elastic or {}).get("swap")
-    return value if isinstance(value, dict) else None
-
-
-def swap_reason(row: LeaseRow) -> str | None:
-    order = swap_order(row)
-    reason = order.get("reason") if order is not None else None
-    return reason if isinstance(reason, str) else None
-
-
-def room_denied_seq(row: LeaseRow, gpu_uuid: str) -> int | None:
-    answer = (row.elastic or {}).get("room", {}).get(gpu_uuid)
-    if isinstance(answer, dict) and answer.get("verdict") == "denied":
-        return int(answer["seq"])
-    return None
 
 
 def note_room_requests(store: Store, session: Session, reports: list[WorkerReport]) -> None:
@@ -124,8 +107,6 @@ def _sessions_on(
 
 
 def _current(row: LeaseRow, report: WorkerReport) -> bool:
-    from gpupool.controller.services.elastic import generation
-
     return report.generation == generation(row)
 
 
