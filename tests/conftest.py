@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,6 +19,7 @@ import pytest
 
 from gpupool.cli.local import stop_process
 from gpupool.protocol.v1.tokens import new_token
+from tests.ports import free_port
 from tests.timing import SLOWDOWN_ENV, scaled, slowdown
 
 PG_ADMIN = os.environ.get("GPUPOOL_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
@@ -94,12 +94,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         kwargs = {k: v for k, v in (marker.kwargs if marker else {}).items() if k != "timeout"}
         item.add_marker(pytest.mark.timeout(round(timeout * factor, 1), **kwargs), append=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _pg_available() -> str | None:

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import gpupool.agent.service as service
 from gpupool.agent.backends import FakeBackend
 from gpupool.agent.service import Agent, AgentSettings, NoGpuFound
 from gpupool.protocol.v1.api import GpuInventory, NodeHeartbeat, NodeRegister
+from tests.ports import free_port
 from tests.timing import scaled
 
 NODE = "node-a"
@@ -55,13 +55,6 @@ class StubController:
             return JSONResponse({"error": "not_found", "detail": f"no node {name!r}"}, 404)
         self.heartbeats.append(NodeHeartbeat.model_validate(await request.json()))
         return JSONResponse({"ok": True})
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 async def wait_until(condition: Callable[[], bool], what: str, timeout_s: float = WAIT_S) -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import httpx
 import pytest
 
 from tests.conftest import AUTH
+from tests.ports import free_port as _free_port
 from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
@@ -49,12 +49,6 @@ if (_missing := _browser_missing()) is not None:
     pytest.skip(_missing, allow_module_level=True)
 
 from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass

@@ -137,10 +137,17 @@ def test_watch_events_are_recorded_with_lease_process_and_reason(client: TestCli
 def test_bad_watch_events_are_refused_and_nothing_is_recorded(
     client: TestClient, path: str, body: object, status: int
 ) -> None:
-    before = client.get(f"{API}/events", params={"limit": 500}).json()
+    before = _recorded(client)
     answer = client.post(API + path, json=body)
     assert answer.status_code == status, answer.text
-    assert client.get(f"{API}/events", params={"limit": 500}).json() == before
+    assert _recorded(client) == before
+
+
+def _recorded(client: TestClient) -> list[dict[str, object]]:
+    """The event log but the controller's own stall notes, which a loaded machine adds at any
+    time (its loop did not run for seconds): they are not the refused request's doing."""
+    events = client.get(f"{API}/events", params={"limit": 500}).json()
+    return [e for e in events if e["kind"] != "controller.stalled"]
 
 
 @pytest.mark.parametrize("role", ["tenant", "viewer"])

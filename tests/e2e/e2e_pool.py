@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -16,6 +15,7 @@ import httpx
 
 from gpupool.cli.local import stop_process
 from tests.conftest import AUTH
+from tests.ports import free_port
 from tests.timing import scaled
 
 FAKE_SPEC = "2xH100-80GB"
@@ -23,12 +23,6 @@ ACTOR = "admin:bootstrap"
 """Who the e2e commands act as: the admin token every test controller installs."""
 START_TIMEOUT_S = 60.0
 """On an idle machine; every deadline here is stretched by the suite's slowdown factor."""
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def gpupool_argv(*args: str) -> list[str]:

@@ -4,7 +4,6 @@ else is refused and changes nothing. Bodies over the limit get a fast 413."""
 
 from __future__ import annotations
 
-import socket
 import ssl
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from admission import admission_review, pod
 from certs import Pem, make_ca, make_signed
 from fake_apiserver import FakeApiServer
 
+from tests.ports import free_port as _free_port
 from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
@@ -42,12 +42,6 @@ class Served:
         if cert is not None:
             context.load_cert_chain(str(cert.cert), str(cert.key))
         return httpx.Client(base_url=self.url, verify=context, timeout=30, headers=headers)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from gpupool.protocol.v1.dataplane import (
     parse_address,
     role_handshake,
 )
+from tests.ports import free_port as _free_port
 from tests.timing import scaled
 
 LEASE = "lease-dist"
@@ -39,12 +39,6 @@ gpupool.torch.attach(workers=os.environ["TEST_WORKERS"].split(","), token=os.env
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_ranks(
