@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -29,6 +28,7 @@ from gpupool.controller.services.alerts import RULES, Alerts, Notice, rules_docu
 from gpupool.controller.services.snapshot import GpuReading, NodeReading, PoolSnapshot
 from tests.conftest import AUTH
 from tests.controller.inprocess import API, controller, register
+from tests.ports import free_port
 from tests.timing import scaled
 
 RULES_FILE = Path(__file__).parents[2] / "deploy" / "prometheus" / "gpupool-rules.yml"
@@ -313,9 +313,7 @@ def test_controller_posts_firing_and_resolved_alerts_to_the_webhook(
 def test_gpupool_controller_alert_webhook_option_reaches_the_receiver(
     tmp_path: Path, receiver: Receiver
 ) -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     argv = [sys.executable, "-m", "gpupool.cli", "controller", "--port", str(port)]
     argv += ["--data-dir", str(tmp_path), "--alert-webhook", receiver.url]
     with (tmp_path / "controller.log").open("wb") as log:

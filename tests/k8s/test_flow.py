@@ -20,6 +20,7 @@ from fake_apiserver import FakeApiServer
 from k8s_node import K8sNode
 
 from gpupool.k8s.deviceplugin.v1beta1 import api_pb2 as pb
+from tests.ports import free_port
 from tests.timing import scaled
 
 pytestmark = pytest.mark.slow
@@ -36,11 +37,7 @@ def served(k8s_node: K8sNode, tmp_path: Path) -> Iterator[tuple[httpx.Client, Fa
     scheduler = make_signed(ca, tmp_path / "pki", "gpupool-scheduler")
     token = "flow-webhook-token-0123456789"
     (tmp_path / "webhook.token").write_text(token)
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     args = [sys.executable, "-m", "gpupool.cli", "--url", k8s_node.url, "k8s", "serve"]
     args += ["--host", "127.0.0.1", "--port", str(port), "--tls-cert", str(server.cert)]
     args += ["--tls-key", str(server.key), "--kube-api", api.url, "--sweep-interval", "0.5"]
