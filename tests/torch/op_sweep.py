@@ -402,3 +402,140 @@ def _compare_tensor(actual: _Read, expected: torch.Tensor, metadata_only: bool) 
         first = next((line for line in str(exc).splitlines() if line.strip()), "")
         return f"values differ: {first[:160]}"
     return ""
+
+
+# ---- against a local GPU: recorded through the pool, replayed on the GPU -----------------------
+#
+# A pool client has no GPU, so a CUDA worker's results cannot be judged against a local GPU in
+# one process. `record_op` runs each sample remotely and keeps, with the result as read back,
+# a host copy of the sample made before the op ran; `replay_op`, in a process that has the
+# GPU, runs the same sample there and judges the recorded result against it. Both seed the
+# RNG the same way before the op (`_run`), so random ops are compared value for value: the
+# worker's CUDA generator must give what the local one gives. No CPU-reference exemption
+# applies (the reference is CUDA too).
+
+
+@dataclass
+class HostTensor:
+    """A sample's tensor copied to the host for a replay, and whether the sample had it on
+    the device (the replay puts it on its GPU) or on the host on purpose."""
+
+    value: torch.Tensor
+    on_device: bool
+
+
+def _to_record(tensor: torch.Tensor) -> HostTensor:
+    return HostTensor(to_local(tensor), tensor.device.type == "cuda")
+
+
+def _portable(value: Any) -> Any:
+    """A remote result with its device as a string: the replay's process has no pool."""
+    if isinstance(value, _Read):
+        value.device = str(value.device)  # type: ignore[assignment]
+    elif isinstance(value, list | tuple):
+        for item in value:
+            _portable(item)
+    return value
+
+
+def record_op(op: Any, which: str, per_op: int) -> dict[str, Any]:
+    """Every sample of `op` for `which`: its host copy, the remote result read back or the
+    remote error. A failure to make the samples is recorded as the op's own error."""
+    backward = which == "fp32_backward"
+    records: list[dict[str, Any]] = []
+    entry: dict[str, Any] = {"op": full_name(op), "which": which, "samples": records}
+    try:
+        for sample in samples(op, which, per_op):
+            memo: dict[int, Any] = {}
+            stored = (
+                convert_tree(sample.input, _to_record, memo),
+                convert_tree(sample.args, _to_record, memo),
+                {k: convert_tree(v, _to_record, memo) for k, v in sample.kwargs.items()},
+            )
+            try:
+                actual, error = _portable(_remote(op, sample, backward)), None
+            except Exception as exc:
+                actual, error = None, _describe(exc)
+            records.append({"sample": stored, "actual": actual, "error": error})
+    except Exception as exc:
+        entry["error"] = f"sample_inputs: {_describe(exc)}"
+    return entry
+
+
+def _from_record(value: Any, device: str, memo: dict[int, Any]) -> Any:
+    if isinstance(value, HostTensor):
+        if id(value) not in memo:
+            memo[id(value)] = _on_device(value, device)
+        return memo[id(value)]
+    if isinstance(value, list):
+        return [_from_record(v, device, memo) for v in value]
+    if isinstance(value, tuple) and not isinstance(value, torch.Size):
+        return tuple(_from_record(v, device, memo) for v in value)
+    if isinstance(value, dict):
+        return {k: _from_record(v, device, memo) for k, v in value.items()}
+    return value
+
+
+def _on_device(host: HostTensor, device: str) -> torch.Tensor:
+    """The recorded tensor where the sample had it; a view of a copied base stays that view."""
+    tensor = host.value
+    if not host.on_device:
+        copy = tensor.detach().clone()
+    else:  # the whole storage, which a loaded file keeps while its views forget their base
+        elements = tensor.untyped_storage().nbytes() // tensor.element_size()
+        flat = torch.empty(0, dtype=tensor.dtype).set_(
+            tensor.untyped_storage(), 0, (elements,), (1,)
+        )
+        copy = flat.to(device, copy=True).as_strided(
+            tensor.shape, tensor.stride(), tensor.storage_offset()
+        )
+    return copy.detach().requires_grad_(tensor.requires_grad)
+
+
+def _leaf(tensor: torch.Tensor) -> torch.Tensor:
+    """A replayed sample's tensor as a new leaf; each run rebuilds the sample, so no copy."""
+    fresh = tensor.detach()
+    return fresh.requires_grad_(True) if tensor.requires_grad else fresh
+
+
+def _replayed(stored: Any, device: str) -> Any:
+    from types import SimpleNamespace
+
+    memo: dict[int, Any] = {}
+    inputs, args, kwargs = (_from_record(part, device, memo) for part in stored)
+    return SimpleNamespace(input=inputs, args=args, kwargs=kwargs)
+
+
+def replay_op(op: Any, entry: dict[str, Any], tally: Tally, device: str = "cuda") -> None:
+    """Judge `entry` (record_op's) against the same samples run on `device`."""
+    name = entry["op"]
+    if "error" in entry and not entry["samples"]:
+        tally.outcomes.append(Outcome(name, 0, "error", entry["error"]))
+        return
+    backward = entry["which"] == "fp32_backward"
+    for index, record in enumerate(entry["samples"]):
+        outcome = _judge_replay(op, record, backward, device)
+        outcome.op, outcome.sample = name, index
+        tally.outcomes.append(outcome)
+    if "error" in entry:  # the samples stopped coming part of the way
+        tally.outcomes.append(Outcome(name, len(entry["samples"]), "error", entry["error"]))
+
+
+def _judge_replay(op: Any, record: dict[str, Any], backward: bool, device: str) -> Outcome:
+    try:
+        expected = _run(op, _replayed(record["sample"], device), backward, _leaf)
+    except Exception as exc:
+        return Outcome("", 0, "skip", f"local op raised {_describe(exc)}")
+    if expected is None:
+        return Outcome("", 0, "skip", "nothing to differentiate")
+    if record["error"] is not None:
+        return Outcome("", 0, "error", record["error"])
+    random = op.name in UNINITIALISED
+    if not random:
+        try:
+            again = _run(op, _replayed(record["sample"], device), backward, _leaf)
+            random = bool(_compare(again, expected, metadata_only=False))
+        except Exception:
+            random = True
+    problem = _compare(record["actual"], expected, metadata_only=random)
+    return Outcome("", 0, "mismatch", problem) if problem else Outcome("", 0, "pass")
