@@ -199,13 +199,15 @@ def main() -> None:
     parser.add_argument("--gpu", action="store_true", help="the machine's GPUs, not --fake")
     parser.add_argument("--memory", default="256MiB")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--work", type=Path, help="keep the pool's files and logs here")
     args = parser.parse_args()
     if not 1 <= args.leases <= 200:
         parser.error("--leases must be 1..200")
     settings = [int(x) for x in args.ready_workers.split(",") if x.strip()]
     rng = random.Random(26)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the pool on the way out
-    work = Path(tempfile.mkdtemp(prefix="gpupool-lease-start-"))
+    work = args.work or Path(tempfile.mkdtemp(prefix="gpupool-lease-start-"))
+    work.mkdir(parents=True, exist_ok=True)
     work.chmod(0o711)  # workers as the worker user reach MPS pipes under it (see _pool.py)
     results: dict[str, Any] = {
         "leases": args.leases,

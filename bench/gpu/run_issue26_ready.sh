@@ -36,10 +36,13 @@ case "$part" in
     else
       name=lease_start_gpu_fast_heartbeat; args=(--leases 20 --ready-workers 1 --interval 0.25); limit=200
     fi
+    work=$(mktemp -d /tmp/lease-start.XXXXXX)
     timeout -k 5 $limit python3 bench/lease_start.py --gpu "${args[@]}" --memory 2GiB \
-      --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+      --work "$work" --out "$OUT/$name.json" > "$OUT/$name.log" 2>&1
     echo "$part rc=$?"
     stop_workers
+    # The pool's and the workers' logs, one file: where a slow hand-over spent its time.
+    (cd "$work" && find . -name '*.log' -size -20M | tar czf "$OUT/${name}_logs.tgz" -T -)
     python3 - "$OUT/$name.json" <<'EOF'
 import json, sys, pathlib
 path = pathlib.Path(sys.argv[1])
