@@ -9,7 +9,7 @@ the failures grouped by cause, under `--label` (default `after`).
                                  [--label after] [--ops add,mul] [--shard K/N] [--deadline-s S]
 
 `--shard K/N` takes every N-th op from the K-th (1-based), so N runs cover the database once
-(bench/gpu/run_issue21_sweep.sh splits the H200 sweep this way); `--deadline-s` stops starting
+(bench/gpu/run_issue21_gpu.sh splits the H200 sweep this way); `--deadline-s` stops starting
 ops after that long, shared out over the passes, and counts the ops left out.
 
 On the GPU machine, `GPUPOOL_TEST_WORKER_DEVICE=cuda:0` runs the worker on the GPU while this
