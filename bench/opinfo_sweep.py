@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import platform
 import sys
 import time
@@ -146,7 +147,8 @@ def main() -> None:
     if options.record:
         kept = {"entries": entries, "settings": settings, "machine": machine,
                 "sessions_lost": lost, "not_run": not_run_by_pass}  # fmt: skip
-        torch.save(kept, options.record)
+        # pickle, not torch.save: its pickler refuses some samples' objects that pickle takes
+        Path(options.record).write_bytes(pickle.dumps(kept))
         print(f"recorded to {options.record}")
         return
     report["sessions_lost"] = lost
@@ -182,7 +184,7 @@ def replay(options: argparse.Namespace) -> None:
 
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
-    kept = torch.load(options.replay, weights_only=False)  # our own file, made by --record
+    kept = pickle.loads(Path(options.replay).read_bytes())  # our own file, made by --record
     by_name = {full_name(op): op for op in op_db()}
     report: dict[str, Any] = {}
     for which in PASSES:

@@ -22,6 +22,7 @@ uninitialised memory happens to repeat.
 
 from __future__ import annotations
 
+import pickle
 import re
 import traceback
 import zlib
@@ -459,6 +460,11 @@ def record_op(op: Any, which: str, per_op: int) -> dict[str, Any]:
             records.append({"sample": stored, "actual": actual, "error": error})
     except Exception as exc:
         entry["error"] = f"sample_inputs: {_describe(exc)}"
+    try:  # a sample may hold what no file can (a module, a lambda): judged by no replay
+        pickle.dumps(entry)
+    except Exception as exc:
+        return {"op": entry["op"], "which": which, "samples": [],
+                "skip": f"the sample cannot be recorded: {_describe(exc)}"}  # fmt: skip
     return entry
 
 
@@ -509,6 +515,9 @@ def _replayed(stored: Any, device: str) -> Any:
 def replay_op(op: Any, entry: dict[str, Any], tally: Tally, device: str = "cuda") -> None:
     """Judge `entry` (record_op's) against the same samples run on `device`."""
     name = entry["op"]
+    if "skip" in entry:
+        tally.outcomes.append(Outcome(name, 0, "skip", entry["skip"]))
+        return
     if "error" in entry and not entry["samples"]:
         tally.outcomes.append(Outcome(name, 0, "error", entry["error"]))
         return
