@@ -301,3 +301,28 @@ def test_a_ready_worker_takes_nothing_of_a_lease_from_its_command_line(
     with pytest.raises(SystemExit) as refused:
         parse_args(argv)
     assert refused.value.code == 2 and said in capsys.readouterr().err
+
+
+def test_a_ready_worker_stays_the_agents_own_through_its_hand_over(
+    supervisor: WorkerSupervisor,
+) -> None:
+    """Under MPS a ready worker makes its CUDA context while it is handed over; the direct-slice
+    watch, which stops GPU processes the agent does not count as its own, stopped it there in
+    about half of the hand-overs on the H200 machine (the lease then waited for a cold start).
+    From the moment the pool hands it out until it is the lease's worker, pids() has it."""
+    pid = _wait_ready(supervisor)
+    (ready,) = supervisor.ready._ready[GPU]
+    hand_over = ready.standby.hand_over
+    seen: list[tuple[str, bool]] = []
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        seen.append(("before", pid in supervisor.pids()))
+        answer = hand_over(*args, **kwargs)  # the worker makes its context in here
+        seen.append(("after", pid in supervisor.pids()))
+        return answer
+
+    ready.standby.hand_over = watched  # type: ignore[method-assign]
+    supervisor.reconcile({"l-watched": _lease()})
+    assert _only_worker(supervisor).proc.pid == pid
+    assert seen == [("before", True), ("after", True)]
+    assert pid in supervisor.pids() and pid not in supervisor.ready.pids()

@@ -25,8 +25,9 @@ pytestmark = pytest.mark.slow
 TOLERANCES: dict[str, float] = {
     # A local CPU runs a float32 LSTM as oneDNN layers; a worker refuses that kernel (it
     # trusts its weights' shapes), so a CPU worker's LSTM runs ATen's cells: the gradients
-    # differ in the last bits (about 1e-9).
-    "word_language_model": 1e-7,
+    # differ in the last bits (about 1e-9), and four steps later a loss may be a float32 ulp
+    # or two away (4.1975827 against 4.1975832 seen, 1.1e-7 relative). 1e-6 is 8 ulps.
+    "word_language_model": 1e-6,
 }
 """Relative tolerance per program where the runs cannot be bit-identical; elsewhere `==`."""
 

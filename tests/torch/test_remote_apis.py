@@ -509,6 +509,17 @@ def test_dlpack_of_a_remote_tensor_fails_naming_it(attach: Callable[..., Any]) -
     assert remote.sum().item() == 3.0
 
 
+def test_a_jiterator_kernel_fails_at_its_call_naming_it(attach: Callable[..., Any]) -> None:
+    """CUDA source from the program is never compiled on a worker (see cuda_api._jiterator)."""
+    attach()
+    remote = torch.ones(3, device="cuda")
+    code = "template <typename T> T twice(T x) { return x + x; }"
+    twice = torch.cuda.jiterator._create_jit_fn(code)
+    with pytest.raises(NotImplementedError, match=r"torch\.cuda\.jiterator is not supported"):
+        twice(remote)
+    assert remote.add(1).sum().item() == 6.0  # the session goes on
+
+
 # ---- 8. quiet stderr ------------------------------------------------------------------------------
 
 _PROGRAM = """

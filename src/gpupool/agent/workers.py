@@ -518,7 +518,11 @@ class WorkerSupervisor:
         (never for a move: a successor takes its state over as it starts), else a cold one."""
         from gpupool.protocol.v1.dataplane import WorkerStartFailed
 
-        ready = self.ready.take(piece.gpu_uuid) if piece.restore_from is None else None
+        ready = (
+            self.ready.take(piece.gpu_uuid, claim=lambda pid: self._placed(pid, None))
+            if piece.restore_from is None
+            else None
+        )
         if ready is not None:
             try:
                 return self._hand_over(ready, lease_id, lease, piece)
@@ -821,9 +825,10 @@ class WorkerSupervisor:
         """The workers' processes: on a real GPU they hold contexts, and are not tenants'.
         Workers still starting count: a worker's CUDA context exists before its ready line,
         and the direct-slice watch stopped one as an unknown GPU process in that window."""
+        ready = self.ready.pids()  # first: a worker taken meanwhile is in _starting below
         with self._lock:
             pids = {w.proc.pid for w in self.workers.values()} | set(self._starting)
-        return pids | self.ready.pids()
+        return pids | ready
 
     def _placed(self, pid: int, cgroup: WorkerCgroup | None) -> None:
         """A worker process exists (not yet ready): it is the agent's from now on."""

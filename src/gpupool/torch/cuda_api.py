@@ -337,6 +337,20 @@ ACCELERATOR_REPLACEMENTS: dict[str, Any] = {
     "_accelerator_emptyHostCache": lambda: None,
 }
 
+
+def _jiterator(*args: Any, **kwargs: Any) -> Any:
+    """`torch.cuda.jiterator` compiles CUDA C++ that the program supplies: on a worker that would
+    be a tenant's own code in the worker's process, with every kernel's access to the lease's
+    memory and none of the op policy's checks, so no worker runs it. The call fails here,
+    naming it, before anything is sent (it failed with an unrelated CUDAGuardImpl error)."""
+    raise NotImplementedError(
+        "torch.cuda.jiterator is not supported on gpupool remote GPUs: a worker does not "
+        "compile or run CUDA source from a program; write the function with torch ops"
+    )
+
+
+ACCELERATOR_REPLACEMENTS["_cuda_jiterator_compile_and_launch_kernel"] = _jiterator
+
 _ORIGINALS_C: dict[str, Any] = {}
 
 
