@@ -173,7 +173,6 @@ def test_a_busy_session_of_equal_priority_is_not_swapped_and_the_allocation_fail
     pool = small_pool
     holder, control = hold(pool, tmp_path, programs, "busy")
     first = holder.lease()
-    started = time.monotonic()
     allocator = Program(pool, tmp_path, "allocator", ALLOCATOR, str(WANTED_MIB))
     programs.append(allocator)
     failed = allocator.result()
@@ -182,11 +181,10 @@ def test_a_busy_session_of_equal_priority_is_not_swapped_and_the_allocation_fail
         e["subject"] for e in pool.json("events", "--kind", "lease.oversubscription.denied")
     )
     assert second_id != first["id"] and second_id in failed["message"], failed
-    # At once: before the room timeout could even have run out, program start-up included
-    # (which takes 20-30 s beside the rest of the suite on two cores).
-    assert time.monotonic() - started < ROOM_TIMEOUT_S, (
-        "refused at once, not after the room timeout"
-    )
+    # Refused by the controller's answer, not by the room timeout running out: the error says
+    # which (a wall-clock bound here failed on a loaded machine, program start-up included).
+    assert "no other session on this GPU can give way" in failed["message"], failed
+    assert f"within {ROOM_TIMEOUT_S:.0f} s" not in failed["message"], failed
 
     untouched = pool.lease(first["id"])
     assert untouched["state"] in ("active", "idle", "granted"), untouched

@@ -54,9 +54,20 @@ def test_a_refused_request_fails_the_allocation_and_holds_nothing(tmp_path: Path
     refuse = threading.Timer(0.2, lambda: room.deny(1))
     refuse.start()
     memory = HostMemory(60 * MiB, gpu, room)
-    with pytest.raises(LimitExceeded, match="no other session could give way"):
+    with pytest.raises(LimitExceeded, match="no other session on this GPU can give way"):
         memory.charge([torch.empty(40 * MiB // 4)])
     assert memory.held_bytes() == 0 and gpu.usage()[0] == 70 * MiB
+    assert room.take_refusal() is None  # said once, in that error
+
+
+def test_a_request_nobody_answers_fails_at_the_timeout_saying_so(tmp_path: Path) -> None:
+    gpu = ledger(tmp_path)
+    assert gpu.claim("other", 70 * MiB) == 0
+    room = Room(Activity(lease_id="l-b"), timeout_s=1)
+    memory = HostMemory(60 * MiB, gpu, room)
+    with pytest.raises(LimitExceeded, match="no other session on this GPU made room within 1 s"):
+        memory.charge([torch.empty(40 * MiB // 4)])
+    assert memory.held_bytes() == 0 and room.waits == 1
 
 
 def test_the_lease_limit_is_checked_before_the_gpu(tmp_path: Path) -> None:

@@ -1166,9 +1166,12 @@ class Executor:
         limit_text = "no limit" if limit is None else f"a limit of {limit // MiB} MiB"
         held = self.memory.held_bytes() / MiB
         detail = first_line(exc)
+        room = getattr(self.memory, "room", None)
+        refusal = room.take_refusal() if room is not None else None
+        why = f"; {refusal}" if refusal else ""
         return (
             f"gpupool lease {self.lease_id} is out of GPU memory ({limit_text}, "
-            f"{held:.1f} MiB held) in {op}: {detail}"
+            f"{held:.1f} MiB held) in {op}: {detail}{why}"
         )
 
     def _report_error(self, req: int, link: Link) -> bool:

@@ -408,10 +408,13 @@ class HostMemory:
         if self.gpu is not None and wanted > self._recorded and not self._claim():
             undo()
             held, total = self.gpu.usage()
+            why = (self.room.take_refusal() if self.room is not None else None) or (
+                "no other session could give way"
+            )
             raise LimitExceeded(
                 f"would hold {wanted / MiB:.1f} MiB, within the lease's limit, but the "
                 f"(simulated) GPU has {max(0, total - held) / MiB:.1f} of {total / MiB:.0f} MiB "
-                "free and no other session could give way"
+                f"free and {why}"
             )
         self._peak = max(self._peak, wanted)
 

@@ -46,6 +46,15 @@ class Room:
         self._changed = threading.Condition()
         self.waits = 0
         self.waited_s = 0.0
+        self._refusal: str | None = None
+
+    def take_refusal(self) -> str | None:
+        """Why the last wait failed, in words for the tenant's OutOfMemoryError (None: it did
+        not, or that was said already). A denial and a timeout differ for the user: the first
+        says nobody will give way, the second that nobody did in time."""
+        with self._changed:
+            refusal, self._refusal = self._refusal, None
+        return refusal
 
     def wait(self, missing: Callable[[], int]) -> bool:
         """Wait until `missing()` (the bytes the GPU still lacks; it may record the allocation
@@ -57,6 +66,7 @@ class Room:
         with self._changed:
             self._seq += 1
             seq = self._seq
+            self._refusal = None
         self.activity.room_wanted_bytes = short
         self.activity.room_seq = seq
         self._tell_agent()
@@ -76,6 +86,7 @@ class Room:
                 with self._changed:
                     if self._denied >= seq:
                         log.info("lease %s: no session can give way", self.activity.lease_id)
+                        self._refusal = "no other session on this GPU can give way"
                         return False
                     left = deadline - time.monotonic()
                     if left <= 0:
@@ -83,6 +94,9 @@ class Room:
                             "lease %s: no room within %.0f s", self.activity.lease_id,
                             self.timeout_s,
                         )  # fmt: skip
+                        self._refusal = (
+                            f"no other session on this GPU made room within {self.timeout_s:.0f} s"
+                        )
                         return False
                     self._changed.wait(min(POLL_S, left))
         finally:
