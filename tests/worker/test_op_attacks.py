@@ -327,10 +327,6 @@ def test_stack_internals_are_refused_and_stack_runs(raw: Raw) -> None:
         ("aten::_add_batch_dim", [tensor(1), 0, 1 << 24]),
         ("aten::_compute_linear_combination", [tensor(1), longs([1] * 64, [2, 32])]),
         ("aten::_sobol_engine_ff_", [longs([0, 0, 0]), 5, longs([0] * 6, [2, 3]), 1 << 20, -2]),
-        (
-            "aten::mkldnn_rnn_layer",
-            [tensor(1)] * 7 + [False, [3, 6, 1 << 20], 3, 2, 63] + [True] * 4,
-        ),
     ],
 )
 def test_internal_kernels_that_trust_their_caller_are_refused(
@@ -344,6 +340,20 @@ def test_internal_kernels_that_trust_their_caller_are_refused(
     them (the heap it wrote past aborted the worker later)."""
     raw.run(name, args, {}, [2])
     refused(raw, f"{name} is not allowed on a gpupool worker")
+
+
+def test_onednn_lstm_layers_with_forged_shapes_are_refused(raw: Raw) -> None:
+    """`mkldnn_rnn_layer` views its tensors' data pointers with the layer its other arguments
+    describe: these forged layers crashed the worker when it ran the kernel bare. It runs
+    behind a check now (tests/worker/test_opchecks.py has the genuine calls)."""
+    forged = [tensor(1)] * 7 + [False, [3, 6, 1 << 20], 3, 2, 63] + [True] * 4
+    raw.run("aten::mkldnn_rnn_layer", forged, {}, [2, 3, 4, 5])
+    refused(raw, "aten::mkldnn_rnn_layer refused", "mode 3 is not LSTM")
+    raw.run("aten::mkldnn_rnn_layer", [*forged[:8], [], 2, 1 << 20, 1] + [True] * 4, {},
+            [2, 3, 4, 5])  # fmt: skip
+    refused(raw, "aten::mkldnn_rnn_layer refused", "input must be")
+    raw.run("aten::mkldnn_rnn_layer.out", forged, {}, [2])
+    refused(raw, "is not allowed on a gpupool worker")
 
 
 def test_a_call_returning_a_nested_tensor_fails_cleanly_and_the_stream_goes_on(raw: Raw) -> None:

@@ -767,3 +767,75 @@ def test_a_split_returns_a_bounded_number_of_tensors() -> None:
     refuses("aten::tensor_split.sections", x, 1 << 40, match="past 65536")
     refuses("aten::split.Tensor", torch.ones(1).expand(1 << 20), 1, match="1048576 tensors")
     refuses("aten::unbind.int", torch.ones(1).expand(1 << 20), 0, match="past 65536")
+
+
+def test_onednn_lstm_layers_run_on_layers_that_fit_and_a_workspace_of_their_own() -> None:
+    """The kernel views every tensor's data pointer with the layer's descriptor, and its
+    backward reads as much workspace as the layer's primitive says: forged shapes crashed the
+    worker. Each forged call below is refused before oneDNN sees it."""
+    seq, batch, features, hidden = 5, 3, 4, 6
+    x = torch.randn(seq, batch, features)
+    w0, w1 = torch.randn(4 * hidden, features), torch.randn(4 * hidden, hidden)
+    b0, b1 = torch.randn(4 * hidden), torch.randn(4 * hidden)
+    hx, cx = torch.randn(batch, hidden), torch.randn(batch, hidden)
+    forward = checked("aten::mkldnn_rnn_layer")
+
+    def layer(*tensors: Any, train: bool = True, mode: int = 2, size: int = hidden) -> Any:
+        return forward(*tensors, False, [], mode, size, 1, True, False, False, train)
+
+    out, hy, cy, workspace = layer(x, w0, w1, b0, b1, hx, cx)  # the worker's autograd is off
+    assert out.shape == (seq, batch, hidden) and workspace.numel() > 0
+    with torch.enable_grad():  # what a local CPU computes
+        want = aten.mkldnn_rnn_layer.default(
+            x, w0, w1, b0, b1, hx, cx, False, [], 2, hidden, 1, True, False, False, True
+        )
+    assert torch.equal(out, want[0]) and workspace.numel() == want[3].numel()
+    assert layer(x, w0, w1, b0, b1, hx, cx, train=False)[3] is None  # inference: none
+    for forged, match in (
+        ((x, w0[:-1], w1, b0, b1, hx, cx), "weight0"),
+        ((x, w0, w1[:, :2], b0, b1, hx, cx), "weight1"),
+        ((x, w0, w1, b0[:3], b1, hx, cx), "weight2"),
+        ((x, w0, w1, b0, b1, hx[:1], cx), "hx_"),
+        ((x, w0, w1, b0, b1, hx, cx.t().contiguous().t()), "cx_ must be contiguous"),
+        ((x.transpose(0, 1), w0, w1, b0, b1, hx, cx), "input"),
+        ((x.double(), w0, w1, b0, b1, hx, cx), "float32"),
+    ):
+        with pytest.raises(OpRefused, match=match):
+            layer(*forged)
+    with pytest.raises(OpRefused, match="mode 3"):
+        layer(x, w0, w1, b0, b1, hx, cx, mode=3)
+    with pytest.raises(OpRefused, match="hidden_size"):
+        layer(x, w0, w1, b0, b1, hx, cx, size=0)
+
+    backward = checked("aten::mkldnn_rnn_layer_backward")
+    grad_out = torch.randn(seq, batch, hidden)
+
+    def grads(ws: Any, output: Any = out, g: Any = grad_out) -> Any:
+        return backward(
+            x, w0, w1, b0, b1, hx, cx, output, hy, cy, g, None, None, False, 2, hidden, 1,
+            True, True, False, [], False, ws,
+        )  # fmt: skip
+
+    got = grads(workspace)
+    want_grads = aten.mkldnn_rnn_layer_backward.default(
+        x, w0, w1, b0, b1, hx, cx, want[0], want[1], want[2], grad_out, None, None, False, 2,
+        hidden, 1, True, True, False, [], False, want[3],
+    )  # fmt: skip
+    assert all(torch.equal(a, b) for a, b in zip(got, want_grads, strict=True))
+    for forged_ws, match in (
+        (torch.zeros(8, dtype=torch.uint8), "not made by this worker"),
+        (workspace.clone(), "not made by this worker"),  # another tensor, however like it
+        (workspace[:8], "not made by this worker"),
+    ):
+        with pytest.raises(OpRefused, match=match):
+            grads(forged_ws)
+    other = layer(torch.randn(2, batch, features), w0, w1, b0, b1, hx, cx)[3]
+    with pytest.raises(OpRefused, match="same layer"):
+        grads(other)  # made for a layer of 2 steps, read as one of 5
+    with pytest.raises(OpRefused, match="output"):
+        grads(workspace, output=out[:2])
+    with pytest.raises(OpRefused, match="grad_output"):
+        grads(workspace, g=grad_out[:, :1])
+    workspace.resize_(8)  # the tenant shrank it in place
+    with pytest.raises(OpRefused, match="workspace"):
+        grads(workspace)

@@ -9,11 +9,12 @@ nn.LSTM failed at its first step. For every remote tensor the layers here
 order: the input projection of a whole layer at once, then per step the hidden projection
 added to it and the gates; dropout between layers. Autograd records each op, so backward is
 the cells' too. A GRU and an LSTM with projections (which a local CPU runs as cells too) are
-then bit-identical with a local CPU run. A float32 LSTM without projections agrees to the
-last bits only: a local CPU runs it as oneDNN layers
-(`mkldnn_rnn_layer`), which a worker refuses (the kernel trusts its weights' shapes: forged
-ones crashed a worker), so the cells' rounding differs from oneDNN's in the last bits (about
-1e-9 in the gradients of a small model).
+then bit-identical with a local CPU run. A float32 LSTM without projections is what a local
+CPU runs as oneDNN layers (`mkldnn_rnn_layer`); on a CPU worker it runs so too, layer by layer
+as ATen's `mkldnn_rnn` does (`_onednn_lstm`), and is bit-identical. The worker runs that kernel
+behind a check (gpupool.worker.opchecks: it trusts its weights' shapes, forged ones crashed a
+worker, and its backward trusts the workspace's size); the cells had differed from oneDNN in
+the last bits, one float32 ulp in a loss four steps on.
 torch._decomp's own LSTM decomposition is not used: it drops the dropout between layers.
 A CUDA worker runs the same cells: PyTorch's composite there took torch._decomp's LSTM
 decomposition on torch 2.11, whose final hidden states came back with an extra dimension (the
@@ -36,6 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gpupool.torch.stream import stream_of
 from gpupool.torch.tensor import RemoteTensor
 
 aten = torch.ops.aten
@@ -142,6 +144,66 @@ def _group(params: Sequence[torch.Tensor], has_biases: bool, projected: bool) ->
     return [list(params[i : i + per]) for i in range(0, len(params), per)]
 
 
+_ONEDNN_LSTM = 2
+"""ideep::rnn_kind::LSTM, the mode ATen gives `mkldnn_rnn_layer`."""
+
+
+def _onednn(input: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, params: Sequence[Any]) -> bool:
+    """Whether a local CPU would run this LSTM as oneDNN layers (ATen's `use_mkldnn`: oneDNN
+    on and float32; bfloat16 depends on the worker's CPU, so it keeps the cells) and the
+    worker is a CPU, where the same kernel then runs."""
+    if not isinstance(input, RemoteTensor) or stream_of(input._gp).is_cuda_worker:
+        return False
+    if not (torch.backends.mkldnn.is_available() and torch._C._get_mkldnn_enabled()):
+        return False
+    tensors = [input, h0, c0, *params]
+    return (
+        all(t.dtype == torch.float32 for t in tensors)
+        and input.numel() != 0
+        and h0.size(2) == c0.size(2)  # no projections
+    )
+
+
+def _onednn_lstm(
+    input: torch.Tensor, h0: torch.Tensor, c0: torch.Tensor, grouped: list[list[Any]],
+    has_biases: bool, num_layers: int, dropout: float, train: bool, bidirectional: bool,
+    batch_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """ATen's `mkldnn_rnn` op for op: each layer and direction one `mkldnn_rnn_layer` on the
+    worker, dropout between layers, the final states stacked. The layer's `train` argument
+    carries the client's autograd mode instead of the module's flag: the kernel keeps the
+    workspace its backward needs only with the mode on (a worker runs with it off and runs this
+    kernel under the mode `train` names, see gpupool.worker.opchecks), and nothing else reads
+    `train`."""
+    x = (input.transpose(0, 1) if batch_first else input).contiguous()
+    hx, cx = h0.contiguous(), c0.contiguous()
+    hidden = hx.size(2)
+    grad = torch.is_grad_enabled()
+    directions = 2 if bidirectional else 1
+    layer_input = x
+    hys: list[torch.Tensor] = []
+    cys: list[torch.Tensor] = []
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            w = grouped[index]
+            w2 = w[2] if has_biases else torch.zeros_like(w[0])
+            w3 = w[3] if has_biases else torch.zeros_like(w[1])
+            out, hy, cy, _ = aten.mkldnn_rnn_layer(
+                layer_input, w[0], w[1], w2, w3, hx[index], cx[index], direction > 0, [],
+                _ONEDNN_LSTM, hidden, num_layers, has_biases, bidirectional, batch_first, grad,
+            )  # fmt: skip
+            outputs.append(out)
+            hys.append(hy)
+            cys.append(cy)
+        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            layer_input = F.dropout(layer_input, dropout, True)
+    output = layer_input.transpose(0, 1) if batch_first else layer_input
+    return output, torch.stack(hys, 0), torch.stack(cys, 0)
+
+
 def lstm(
     input: torch.Tensor, hx: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
     has_biases: bool, num_layers: int, dropout: float, train: bool, bidirectional: bool,
@@ -152,6 +214,11 @@ def lstm(
     h0, c0 = hx
     projected = h0.size(2) != c0.size(2)
     grouped = _group(params, has_biases, projected)
+    if _onednn(input, h0, c0, params):
+        return _onednn_lstm(
+            input, h0, c0, grouped, has_biases, num_layers, dropout, train, bidirectional,
+            batch_first,
+        )  # fmt: skip
     x = input.transpose(0, 1) if batch_first else input
     hiddens = list(zip(h0.unbind(0), c0.unbind(0), strict=True))
     out, finals = _stack(_lstm_cell, x, hiddens, grouped, num_layers, dropout, train, bidirectional)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 
 class OpRefused(RuntimeError):
@@ -41,6 +42,9 @@ class Check:
     needs: frozenset[str] = frozenset()
     """Arguments the check reads by name: every op it guards has them, in every torch the
     table covers (a test compares them with each registry's schemas)."""
+    grad: Callable[[Args], bool] | None = None
+    """Autograd's mode the kernel runs under (a worker runs with it off): for a kernel that
+    chooses by it what it computes, the mode its client had, as the arguments say it."""
 
 
 # ---- binding ----------------------------------------------------------------------------------
@@ -78,7 +82,7 @@ class _Binder:
 def guard(name: str, check: Check, fn: Any, call: Callable[..., Any]) -> Callable[..., Any]:
     """`call` behind `check`: what `_Op.call` becomes for an op the policy checks."""
     binder = _Binder(fn._schema)
-    pre, post = check.pre, check.post
+    pre, post, grad = check.pre, check.post, check.grad
 
     def checked(*args: Any, **kwargs: Any) -> Any:
         bound = binder.bind(args, kwargs)
@@ -88,7 +92,11 @@ def guard(name: str, check: Check, fn: Any, call: Callable[..., Any]) -> Callabl
         except OpRefused as exc:
             raise OpRefused(f"{name} refused: {exc}") from None
         call_args, call_kwargs = binder.split(bound)
-        result = call(*call_args, **call_kwargs)
+        if grad is None:
+            result = call(*call_args, **call_kwargs)
+        else:
+            with torch.set_grad_enabled(grad(bound)):
+                result = call(*call_args, **call_kwargs)
         if post is None:
             return result
         try:
@@ -1166,6 +1174,111 @@ def _slow_conv2d_backward(a: Args) -> None:
     _shape(grad, [*inp.shape[:-3], out_channels, rows, cols], "grad_output")
 
 
+# ---- oneDNN's LSTM layer ------------------------------------------------------------------------
+
+_LSTM = 2
+"""ideep::rnn_kind::LSTM, the only mode ATen asks of `mkldnn_rnn_layer` (its RNN and GRU modes
+are never called by PyTorch)."""
+
+_RNN_WORKSPACES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Each workspace an `mkldnn_rnn_layer` forward made on this worker, with the layer it was made
+for: oneDNN's backward reads as many bytes of it as that layer's primitive says, whatever the
+tensor holds, so a backward gets only a workspace this worker made for the same layer (by
+identity: a tensor's `==` is elementwise, which weakref's dictionary would call)."""
+
+
+def _flat(value: Any, shape: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A dense contiguous tensor of `shape` and `dtype` whose storage holds it: oneDNN views
+    the data pointer with the layer's descriptor and never looks at sizes or strides."""
+    tensor = _tensor(value, what)
+    if tensor.layout != torch.strided or tensor.device.type != "cpu":
+        raise OpRefused(f"{what} must be a dense CPU tensor")
+    if tensor.dtype != dtype:
+        raise OpRefused(f"{what} is {tensor.dtype}, expected {dtype}")
+    _shape(tensor, shape, what)
+    if not tensor.is_contiguous():
+        raise OpRefused(f"{what} must be contiguous")
+    _covers(tensor, tensor.numel(), what)
+    return tensor
+
+
+def _weights(tensor: Any, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
+    """A weight the kernel makes contiguous itself: its shape and dtype only."""
+    weight = _tensor(tensor, what)
+    if weight.layout != torch.strided or weight.device.type != "cpu" or weight.dtype != dtype:
+        raise OpRefused(f"{what} must be a dense CPU {dtype} tensor")
+    _shape(weight, shape, what)
+
+
+def _rnn_layer(a: Args, first: str) -> tuple[Any, ...]:
+    """The layer both directions of the op describe: input [seq, batch, features] and the
+    weights and hidden states that fit it. Returns what a workspace is made for."""
+    if _int(a["mode"], "mode") != _LSTM:
+        raise OpRefused(f"mode {a['mode']} is not LSTM ({_LSTM}), the only one PyTorch runs")
+    if _ints(a["batch_sizes"], "batch_sizes"):
+        raise OpRefused("packed sequences (batch_sizes) are not supported by this kernel")
+    hidden = _int(a["hidden_size"], "hidden_size")
+    if hidden < 1 or _int(a["num_layers"], "num_layers") < 1:
+        raise OpRefused("hidden_size and num_layers must be positive")
+    inp = _tensor(a["input"], "input")
+    if inp.dtype != torch.float32 or inp.dim() != 3 or inp.numel() == 0:
+        raise OpRefused("input must be a non-empty float32 [seq, batch, features] tensor")
+    seq, batch, features = inp.shape
+    _flat(inp, [seq, batch, features], torch.float32, "input")
+    names = [first, *(f"weight{int(first[-1]) + i}" for i in (1, 2, 3))]
+    _weights(a[names[0]], [4 * hidden, features], torch.float32, names[0])
+    _weights(a[names[1]], [4 * hidden, hidden], torch.float32, names[1])
+    if a["has_biases"]:
+        for name in names[2:]:
+            _weights(a[name], [4 * hidden], torch.float32, name)
+    for name in ("hx_", "cx_" if "cx_" in a else "cx_tmp"):
+        _flat(a[name], [batch, hidden], torch.float32, name)
+    return (seq, batch, features, hidden, bool(a["reverse"]))
+
+
+def _mkldnn_rnn_layer(a: Args) -> None:
+    _rnn_layer(a, "weight0")
+
+
+def _mkldnn_rnn_layer_made(a: Args, result: Any) -> Any:
+    """Remember the workspace of a training forward, and the layer it is for."""
+    workspace = result[3]
+    if isinstance(workspace, torch.Tensor) and workspace.numel() > 0:
+        _RNN_WORKSPACES[workspace] = (*_rnn_layer(a, "weight0"), workspace.numel())
+    return result
+
+
+def _mkldnn_rnn_layer_backward(a: Args) -> None:
+    layer = _rnn_layer(a, "weight1")
+    seq, batch, _, hidden, _ = layer
+    workspace = _tensor(a["workspace"], "workspace")
+    made = _RNN_WORKSPACES.get(workspace)
+    if made is None or made[:-1] != layer:
+        raise OpRefused("workspace was not made by this worker's forward of the same layer")
+    if workspace.dtype != torch.uint8:
+        raise OpRefused("workspace was changed since its forward made it")
+    _flat(workspace, [made[-1]], torch.uint8, "workspace")
+    _flat(a["output"], [seq, batch, hidden], torch.float32, "output")
+    for name in ("hy_", "cy_"):
+        _flat(a[name], [batch, hidden], torch.float32, name)
+    for name, shape in (("grad_output", [seq, batch, hidden]), ("grad_hy", [batch, hidden]),
+                        ("grad_cy", [batch, hidden])):  # fmt: skip
+        grad = a.get(name)
+        if grad is not None:
+            _weights(grad, shape, torch.float32, name)  # made contiguous by the kernel
+
+
+_LSTM_LAYER_ARGS = (
+    "input", "weight0", "weight1", "weight2", "weight3", "hx_", "cx_", "reverse", "batch_sizes",
+    "mode", "hidden_size", "num_layers", "has_biases", "train",
+)  # fmt: skip
+_LSTM_LAYER_BACKWARD_ARGS = (
+    "input", "weight1", "weight2", "weight3", "weight4", "hx_", "cx_tmp", "output", "hy_", "cy_",
+    "grad_output", "grad_hy", "grad_cy", "reverse", "batch_sizes", "mode", "hidden_size",
+    "num_layers", "has_biases", "workspace",
+)  # fmt: skip
+
+
 def _needs(*names: str) -> frozenset[str]:
     return frozenset(names)
 
@@ -1189,6 +1302,17 @@ CHECKS: dict[str, Check] = {
         needs=_needs("input", "normalized_shape", "grad_out", "mean", "rstd"),
     ),
     "batch_norm": Check(pre=_batch_norm, needs=_needs("input")),
+    # Forward under the client's autograd mode (`train` carries it: the kernel makes the
+    # workspace a backward needs only with the mode on, and nothing else reads `train`).
+    "mkldnn_rnn_layer": Check(
+        pre=_mkldnn_rnn_layer,
+        post=_mkldnn_rnn_layer_made,
+        grad=lambda a: bool(a["train"]),
+        needs=_needs(*_LSTM_LAYER_ARGS),
+    ),
+    "mkldnn_rnn_layer_backward": Check(
+        pre=_mkldnn_rnn_layer_backward, needs=_needs(*_LSTM_LAYER_BACKWARD_ARGS)
+    ),
     "group_norm_backward": Check(
         pre=_group_norm_backward,
         needs=_needs("N", "C", "HxW", "group", "input", "grad_out", "mean", "rstd"),

@@ -229,8 +229,14 @@ CHECKED_OVERLOADS: dict[str, str] = {
     for op in ("div", "div_", "divide", "divide_")
     for overload in ("Tensor_mode", "Scalar_mode", "out_mode", "Tensor_mode_out", "Scalar_mode_out")
 }
+CHECKED_OVERLOADS.update(
+    {
+        "aten::mkldnn_rnn_layer": "mkldnn_rnn_layer",
+        "aten::mkldnn_rnn_layer_backward": "mkldnn_rnn_layer_backward",
+    }
+)
 """Single overloads behind a check, before `CHECKED` (the rest of their op is hot and needs
-none: `div` with a rounding mode only)."""
+none: `div` with a rounding mode only; oneDNN's LSTM layer, whose `.out` forms stay refused)."""
 
 CHECKED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("_foreach_", "same_lengths"),
@@ -296,10 +302,10 @@ REFUSED: dict[str, str] = {
     "for it (forged ones crashed the worker); cholesky_solve runs",
     "_logcumsumexp": "the kernel behind logcumsumexp, which wraps dim for it (the raw one "
     "aborted the worker); logcumsumexp runs",
-    "mkldnn_rnn_layer": "the oneDNN kernel behind lstm on a CPU, which trusts its weights' "
-    "shapes (forged ones crashed the worker); lstm runs",
-    "mkldnn_rnn_layer_backward": "the oneDNN kernel behind lstm on a CPU, which trusts its "
-    "weights' shapes; lstm runs",
+    "mkldnn_rnn_layer": "the .out form of oneDNN's LSTM layer, which trusts its weights' "
+    "shapes (forged ones crashed the worker); mkldnn_rnn_layer itself runs behind a check",
+    "mkldnn_rnn_layer_backward": "the .out form of oneDNN's LSTM layer backward, which trusts "
+    "its weights' shapes and workspace; mkldnn_rnn_layer_backward runs behind a check",
     "_add_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
     "the client",
     "_remove_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
