@@ -1166,7 +1166,7 @@ class Executor:
         limit_text = "no limit" if limit is None else f"a limit of {limit // MiB} MiB"
         held = self.memory.held_bytes() / MiB
         detail = first_line(exc)
-        room = getattr(self.memory, "room", None)
+        room = self.memory.room
         refusal = room.take_refusal() if room is not None else None
         why = f"; {refusal}" if refusal else ""
         return (

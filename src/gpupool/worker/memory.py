@@ -76,6 +76,9 @@ class MemoryLimit(Protocol):
     """charge() and release() must hear of every stored and dropped tensor (else they only
     count host tensors, which the compiled record loop hands to Python: see `_runloop.c`), and
     an op's outputs are charged before it runs (`gpupool.worker.admission`)."""
+    room: Room | None
+    """Where an allocation waits for other sessions' memory (None: it fails at once); it also
+    says why the last wait failed, for the OutOfMemoryError."""
 
     @property
     def host_limit_bytes(self) -> int | None:

@@ -1187,27 +1187,26 @@ tensor holds, so a backward gets only a workspace this worker made for the same 
 identity: a tensor's `==` is elementwise, which weakref's dictionary would call)."""
 
 
-def _flat(value: Any, shape: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
-    """A dense contiguous tensor of `shape` and `dtype` whose storage holds it: oneDNN views
-    the data pointer with the layer's descriptor and never looks at sizes or strides."""
+def _dense(value: Any, shape: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A dense CPU tensor of `shape` and `dtype`: what the kernel makes contiguous itself (the
+    weights, the incoming gradients) needs no more."""
     tensor = _tensor(value, what)
     if tensor.layout != torch.strided or tensor.device.type != "cpu":
         raise OpRefused(f"{what} must be a dense CPU tensor")
     if tensor.dtype != dtype:
         raise OpRefused(f"{what} is {tensor.dtype}, expected {dtype}")
     _shape(tensor, shape, what)
+    return tensor
+
+
+def _flat(value: Any, shape: Sequence[int], dtype: torch.dtype, what: str) -> torch.Tensor:
+    """`_dense`, contiguous, and held by its storage: oneDNN views the data pointer with the
+    layer's descriptor and never looks at sizes or strides."""
+    tensor = _dense(value, shape, dtype, what)
     if not tensor.is_contiguous():
         raise OpRefused(f"{what} must be contiguous")
     _covers(tensor, tensor.numel(), what)
     return tensor
-
-
-def _weights(tensor: Any, shape: Sequence[int], dtype: torch.dtype, what: str) -> None:
-    """A weight the kernel makes contiguous itself: its shape and dtype only."""
-    weight = _tensor(tensor, what)
-    if weight.layout != torch.strided or weight.device.type != "cpu" or weight.dtype != dtype:
-        raise OpRefused(f"{what} must be a dense CPU {dtype} tensor")
-    _shape(weight, shape, what)
 
 
 def _rnn_layer(a: Args, first: str) -> tuple[Any, ...]:
@@ -1221,16 +1220,16 @@ def _rnn_layer(a: Args, first: str) -> tuple[Any, ...]:
     if hidden < 1 or _int(a["num_layers"], "num_layers") < 1:
         raise OpRefused("hidden_size and num_layers must be positive")
     inp = _tensor(a["input"], "input")
-    if inp.dtype != torch.float32 or inp.dim() != 3 or inp.numel() == 0:
-        raise OpRefused("input must be a non-empty float32 [seq, batch, features] tensor")
+    if inp.dim() != 3 or inp.numel() == 0:
+        raise OpRefused("input must be a non-empty [seq, batch, features] tensor")
     seq, batch, features = inp.shape
-    _flat(inp, [seq, batch, features], torch.float32, "input")
+    _flat(inp, inp.shape, torch.float32, "input")
     names = [first, *(f"weight{int(first[-1]) + i}" for i in (1, 2, 3))]
-    _weights(a[names[0]], [4 * hidden, features], torch.float32, names[0])
-    _weights(a[names[1]], [4 * hidden, hidden], torch.float32, names[1])
+    _dense(a[names[0]], [4 * hidden, features], torch.float32, names[0])
+    _dense(a[names[1]], [4 * hidden, hidden], torch.float32, names[1])
     if a["has_biases"]:
         for name in names[2:]:
-            _weights(a[name], [4 * hidden], torch.float32, name)
+            _dense(a[name], [4 * hidden], torch.float32, name)
     for name in ("hx_", "cx_" if "cx_" in a else "cx_tmp"):
         _flat(a[name], [batch, hidden], torch.float32, name)
     return (seq, batch, features, hidden, bool(a["reverse"]))
@@ -1255,9 +1254,7 @@ def _mkldnn_rnn_layer_backward(a: Args) -> None:
     made = _RNN_WORKSPACES.get(workspace)
     if made is None or made[:-1] != layer:
         raise OpRefused("workspace was not made by this worker's forward of the same layer")
-    if workspace.dtype != torch.uint8:
-        raise OpRefused("workspace was changed since its forward made it")
-    _flat(workspace, [made[-1]], torch.uint8, "workspace")
+    _flat(workspace, [made[-1]], torch.uint8, "workspace")  # as made: not resized nor re-typed
     _flat(a["output"], [seq, batch, hidden], torch.float32, "output")
     for name in ("hy_", "cy_"):
         _flat(a[name], [batch, hidden], torch.float32, name)
@@ -1265,7 +1262,7 @@ def _mkldnn_rnn_layer_backward(a: Args) -> None:
                         ("grad_cy", [batch, hidden])):  # fmt: skip
         grad = a.get(name)
         if grad is not None:
-            _weights(grad, shape, torch.float32, name)  # made contiguous by the kernel
+            _dense(grad, shape, torch.float32, name)  # made contiguous by the kernel
 
 
 _LSTM_LAYER_ARGS = (
