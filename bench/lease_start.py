@@ -216,7 +216,8 @@ def main() -> None:
         "runs": [],
     }
     for ready in settings:
-        rows = []
+        rows: list[dict[str, Any]] = []
+        results["runs"].append(run_summary(ready, rows, args.leases))
         with pool(work, ready, args.interval, None if args.gpu else args.fake) as api:
             # One lease first, not counted: this process's own first remote op (gpupool.torch's
             # and the meta kernels' first calls) is the program's start, not the pool's.
@@ -231,17 +232,11 @@ def main() -> None:
                 except Exception as exc:  # counted and shown: a failed start is a result too
                     rows.append({"error": f"{type(exc).__name__}: {str(exc)[:300]}"})
                 print(json.dumps({"ready_workers": ready, **rows[-1]}), flush=True)
-        run = {
-            "ready_workers": ready,
-            "got_a_ready_worker": sum(bool(r.get("ready_worker")) for r in rows),
-            "failed": sum("error" in r for r in rows),
-            **{
-                key: summary(rows, key)
-                for key in ("grant_to_first_op_s", "pickup_s", "worker_s", "attach_s")
-            },
-            "rows": rows,
-        }
-        results["runs"].append(run)
+                # Written after every lease: a run cut short (a time limit) keeps what it
+                # measured, and says how far it got.
+                results["runs"][-1] = run_summary(ready, rows, args.leases)
+                results["machine"] = machine()
+                args.out.write_text(json.dumps(results, indent=2) + "\n")
     results["machine"] = machine()
     args.out.write_text(json.dumps(results, indent=2) + "\n")
     print(
@@ -250,6 +245,21 @@ def main() -> None:
             indent=1,
         )
     )
+
+
+def run_summary(ready: int, rows: list[dict[str, Any]], wanted: int) -> dict[str, Any]:
+    """One setting's summary over the leases measured so far (`measured` < `leases`: cut short)."""
+    return {
+        "ready_workers": ready,
+        "measured": len(rows),
+        "got_a_ready_worker": sum(bool(r.get("ready_worker")) for r in rows),
+        "failed": sum("error" in r for r in rows),
+        **{
+            key: summary(rows, key) if rows else {}
+            for key in ("grant_to_first_op_s", "pickup_s", "worker_s", "attach_s")
+        },
+        "rows": rows,
+    }
 
 
 def machine() -> str:
