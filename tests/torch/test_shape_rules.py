@@ -66,6 +66,7 @@ def _cases(rng: random.Random) -> list[tuple[Any, tuple[Any, ...], dict[str, Any
             {},
         ),
         (aten.baddbmm.default, (t((batch, n, m)), t((batch, n, k)), t((batch, k, m))), {}),
+        (aten.linear.default, (t((*a[:-1], k)), t((m, k)), t((m,)) if n > 2 else None), {}),
         (aten.native_layer_norm.default, (t(a), list(a[-1:]), t(a[-1:]), t(a[-1:]), 1e-5), {}),
         (
             aten.native_layer_norm.default,
@@ -104,7 +105,7 @@ def test_every_rule_gives_what_the_meta_kernel_gives(attach: Callable[..., Any])
             want = [(shape, stride, 0) for shape, stride in layouts]
             assert got == want, (op, [getattr(a, "shape", a) for a in args], kwargs)
             checked[str(op)] = checked.get(str(op), 0) + 1
-    assert len(checked) == 24 and min(checked.values()) >= 40  # layer norm and cat: twice
+    assert len(checked) == 25 and min(checked.values()) >= 40  # layer norm and cat: twice
 
 
 def test_rules_stay_off_outside_their_preconditions(attach: Callable[..., Any]) -> None:

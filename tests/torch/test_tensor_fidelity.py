@@ -192,3 +192,98 @@ def test_an_error_inside_backward_reaches_the_caller_and_the_session_lives_on(
     b.abs().sum().backward()
     assert b.grad is not None and b.grad.tolist() == [1.0, 1.0, 1.0]
     assert (a * 3).sum().item() == 9.0
+
+
+def test_linear_without_a_gradient_goes_whole_and_with_one_as_its_parts(
+    attach: Callable[..., Any],
+) -> None:
+    from gpupool.torch import runtime
+
+    attach()
+    torch.manual_seed(3)
+    x, w, b = torch.randn(2, 5, 8), torch.randn(6, 8), torch.randn(6)
+    rx, rw, rb = (t.cuda() for t in (x, w, b))
+    with torch.no_grad():
+        assert torch.equal(F.linear(rx, rw, rb).cpu(), F.linear(x, w, b))
+    with torch.inference_mode():
+        assert torch.equal(F.linear(rx[0], rw).cpu(), F.linear(x[0], w))
+    names = runtime.stream(0).op_names()
+    assert "aten::linear" in names and not names & {"aten::addmm", "aten::mm", "aten::t"}
+    # A gradient to record: the composite's parts, each with its autograd node.
+    lw, lb = w.clone().requires_grad_(), b.clone().requires_grad_()
+    gw, gb = rw.detach().requires_grad_(), rb.detach().requires_grad_()
+    F.linear(x, lw, lb).pow(2).sum().backward()
+    out = F.linear(rx, gw, gb)
+    assert out.requires_grad and out.grad_fn is not None
+    out.pow(2).sum().backward()
+    assert "aten::addmm" in runtime.stream(0).op_names()
+    assert torch.equal(gw.grad.cpu(), lw.grad) and torch.equal(gb.grad.cpu(), lb.grad)
+    # Forward-mode AD sees the linear too.
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        local = fwAD.unpack_dual(F.linear(fwAD.make_dual(x, torch.ones_like(x)), w)).tangent
+        dual = fwAD.make_dual(rx, torch.ones_like(rx))
+        remote = fwAD.unpack_dual(F.linear(dual, rw)).tangent
+    assert remote is not None and torch.equal(remote.cpu(), local)
+
+
+def test_views_made_in_inference_mode_are_what_a_local_device_makes(
+    attach: Callable[..., Any],
+) -> None:
+    """A view of a normal tensor made in inference mode is a normal tensor; anything else made
+    there is an inference tensor (serving code runs under torch.inference_mode())."""
+    attach()
+
+    def idiom(put: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        x = put(torch.arange(12.0).reshape(3, 4))
+        with torch.inference_mode():
+            made = {
+                "select": x[0], "view": x.view(4, 3), "t": x.t(), "detach": x.detach(),
+                "add": x + 1, "view_of_new": (x * 2)[1:], "transpose_of_new": (x - 1).mT,
+            }  # fmt: skip
+            inner = made["add"].view(2, 6)
+        return [(name, t.is_inference(), t) for name, t in {**made, "inner": inner}.items()]
+
+    expected, actual = idiom(lambda t: t.clone()), idiom(lambda t: t.to("cuda"))
+    assert [(n, i) for n, i, _ in actual] == [(n, i) for n, i, _ in expected]
+    _assert_same([t for _, _, t in actual], [t for _, _, t in expected])
+
+
+class _Served(torch.nn.Module):
+    """What serving code runs under inference mode: linears, norms, attention, a recurrent
+    layer, reshapes and a read to the host."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 24)
+        self.norm = torch.nn.LayerNorm(8)
+        self.bn = torch.nn.BatchNorm1d(8)
+        self.rnn = torch.nn.LSTM(8, 8, batch_first=True)
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.proj(self.norm(x)).reshape(x.shape[0], x.shape[1], 3, 8).unbind(2)
+        h = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None])[:, 0]
+        h = self.bn(self.drop(h).transpose(1, 2)).transpose(1, 2)
+        out, _ = self.rnn(F.gelu(h))
+        return out.flatten(1).softmax(-1)
+
+
+def test_a_model_served_under_inference_mode_gives_the_local_values(
+    attach: Callable[..., Any],
+) -> None:
+    attach()
+    torch.manual_seed(4)
+    local = _Served().eval()
+    remote = _Served().eval()
+    remote.load_state_dict(local.state_dict())
+    remote.cuda()
+    x = torch.randn(3, 5, 8)
+    with torch.inference_mode():
+        expected = local(x)
+        got = remote(x.cuda())
+        host = got.cpu()  # read inside inference mode, as a server replies
+    assert type(host) is torch.Tensor and host.device.type == "cpu" and host.is_inference()
+    assert got.is_inference() and got.device.type == "cuda"
+    assert torch.equal(host, expected)

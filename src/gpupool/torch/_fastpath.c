@@ -59,6 +59,7 @@ typedef struct {
     PyObject *to_copy;       /* aten._to_copy.default and its OpInfo */
     PyObject *to_copy_info;
     PyObject *share_ops;     /* detach / alias: a new wrapper on the same handle, no record */
+    PyObject *inference_on;  /* torch.is_inference_mode_enabled: views then go to Python */
     PyObject *empty_kwargs;
     PyObject *wrap_kwnames;
     Py_ssize_t batch_max;
@@ -73,7 +74,8 @@ static PyObject *s_gp, *s_sig, *s_stream, *s_ext, *s_id, *s_recorder, *s_op_ids,
     *s_first_at, *s_flush, *s_single, *s_flat, *s_metadata_inplace, *s_values_only,
     *s_all_alias, *s_keyed_scalars, *s_returns_alias, *s_build, *s_new_handle, *s_op_id,
     *s_append, *s_device, *s_pin_memory, *s_non_blocking, *s_watched, *s_release, *s_open,
-    *s_enabled, *s_dtype, *s_is_leaf, *s_requires_grad, *s_version, *s_data, *s_cxx_device;
+    *s_enabled, *s_dtype, *s_is_leaf, *s_requires_grad, *s_version, *s_data, *s_cxx_device,
+    *s_is_view;
 
 #define FAST_OK 1
 #define FAST_NO 0 /* not on the fast path: the caller goes to Python, nothing was done */
@@ -550,6 +552,19 @@ slow_run(PyObject *info, PyObject *args, PyObject *kwargs)
     return PyObject_Vectorcall(S.slow_run, call, 3, NULL);
 }
 
+/* Whether inference mode is on: a view made then of a normal tensor must be made outside it
+ * (dispatch.run's _outside_inference), so views go to Python while it is. */
+static int
+inference_on(void)
+{
+    PyObject *on = PyObject_CallNoArgs(S.inference_on);
+    if (on == NULL)
+        return -1;
+    int truth = PyObject_IsTrue(on);
+    Py_DECREF(on);
+    return truth;
+}
+
 /* dispatch.run, cached plans only. */
 static PyObject *
 fast_run(PyObject *info, PyObject *args, PyObject *kwargs)
@@ -557,6 +572,11 @@ fast_run(PyObject *info, PyObject *args, PyObject *kwargs)
     int special_case = flag(info, s_metadata_inplace);
     if (special_case == 0)
         special_case = flag(info, s_values_only);
+    if (special_case == 0) {
+        special_case = flag(info, s_is_view);
+        if (special_case > 0)
+            special_case = inference_on();
+    }
     if (special_case < 0)
         return NULL;
     if (special_case)
@@ -1379,6 +1399,13 @@ torch_dispatch(PyObject *module, PyObject *const *argv, Py_ssize_t argc)
             share |= PyTuple_GET_ITEM(S.share_ops, i) == func; /* by identity: OpOverload
                                                                   hashes in Python */
         if (share) {
+            int inference = inference_on();
+            if (inference != 0) {
+                PyObject *call[3] = {func, args, kwargs};
+                result = inference < 0 ? NULL : PyObject_Vectorcall(S.slow_dispatch, call, 3, NULL);
+                Py_XDECREF(empty_args);
+                return result;
+            }
             /* dispatch._share: autograd's detach()/alias() need no worker op. */
             PyObject *source = PyTuple_GET_ITEM(args, 0);
             PyObject *sig = PyObject_GetAttr(source, s_sig);
@@ -1484,6 +1511,7 @@ configure(PyObject *module, PyObject *config)
         take(config, "to_copy", &S.to_copy) < 0 ||
         take(config, "to_copy_info", &S.to_copy_info) < 0 ||
         take(config, "share_ops", &S.share_ops) < 0 ||
+        take(config, "inference_on", &S.inference_on) < 0 ||
         take(config, "autocast_state", &S.autocast_state) < 0 ||
         take(config, "current_node", &S.current_node) < 0 ||
         take(config, "casts", &S.casts) < 0 || take(config, "float32", &S.float32) < 0 ||
@@ -1571,6 +1599,7 @@ PyInit__fastpath(void)
     INTERN(s_all_alias, "all_alias");
     INTERN(s_keyed_scalars, "keyed_scalars");
     INTERN(s_returns_alias, "returns_alias");
+    INTERN(s_is_view, "is_view");
     INTERN(s_build, "build");
     INTERN(s_new_handle, "new_handle");
     INTERN(s_op_id, "op_id");

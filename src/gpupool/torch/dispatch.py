@@ -244,12 +244,34 @@ _DEVICE_KEYS = (torch._C.DispatchKey.PrivateUse1,)
 split ops, written in aten ops for any accelerator): that kernel runs, in the client."""
 
 
+COMPOSITE_KERNELS: dict[Any, Any] = {}
+"""aten composites → the client's own kernel for them (gpupool.torch.kernels registers these at
+AutogradPrivateUse1: attention, batch norm, dropout, the recurrent layers)."""
+WHOLE_COMPOSITES: set[Any] = set()
+"""aten composites that go to the worker as one op when they reach the remote dispatcher
+(linear: kernels.linear sends it here below autograd when no gradient is needed)."""
+
+
 def _composite_route(func: Any) -> Any:
     """Ops outside aten (library ops such as torch.nn's `torch_nn::` ones) never run on a
-    worker, which takes aten ops only; where one is a composite of other ops, those run."""
+    worker, which takes aten ops only; where one is a composite of other ops, those run.
+
+    aten's own composites (CompositeImplicitAutograd) reach this dispatcher only for inference
+    tensors: those have no autograd key, where a normal tensor's composites decompose. They
+    get what a normal tensor gets: the client's kernel where it has one, else the composite's
+    parts. (Sent as one op, `aten::to` was taken for the view its schema allows, and `.cpu()`
+    of an inference tensor came back remote.)"""
     name = func.name()
     if name.startswith("aten::"):
-        return None
+        implicit = torch._C._dispatch_has_kernel_for_dispatch_key(name, _COMPOSITE_KEYS[0])
+        if not implicit or func in WHOLE_COMPOSITES:
+            return None
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, _DEVICE_KEYS[0]):
+            return None  # a kernel of its own here (kernels._KERNELS_OF_THEIR_OWN): whole
+        kernel = COMPOSITE_KERNELS.get(func)
+        if kernel is not None:
+            return lambda func, args, kwargs: kernel(*args, **kwargs)
+        return lambda func, args, kwargs: func.decompose(*args, **kwargs)
     keys = [
         k
         for k in (*_COMPOSITE_KEYS, *_DEVICE_KEYS)
@@ -278,6 +300,9 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def run(
     info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any], device_index: int | None = None
 ) -> Any:
+    if info.is_view and _outside_inference(args):
+        with torch.inference_mode(False):
+            return run(info, args, kwargs, device_index)
     enc = _Encoding()
     enc.device_index = device_index
     wire_args, wire_kwargs = _encode_call(info, args, kwargs, enc)
@@ -586,7 +611,22 @@ def _host_raw(values: torch.Tensor, bits: int) -> torch.Tensor:
 def _share(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """detach() and alias() only matter to autograd, which lives in the client: no worker op."""
     source = args[0]
+    if _outside_inference(args):
+        with torch.inference_mode(False):
+            return wrap_signature(source._sig, source._gp)
     return wrap_signature(source._sig, source._gp)
+
+
+def _outside_inference(args: tuple[Any, ...]) -> bool:
+    """Whether a view's output must be made outside inference mode: it is on and the view's
+    base is a normal tensor. A wrapper made in inference mode is an inference tensor, and
+    autograd's view bookkeeping then fails to share the base's version counter with it
+    ("Cannot set version_counter for inference tensor"), where a local view of a normal
+    tensor made in inference mode is a normal tensor."""
+    if not torch.is_inference_mode_enabled():
+        return False
+    base = next((a for a in args if type(a) is RemoteTensor), None)
+    return base is not None and not base.is_inference()
 
 
 def _identity(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -837,6 +877,7 @@ def _configure(module: Any, find_rule: Any) -> None:
             "to_copy": aten._to_copy.default,
             "to_copy_info": op_info(aten._to_copy.default),
             "share_ops": (aten.detach.default, aten.alias.default),
+            "inference_on": torch.is_inference_mode_enabled,
             "autocast_state": autocast._state,
             "current_node": torch._C._current_autograd_node,
             "casts": autocast._casts,

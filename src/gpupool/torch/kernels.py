@@ -15,7 +15,8 @@
   `scaled_dot_product_attention` (the worker picks flash / efficient / cuDNN, the client calls
   that fused op), `batch_norm` (→ `_batch_norm_with_update`, cuDNN on a CUDA worker),
   `dropout` (→ the fused `native_dropout`), and `lstm` / `gru`, whose fused cells only CUDA
-  has (gpupool.torch.rnn runs the CPU path's cells on a CPU worker).
+  has (gpupool.torch.rnn runs the CPU path's cells on a CPU worker); and `linear`, sent whole
+  when no gradient is needed (see linear()).
 
 The autograd engine would run a device's backward on a thread of its own, one per device that
 the device guard counts (PyTorch's Python guard counts one); remote ops need no such thread, so
@@ -73,17 +74,18 @@ def install() -> None:
             backend.impl(name, _op_kernel(op))
         backend.impl("_efficientzerotensor", _zeros)
         autograd = torch.library.Library("aten", "IMPL", "AutogradPrivateUse1")
-        autograd.impl("scaled_dot_product_attention", scaled_dot_product_attention)
-        autograd.impl("batch_norm", batch_norm)
-        autograd.impl("dropout", dropout)
-        autograd.impl("lstm.input", rnn.lstm)
-        autograd.impl("gru.input", rnn.gru)
+        for name, op, kernel in _COMPOSITES:
+            autograd.impl(name, kernel)
+            dispatch.COMPOSITE_KERNELS[op] = kernel
+        dispatch.WHOLE_COMPOSITES.add(aten.linear.default)
     _LIBRARIES.extend([cuda, backend, autograd])
     rnn.install()
     _install_engine_thread()
 
 
 def uninstall() -> None:
+    dispatch.COMPOSITE_KERNELS.clear()
+    dispatch.WHOLE_COMPOSITES.clear()
     for library in _LIBRARIES:
         library._destroy()
     _LIBRARIES.clear()
@@ -405,6 +407,36 @@ def _efficient_bias(mask: torch.Tensor, query: torch.Tensor, key: torch.Tensor) 
     return bias
 
 
+# ---- linear -----------------------------------------------------------------------------------
+
+
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
+    """`linear` as one remote op when nothing needs its gradient (inference, `no_grad`).
+
+    Its C++ composite is three to four ops (`view`, `t`, `addmm`, `view`), each a trip through
+    Python that a local GPU makes in C++: on a 3-d input that was 24 us of client time per
+    linear against 10 us as one op (a CPU worker, 2-core x86 machine), and a transformer's
+    inference is mostly linears. The worker runs `aten::linear` itself, which decomposes
+    there exactly as it does on a local device, so the values are the same. With a gradient
+    to record (or forward-mode AD on) the composite runs here as before: autograd needs its
+    parts."""
+    if type(input) is RemoteTensor and not _needs_grad(input, weight, bias):
+        with torch._C._AutoDispatchBelowAutograd():
+            return aten.linear.default(input, weight, bias)
+    return aten.linear.default.decompose(input, weight, bias)
+
+
+_COMPOSITES: tuple[tuple[str, Any, Any], ...] = ()
+"""(overload name, OpOverload, kernel) of the composites the client runs its own way; set below,
+once every kernel is defined."""
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    if torch.autograd.forward_ad._current_level >= 0:
+        return True  # a dual level is open: tangents may ride on any input
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 # ---- batch norm and dropout ------------------------------------------------------------------
 
 
@@ -413,17 +445,60 @@ def batch_norm(
     running_mean: torch.Tensor | None, running_var: torch.Tensor | None, training: bool,
     momentum: float, eps: float, cudnn_enabled: bool,
 ) -> torch.Tensor:  # fmt: skip
-    if isinstance(input, RemoteTensor) and running_mean is not None and running_var is not None:
-        if training:
-            return aten._batch_norm_with_update.default(
-                input, weight, bias, running_mean, running_var, momentum, eps
-            )[0]
-        return aten._batch_norm_no_update.default(
+    remote = isinstance(input, RemoteTensor)
+    stats = running_mean is not None and running_var is not None
+    if remote and stats and training and weight is not None:
+        # Without a weight no local GPU runs cuDNN here, and this op's backward takes a weight
+        # (its schema's `Tensor weight` cannot be None from Python): the native kernel below,
+        # through _batch_norm_impl_index, as locally.
+        return aten._batch_norm_with_update.default(
             input, weight, bias, running_mean, running_var, momentum, eps
         )[0]
+    if remote and stats and not training:
+        # Evaluation: native_batch_norm, whose backward (native, on the running statistics) is
+        # the one a local GPU's cuDNN or native forward records. _batch_norm_no_update's
+        # backward would pick its kernel on the worker when it runs, cuDNN's among them, which
+        # differentiates the batch statistics instead.
+        return aten.native_batch_norm.default(
+            input, weight, bias, running_mean, running_var, False, momentum, eps
+        )[0]
+    no_stats = running_mean is None and running_var is None
+    if remote and training and no_stats and _cudnn_batch_norm(input, weight, bias):
+        # Training on batch statistics alone: a local GPU runs cuDNN's batch norm here, but
+        # the composite below picks its kernel by the device C++ sees (not cuda), the native
+        # one, whose backward rounds otherwise. `_batch_norm_with_update` makes the worker
+        # pick as a local GPU would; statistics it may update are given and dropped (cuDNN's
+        # outputs and saved statistics do not depend on them).
+        stats_dtype = weight.dtype if weight is not None else input.dtype
+        channels = input.size(1)
+        mean = torch.zeros(channels, dtype=stats_dtype, device=input.device)
+        var = torch.ones(channels, dtype=stats_dtype, device=input.device)
+        out = aten._batch_norm_with_update.default(input, weight, bias, mean, var, momentum, eps)
+        return out[0]
     return aten._batch_norm_impl_index.default(
         input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
     )[0]
+
+
+def _cudnn_batch_norm(
+    input: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
+) -> bool:
+    """Whether a local GPU would run cuDNN's batch norm on batch statistics (ATen's
+    _select_batch_norm_backend, training without running statistics; the epsilon bound is
+    cuDNN's CUDNN_BN_MIN_EPSILON, 0 since cuDNN 8)."""
+    return (
+        type(input) is RemoteTensor
+        and stream_of(input._gp).is_cuda_worker
+        and weight is not None
+        and bias is not None
+        and torch.backends.cudnn.enabled
+        and input.dtype != torch.bfloat16
+        and weight.dtype != torch.bfloat16
+        and (input.dtype != torch.float16 or weight.dtype == torch.float32)
+        and input.dim() >= 3
+        and input.size(0) <= 880801
+        and input.numel() < 2**31 - 1
+    )
 
 
 def dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
@@ -432,3 +507,14 @@ def dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     if p == 1:
         return input * 0
     return aten.native_dropout.default(input, p, train)[0]
+
+
+_COMPOSITES = (
+    ("scaled_dot_product_attention", aten.scaled_dot_product_attention.default,
+     scaled_dot_product_attention),
+    ("batch_norm", aten.batch_norm.default, batch_norm),
+    ("dropout", aten.dropout.default, dropout),
+    ("lstm.input", aten.lstm.input, rnn.lstm),
+    ("gru.input", aten.gru.input, rnn.gru),
+    ("linear", aten.linear.default, linear),
+)  # fmt: skip

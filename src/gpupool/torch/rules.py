@@ -152,6 +152,18 @@ def matmul(rank: int, first: int) -> Rule:
     return rule
 
 
+def linear(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | None:
+    """linear of a contiguous [..., k] input and a [n, k] weight: a new contiguous [..., n]."""
+    if len(args) < 2 or type(args[0]) is not RemoteTensor:
+        return None
+    shape = _dense(args[0])
+    weight = _sizes(args[1], 2)
+    if shape is None or not shape or weight is None or shape[-1] != weight[1]:
+        return None
+    out = (*shape[:-1], weight[0])
+    return [(out, contiguous(out))]
+
+
 def layer_norm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | None:
     """native_layer_norm: the output as the input; mean and rstd keep the leading dimensions
     with ones for the normalised ones."""
@@ -271,6 +283,7 @@ _NAMED: dict[Any, Rule] = {
     aten.addmm.default: matmul(2, 1),
     aten.bmm.default: matmul(3, 0),
     aten.baddbmm.default: matmul(3, 1),
+    aten.linear.default: linear,
     aten.native_layer_norm.default: layer_norm,
     aten.cat.default: cat,
     aten.embedding.default: embedding,
