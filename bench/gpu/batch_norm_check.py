@@ -8,6 +8,8 @@ worker has no local GPU of its own):
     python bench/gpu/batch_norm_check.py local OUT.pt
     python bench/gpu/batch_norm_check.py remote OUT.pt --worker ADDRESS   (a started worker)
     python bench/gpu/batch_norm_check.py compare LOCAL.pt REMOTE.pt
+    python bench/gpu/batch_norm_check.py both DIR [--device cuda:0]   (all three, a worker of
+        its own on that device; the remote side runs without a GPU of its own)
 """
 
 from __future__ import annotations
@@ -66,10 +68,13 @@ def run(case: dict[str, Any], device: str) -> dict[str, torch.Tensor]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("side", choices=("local", "remote", "compare"))
+    parser.add_argument("side", choices=("local", "remote", "compare", "both"))
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--worker", default="")
+    parser.add_argument("--device", default="cuda:0", help="both: the worker's device")
     args = parser.parse_args()
+    if args.side == "both":
+        return both(Path(args.paths[0]), args.device)
     if args.side == "compare":
         local, remote = (torch.load(p) for p in args.paths[:2])
         bad = 0
@@ -104,6 +109,33 @@ def main() -> int:
             results.append((case, {"error": f"{type(exc).__name__}: {exc}"[:300]}))
     torch.save(results, args.paths[0])
     return 0
+
+
+def both(folder: Path, device: str) -> int:
+    import os
+    import subprocess
+
+    from gpupool.protocol.v1.dataplane import start_worker_process
+
+    folder.mkdir(parents=True, exist_ok=True)
+    proc, ready = start_worker_process(
+        "bn-check", "bn-check", device=device, listen=f"unix:{folder}/w.sock",
+        log_file=folder / "worker.log",
+    )  # fmt: skip
+    try:
+        me = [sys.executable, __file__]
+        no_gpu = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        remote = [*me, "remote", str(folder / "remote.pt"), "--worker", str(ready.address)]
+        subprocess.run(remote, check=True, env=no_gpu, timeout=300)
+        subprocess.run([*me, "local", str(folder / "local.pt")], check=True, timeout=300)
+    finally:
+        proc.kill()
+    return main_compare(folder / "local.pt", folder / "remote.pt")
+
+
+def main_compare(local: Path, remote: Path) -> int:
+    sys.argv = [sys.argv[0], "compare", str(local), str(remote)]
+    return main()
 
 
 if __name__ == "__main__":
