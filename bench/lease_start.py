@@ -193,6 +193,9 @@ def summary(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--leases", type=int, default=20)
+    parser.add_argument(
+        "--cold-leases", type=int, default=0, help="leases of the cold setting (0: --leases)"
+    )
     parser.add_argument("--ready-workers", default="1,0", help="settings to compare, in order")
     parser.add_argument("--interval", type=float, default=2.0, help="the agent's heartbeat (s)")
     parser.add_argument("--fake", default="1xH100-80GB", help="simulated GPUs (CPU workers)")
@@ -201,8 +204,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--work", type=Path, help="keep the pool's files and logs here")
     args = parser.parse_args()
-    if not 1 <= args.leases <= 200:
-        parser.error("--leases must be 1..200")
+    if not 1 <= args.leases <= 200 or not 0 <= args.cold_leases <= 200:
+        parser.error("--leases must be 1..200 (--cold-leases 0..200)")
     settings = [int(x) for x in args.ready_workers.split(",") if x.strip()]
     rng = random.Random(26)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the pool on the way out
@@ -217,13 +220,14 @@ def main() -> None:
     }
     for ready in settings:
         rows: list[dict[str, Any]] = []
-        results["runs"].append(run_summary(ready, rows, args.leases))
+        leases = args.cold_leases if ready == 0 and args.cold_leases else args.leases
+        results["runs"].append(run_summary(ready, rows, leases))
         with pool(work, ready, args.interval, None if args.gpu else args.fake) as api:
             # One lease first, not counted: this process's own first remote op (gpupool.torch's
             # and the meta kernels' first calls) is the program's start, not the pool's.
             wait_idle(api, ready)
             one_lease(api, args.memory)
-            for _ in range(args.leases):
+            for _ in range(leases):
                 wait_idle(api, ready)
                 # Leases come at any time, not in step with the agent's heartbeats.
                 time.sleep(rng.uniform(0, args.interval))
@@ -234,7 +238,7 @@ def main() -> None:
                 print(json.dumps({"ready_workers": ready, **rows[-1]}), flush=True)
                 # Written after every lease: a run cut short (a time limit) keeps what it
                 # measured, and says how far it got.
-                results["runs"][-1] = run_summary(ready, rows, args.leases)
+                results["runs"][-1] = run_summary(ready, rows, leases)
                 results["machine"] = machine()
                 args.out.write_text(json.dumps(results, indent=2) + "\n")
     results["machine"] = machine()
@@ -251,6 +255,7 @@ def run_summary(ready: int, rows: list[dict[str, Any]], wanted: int) -> dict[str
     """One setting's summary over the leases measured so far (`measured` < `leases`: cut short)."""
     return {
         "ready_workers": ready,
+        "leases": wanted,
         "measured": len(rows),
         "got_a_ready_worker": sum(bool(r.get("ready_worker")) for r in rows),
         "failed": sum("error" in r for r in rows),

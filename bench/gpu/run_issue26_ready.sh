@@ -7,7 +7,7 @@
 #       made ahead without MPS, and CUDA green contexts (made how fast, do 30 % of the SMs
 #       run at about 30 %).
 #   bash bench/gpu/run_issue26_ready.sh lease: bench/lease_start.py --gpu: grant-to-first-op
-#       p50/p95 over 20 remote leases with one ready worker per GPU and 20 cold, at the
+#       p50/p95 over 20 remote leases with one ready worker per GPU and 8 cold, at the
 #       agent's default 2 s heartbeat; $OUT/lease_start_gpu.json.
 #   bash bench/gpu/run_issue26_ready.sh fast: the same with ready workers only and a 0.25 s
 #       heartbeat (what is left once the agent hears of a grant sooner);
@@ -32,7 +32,7 @@ case "$part" in
     grep '^{' "$OUT/probe.log" | tail -1 || tail -30 "$OUT/probe.log" ;;
   lease|fast)
     if [ "$part" = lease ]; then
-      name=lease_start_gpu; args=(--leases 20 --ready-workers 1,0 --interval 2); limit=280
+      name=lease_start_gpu; args=(--leases 20 --cold-leases 8 --ready-workers 1,0 --interval 2); limit=280
     else
       name=lease_start_gpu_fast_heartbeat; args=(--leases 20 --ready-workers 1 --interval 0.25); limit=200
     fi
