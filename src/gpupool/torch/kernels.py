@@ -426,11 +426,6 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     return aten.linear.default.decompose(input, weight, bias)
 
 
-_COMPOSITES: tuple[tuple[str, Any, Any], ...] = ()
-"""(overload name, OpOverload, kernel) of the composites the client runs its own way; set below,
-once every kernel is defined."""
-
-
 def _needs_grad(*tensors: torch.Tensor | None) -> bool:
     if torch.autograd.forward_ad._current_level >= 0:
         return True  # a dual level is open: tangents may ride on any input
@@ -509,7 +504,7 @@ def dropout(input: torch.Tensor, p: float, train: bool) -> torch.Tensor:
     return aten.native_dropout.default(input, p, train)[0]
 
 
-_COMPOSITES = (
+_COMPOSITES: tuple[tuple[str, Any, Any], ...] = (
     ("scaled_dot_product_attention", aten.scaled_dot_product_attention.default,
      scaled_dot_product_attention),
     ("batch_norm", aten.batch_norm.default, batch_norm),
@@ -518,3 +513,5 @@ _COMPOSITES = (
     ("gru.input", aten.gru.input, rnn.gru),
     ("linear", aten.linear.default, linear),
 )  # fmt: skip
+"""(overload name, OpOverload, kernel) of the composites the client runs its own way: registered
+at AutogradPrivateUse1 by install(), and dispatch's route for an inference tensor's call."""
