@@ -336,3 +336,58 @@ def resnet_bf16(device: str, wrap: Wrap = eager, steps: int = 4) -> dict[str, An
     for _ in range(steps):
         losses.append(step(x.to(device), y.to(device)).item())
     return {"losses": torch.tensor(losses), **_host(model)}
+
+
+# ---- recurrent stacks: LSTM, GRU, RNN, each way cuDNN runs them ----------------------------
+
+
+RECURRENT_STACKS: dict[str, Callable[[], nn.Module]] = {
+    "lstm, 2 layers": lambda: nn.LSTM(8, 6, 2),
+    "lstm, bidirectional, batch first": lambda: nn.LSTM(8, 6, 2, bidirectional=True,
+                                                        batch_first=True),
+    "lstm with projections": lambda: nn.LSTM(8, 6, 2, proj_size=4),
+    "lstm without biases": lambda: nn.LSTM(8, 6, bias=False),
+    "lstm, float64": lambda: nn.LSTM(8, 6).double(),
+    "gru, bidirectional": lambda: nn.GRU(8, 6, bidirectional=True),
+    "gru, batch first, no biases": lambda: nn.GRU(8, 6, 2, batch_first=True, bias=False),
+    "rnn tanh": lambda: nn.RNN(8, 6, 2),
+    "rnn relu, bidirectional": lambda: nn.RNN(8, 6, nonlinearity="relu", bidirectional=True),
+}  # fmt: skip
+"""Stacks a local GPU runs through cuDNN (dropout off: cuDNN's dropout draws its own masks)."""
+
+
+def recurrent_stacks(device: str) -> dict[str, Any]:
+    """Each stack trained two steps (outputs, final states, the input's and every weight's
+    gradients, a retained graph's second backward), then run in evaluation under no_grad, and
+    each output's strides (a batch-first output is cuDNN's transposed one)."""
+    results: dict[str, Any] = {}
+    for name, make in RECURRENT_STACKS.items():
+        torch.manual_seed(0)
+        module = make().to(device)
+        dtype = next(module.parameters()).dtype
+        batch_first = module.batch_first
+        x = torch.randn(3, 5, 8, dtype=dtype) if batch_first else torch.randn(5, 3, 8, dtype=dtype)
+        opt = torch.optim.SGD(module.parameters(), lr=0.1)
+        for step in range(2):
+            inputs = x.clone().to(device).requires_grad_()  # a leaf of its own, locally too
+            out, state = module(inputs)
+            finals = list(state) if isinstance(state, tuple) else [state]
+            loss = out.square().sum() + sum(f.sin().sum() for f in finals)
+            opt.zero_grad()
+            loss.backward(retain_graph=step == 0)
+            if step == 0:
+                (out.sum() * 2).backward()  # the retained graph, a second time
+            assert inputs.grad is not None
+            results[f"{name} {step} out"] = out.detach().cpu()
+            results[f"{name} {step} stride"] = torch.tensor(out.stride())
+            for i, f in enumerate(finals):
+                results[f"{name} {step} final{i}"] = f.detach().cpu()
+            results[f"{name} {step} dx"] = inputs.grad.cpu()
+            for p_name, p in module.named_parameters():
+                assert p.grad is not None
+                results[f"{name} {step} d{p_name}"] = p.grad.cpu()
+            opt.step()
+        module.eval()
+        with torch.no_grad():
+            results[f"{name} eval"] = module(x.to(device))[0].cpu()
+    return results

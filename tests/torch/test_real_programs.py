@@ -10,6 +10,7 @@ which and why). Programs whose package is not installed skip, naming it: `pip in
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 import real_programs
 import torch
+from conformance_programs import recurrent_stacks
 
 from gpupool.torch import runtime
 
@@ -106,10 +108,72 @@ def test_recurrent_layers_on_a_worker_give_the_local_cpus_values(
     assert torch.equal(remote_inference, local_inference)
 
 
+def test_recurrent_stacks_on_a_cpu_worker_give_the_local_cpus_values(
+    attach: Callable[..., Any],
+) -> None:
+    """The stacks a local GPU gives cuDNN (tests/torch/test_conformance_gpu.py runs them so on
+    a CUDA worker), nn.RNN's among them, run on a CPU worker as a local CPU runs them."""
+    local = recurrent_stacks("cpu")
+    attach()
+    if runtime.stream(0).is_cuda_worker:
+        pytest.skip("compares with a local CPU run: the GPU suite compares with a local GPU")
+    remote = recurrent_stacks("cuda")
+    assert remote.keys() == local.keys()
+    for key, value in local.items():
+        assert torch.equal(remote[key], value), key
+
+
+def test_cudnn_rnn_layouts_follow_the_meta_kernel_and_cudnns_batch_first_strides() -> None:
+    """The client's layouts of `_cudnn_rnn` (gpupool.torch.rnn) give the meta kernel's shapes,
+    and its strides except where cuDNN's differ: a batch-first output is transposed from a
+    sequence-major one (the GPU suite checks them against cuDNN itself)."""
+    from gpupool.torch import rnn
+
+    aten = torch.ops.aten
+    meta = torch.device("meta")
+    for mode, proj, bidir, batch_first in itertools.product((0, 2, 3), (0, 3), (False, True),
+                                                            (False, True)):  # fmt: skip
+        if proj and mode != 2:
+            continue
+        hidden, features, layers, seq, batch = 5, 4, 2, 7, 3
+        d, gates, out = 2 if bidir else 1, rnn.CUDNN_GATES[mode], proj or hidden
+        ws = []
+        for layer in range(layers):
+            inputs = features if layer == 0 else d * out
+            for _ in range(d):
+                ws += [torch.empty(gates * hidden, inputs, device=meta),
+                       torch.empty(gates * hidden, out, device=meta)]  # fmt: skip
+                ws += [torch.empty(proj, hidden, device=meta)] if proj else []
+        x = torch.empty((batch, seq, features) if batch_first else (seq, batch, features),
+                        device=meta)  # fmt: skip
+        hx = torch.empty(layers * d, batch, out, device=meta)
+        cx = torch.empty(layers * d, batch, hidden, device=meta) if mode == 2 else None
+        args = (x, ws, 2 + (1 if proj else 0), None, hx, cx, mode, hidden, proj, layers,
+                batch_first, 0.0, True, bidir, [], None)  # fmt: skip
+        told = rnn._cudnn_rnn_layout(args, {}).items
+        want = aten._cudnn_rnn.default(*args)
+        for i in range(3):
+            assert told[i].shape == tuple(want[i].shape), (mode, i)
+        sequence_major = torch.empty(seq, batch, d * out).transpose(0, 1) if batch_first else want[0]
+        assert told[0].stride == sequence_major.stride()
+        assert told[1].stride == want[1].stride() and told[2].stride == want[2].stride()
+        assert told[3].shape == (0,) and told[3].dtype == torch.uint8
+        grads = (torch.empty(*want[0].shape, device=meta), None, None)
+        back = rnn._cudnn_rnn_backward_layout(
+            (*args[:6], want[0], *grads, *args[6:], torch.empty(0, dtype=torch.uint8),
+             [True, True, cx is not None, True]), {},
+        ).items  # fmt: skip
+        assert back[0].shape == tuple(x.shape) and back[0].stride == (
+            x.stride() if not batch_first else torch.empty(seq, batch, features).transpose(0, 1).stride()
+        )
+        assert back[1].shape == tuple(hx.shape)
+        assert [s.shape for s in back[3].items] == [tuple(w.shape) for w in ws]
+
+
 def test_recurrent_layers_ask_no_cudnn_of_a_remote_tensor(attach: Callable[..., Any]) -> None:
     """nn.LSTM's flatten_parameters asks cuDNN about its weights; a client whose torch is a
     CUDA build without a visible GPU raised there (torch 2.11 on the GPU machine) before any
-    op ran. The remote layers run cells, on every worker: cuDNN is never asked."""
+    op ran. The client never asks cuDNN: a CUDA worker does, for the layers it runs."""
     attach()
     lstm = torch.nn.LSTM(4, 3, 2).to("cuda")
     assert not torch.backends.cudnn.is_acceptable(lstm.weight_ih_l0)

@@ -839,3 +839,122 @@ def test_onednn_lstm_layers_run_on_layers_that_fit_and_a_workspace_of_their_own(
     workspace.resize_(8)  # the tenant shrank it in place
     with pytest.raises(OpRefused, match="workspace"):
         grads(workspace)
+
+
+def test_cudnn_rnn_runs_on_stacks_that_fit_and_a_weight_buffer_and_reserve_of_its_own() -> None:
+    """cuDNN's RNN views its weights, hidden states, gradients, weight buffer and reserve by
+    data pointer with the stack's descriptors. Each forged call is refused before cuDNN sees
+    it (meta tensors stand for a GPU's here: the checks read only metadata; the GPU machine's
+    test runs the real kernels)."""
+    meta = torch.device("meta")
+    seq, batch, features, hidden, layers = 5, 3, 4, 6, 2
+
+    def weights(proj: int = 0, biases: bool = True) -> list[torch.Tensor]:
+        out = proj or hidden
+        ws: list[torch.Tensor] = []
+        for layer in range(layers):
+            inputs = features if layer == 0 else out
+            ws += [torch.empty(4 * hidden, inputs, device=meta)]
+            ws += [torch.empty(4 * hidden, out, device=meta)]
+            ws += [torch.empty(4 * hidden, device=meta)] * 2 if biases else []
+            ws += [torch.empty(proj, hidden, device=meta)] if proj else []
+        return ws
+
+    x = torch.empty(seq, batch, features, device=meta)
+    hx = torch.empty(layers, batch, hidden, device=meta)
+    cx = torch.empty(layers, batch, hidden, device=meta)
+    ws = weights()
+    made: dict[str, Any] = {}
+
+    def cudnn(*args: Any) -> Any:
+        """The kernel's outputs (a GPU's reserve and weight buffer sizes stand in)."""
+        output, hy, cy, _, _ = aten._cudnn_rnn.default(*args)
+        made["reserve"] = torch.empty(1000, dtype=torch.uint8, device=meta)
+        made["buffer"] = torch.empty(sum(w.numel() for w in ws), device=meta)
+        return output, hy, cy, made["reserve"], made["buffer"]
+
+    forward = guard(
+        "aten::_cudnn_rnn", CHECKS["cudnn_rnn"], aten._cudnn_rnn.default, cudnn
+    )
+
+    def stack(*tensors: Any, w: Any = ws, mode: int = 2, proj: int = 0, train: bool = True,
+              dropout: float = 0.0, stride0: int = 4, buf: Any = None, state: Any = None) -> Any:
+        inp, h, c = tensors
+        return forward(inp, w, stride0, buf, h, c, mode, hidden, proj, layers, False, dropout,
+                       train, False, [], state)  # fmt: skip
+
+    output = stack(x, hx, cx)[0]
+    assert output.shape == (seq, batch, hidden)
+    cpu = torch.empty(seq, batch, features)
+    for forged, match in (
+        (dict(w=ws[:-1]), "list of 8"),
+        (dict(w=[ws[0][:-1], *ws[1:]]), r"weight\[0\]"),
+        (dict(w=[*ws[:5], ws[5][:, :2], *ws[6:]]), r"weight\[5\]"),
+        (dict(w=[*ws[:2], ws[2].double(), *ws[3:]]), "float64, expected torch.float32"),
+        (dict(mode=4), "mode 4"),
+        (dict(mode=3), "cx is for an LSTM only"),
+        (dict(proj=6), "proj_size"),
+        (dict(stride0=3), "weight_stride0"),
+        (dict(buf=torch.empty(4, device=meta)), "makes the weight buffer"),
+        (dict(dropout=0.5), "dropout state"),
+        (dict(state=torch.empty(8, dtype=torch.uint8, device=meta), train=False),
+         "dropout state"),
+        (dict(dropout=2.0, train=False), "probability"),
+    ):
+        with pytest.raises(OpRefused, match=match):
+            stack(x, hx, cx, **forged)
+    for tensors, match in (
+        ((cpu, hx, cx), "CUDA worker"),
+        ((x.double(), hx, cx), "float64"),
+        ((x, hx[:1], cx), "hx has shape"),
+        ((x, hx, cx.transpose(1, 2).contiguous().transpose(1, 2)), "cx must be contiguous"),
+        ((x, hx, None), "cx must be a tensor"),
+        ((torch.empty(0, batch, features, device=meta), hx, cx), "non-empty"),
+    ):
+        with pytest.raises(OpRefused, match=match):
+            stack(*tensors)
+    # projections: another count per layer and an hx of the projected size
+    proj_ws = weights(proj=4)
+    proj_hx = torch.empty(layers, batch, 4, device=meta)
+    assert stack(x, proj_hx, cx, w=proj_ws, proj=4, stride0=5)[1].shape == (layers, batch, 4)
+
+    stack(x, hx, cx)  # the forward whose buffers the backward below gets
+    reserve, buffer = made["reserve"], made["buffer"]
+    calls: list[int] = []
+
+    def cudnn_backward(*args: Any) -> Any:
+        calls.append(1)
+        dw = [torch.empty_like(w).as_strided(w.shape, w.stride(), 7) for w in args[1]]
+        return torch.empty_like(x), torch.empty_like(hx), torch.empty_like(cx), dw
+
+    backward = guard(
+        "aten::_cudnn_rnn_backward", CHECKS["cudnn_rnn_backward"],
+        aten._cudnn_rnn_backward.default, cudnn_backward,
+    )  # fmt: skip
+    grad = torch.empty(seq, batch, hidden, device=meta)
+
+    def grads(buf: Any = buffer, res: Any = reserve, out: Any = output, g: Any = grad,
+              train: bool = True, inp: Any = x) -> Any:
+        return backward(inp, ws, 4, buf, hx, cx, out, g, None, None, 2, hidden, 0, layers,
+                        False, 0.0, train, False, [], None, res, [True, True, True, True])
+
+    dw = grads()[3]
+    assert len(calls) == 1 and all(g.storage_offset() == 0 for g in dw)  # copied out
+    assert grads(res=torch.empty(1000, dtype=torch.uint8, device=meta))  # a retained copy
+    for forged, match in (
+        (dict(buf=torch.empty(buffer.numel(), device=meta)), "not made by this worker"),
+        (dict(buf=buffer[:-1]), "not made by this worker"),
+        (dict(res=reserve[:999]), "reserve has 999 elements"),
+        (dict(res=torch.empty(1000, device=meta)), "reserve is torch.float32"),
+        (dict(g=torch.empty(seq, batch, hidden + 1, device=meta)), "grad_output has shape"),
+        (dict(out=torch.empty(seq, batch, 2, device=meta)), "output has shape"),
+        (dict(out=output.transpose(0, 1).contiguous().transpose(0, 1)), "sequence-major"),
+        (dict(train=False), "training mode"),
+        (dict(inp=torch.empty(seq + 1, batch, features, device=meta)), "not made by this"),
+    ):
+        with pytest.raises(OpRefused, match=match):
+            grads(**forged)
+    buffer.resize_(10)
+    with pytest.raises(OpRefused, match="weight_buf has 10 elements"):
+        grads()
+    assert len(calls) == 2

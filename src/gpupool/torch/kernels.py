@@ -14,8 +14,9 @@
   (which is not `cuda` in C++, so they would decompose in the client):
   `scaled_dot_product_attention` (the worker picks flash / efficient / cuDNN, the client calls
   that fused op), `batch_norm` (→ `_batch_norm_with_update`, cuDNN on a CUDA worker),
-  `dropout` (→ the fused `native_dropout`), and `lstm` / `gru`, whose fused cells only CUDA
-  has (gpupool.torch.rnn runs the CPU path's cells on a CPU worker); and `linear`, sent whole
+  `dropout` (→ the fused `native_dropout`), and the recurrent layers (`lstm`, `gru`,
+  `rnn_tanh`, `rnn_relu`: gpupool.torch.rnn runs cuDNN on a CUDA worker as a local GPU
+  does, the CPU path's cells on a CPU worker); and `linear`, sent whole
   when no gradient is needed (see linear()).
 
 The autograd engine would run a device's backward on a thread of its own, one per device that
@@ -511,6 +512,8 @@ _COMPOSITES: tuple[tuple[str, Any, Any], ...] = (
     ("dropout", aten.dropout.default, dropout),
     ("lstm.input", aten.lstm.input, rnn.lstm),
     ("gru.input", aten.gru.input, rnn.gru),
+    ("rnn_tanh.input", aten.rnn_tanh.input, rnn.rnn_tanh),
+    ("rnn_relu.input", aten.rnn_relu.input, rnn.rnn_relu),
     ("linear", aten.linear.default, linear),
 )  # fmt: skip
 """(overload name, OpOverload, kernel) of the composites the client runs its own way: registered

@@ -1,29 +1,37 @@
-"""LSTM and GRU layers on remote tensors: the cells a CPU worker can run, as PyTorch's CPU
-path computes them.
+"""LSTM, GRU and plain RNN layers on remote tensors: the kernels a local device would run.
 
-`aten::lstm` and `aten::gru` are C++ composites that pick their cell by the input's device: on
-CUDA and on a PrivateUse1 device (a remote tensor's C++ device) each step calls the fused
-`_thnn_fused_lstm_cell` / `_thnn_fused_gru_cell`, kernels only CUDA has, so on a CPU worker
-nn.LSTM failed at its first step. For every remote tensor the layers here
-(registered for AutogradPrivateUse1 in gpupool.torch.kernels) run ATen's CPU cells in their
-order: the input projection of a whole layer at once, then per step the hidden projection
-added to it and the gates; dropout between layers. Autograd records each op, so backward is
-the cells' too. A GRU and an LSTM with projections (which a local CPU runs as cells too) are
-then bit-identical with a local CPU run. A float32 LSTM without projections is what a local
-CPU runs as oneDNN layers (`mkldnn_rnn_layer`); on a CPU worker it runs so too, layer by layer
-as ATen's `mkldnn_rnn` does (`_onednn_lstm`), and is bit-identical. The worker runs that kernel
-behind a check (gpupool.worker.opchecks: it trusts its weights' shapes, forged ones crashed a
-worker, and its backward trusts the workspace's size); the cells had differed from oneDNN in
-the last bits, one float32 ulp in a loss four steps on.
-torch._decomp's own LSTM decomposition is not used: it drops the dropout between layers.
-A CUDA worker runs the same cells: PyTorch's composite there took torch._decomp's LSTM
-decomposition on torch 2.11, whose final hidden states came back with an extra dimension (the
-word language model's second step failed: "hx and cx should also be 3-D"), and the fused cells
-cost a round trip per step (no meta kernel). A local GPU runs cuDNN instead, so a remote LSTM
-on a CUDA worker agrees with it to rounding, not bit for bit. For the same reason
+`aten::lstm`, `aten::gru`, `aten::rnn_tanh` and `aten::rnn_relu` are C++ composites that pick
+their kernel by the input's device, and a remote tensor's C++ device is PrivateUse1, neither
+CUDA nor CPU. The layers here (registered for AutogradPrivateUse1 in gpupool.torch.kernels)
+choose as a local device of the worker's kind would:
+
+- **A CUDA worker runs cuDNN** where a local GPU does (ATen's `cudnn_is_acceptable`: cuDNN on,
+  float16/32/64, not empty): one `_cudnn_rnn` op for the whole stack, recorded by autograd
+  with its own backward (`_cudnn_rnn_backward`), as ATen's `_cudnn_impl` calls it. The worker
+  runs the same cuDNN kernels as a local GPU and its values are the local GPU's bit for bit.
+  Two differences, neither in the values: the weights go unflattened (the worker copies them
+  into cuDNN's layout for each call, as cuDNN does for a local module that was never
+  flattened), and cuDNN's workspace (`reserve`) stays on the worker, where the client sees it
+  as an empty tensor (its size is cuDNN's to say). The worker checks both ops (opchecks:
+  cuDNN trusts the weight buffer, the reserve and the gradients' sizes). Training with
+  dropout between layers takes the cells below: cuDNN's dropout draws from a state the
+  client cannot reproduce, so a local GPU's dropout masks are not matched either way.
+- **A CPU worker, and the cases above that cuDNN does not take,** run ATen's CPU cells in their
+  order: the input projection of a whole layer at once, then per step the hidden projection
+  added to it and the gates; dropout between layers. Autograd records each op. A GRU and an
+  LSTM with projections (which a local CPU runs as cells too) are then bit-identical with a
+  local CPU run. A float32 LSTM without projections is what a local CPU runs as oneDNN layers
+  (`mkldnn_rnn_layer`); on a CPU worker it runs so too, layer by layer as ATen's `mkldnn_rnn`
+  does (`_onednn_lstm`), and is bit-identical. The worker runs that kernel behind a check (it
+  trusts its weights' shapes, forged ones crashed a worker, and its backward trusts the
+  workspace's size). torch._decomp's own LSTM decomposition is not used: it drops the dropout
+  between layers. Plain RNNs off cuDNN keep ATen's composite (its cells are linear and tanh
+  or relu, which every worker has).
+
 `torch.backends.cudnn.is_acceptable` answers False for a remote tensor: nn.LSTM's
 `flatten_parameters` asked it, and on a client whose torch is a CUDA build without a visible
-GPU it raised ("cuDNN ... not compatible with devices with SM < 7.5") before any op ran.
+GPU it raised ("cuDNN ... not compatible with devices with SM < 7.5") before any op ran; the
+client never asks cuDNN anything (the worker does).
 
 Packed sequences (`lstm.data`, `gru.data`) keep the composite, so on a CPU worker they fail
 at the fused cell, naming it.
@@ -37,6 +45,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from gpupool.torch import autocast, shapes
+from gpupool.torch.shapes import Seq, TensorSpec, Value
 from gpupool.torch.stream import stream_of
 from gpupool.torch.tensor import RemoteTensor
 
@@ -51,7 +61,11 @@ _IS_ACCEPTABLE: list[Callable[[torch.Tensor], bool]] = []
 
 
 def install() -> None:
-    """cuDNN's weight flattening is not for remote tensors (see above)."""
+    """cuDNN's weight flattening is not for remote tensors (see above); cuDNN's RNN ops get
+    their outputs' layouts here (their meta kernel has none for the weight buffer and gives
+    batch-first outputs other strides than cuDNN's)."""
+    shapes.EXACT[aten._cudnn_rnn.default] = _cudnn_rnn_layout
+    shapes.EXACT[aten._cudnn_rnn_backward.default] = _cudnn_rnn_backward_layout
     if _IS_ACCEPTABLE:
         return
     original = torch.backends.cudnn.is_acceptable
@@ -64,8 +78,140 @@ def install() -> None:
 
 
 def uninstall() -> None:
+    shapes.EXACT.pop(aten._cudnn_rnn.default, None)
+    shapes.EXACT.pop(aten._cudnn_rnn_backward.default, None)
     if _IS_ACCEPTABLE:
         torch.backends.cudnn.is_acceptable = _IS_ACCEPTABLE.pop()
+
+
+# ---- cuDNN on a CUDA worker ----------------------------------------------------------------
+
+CUDNN_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
+"""cudnnRNNMode_t, the `mode` argument of `_cudnn_rnn`."""
+CUDNN_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
+"""Gates per mode: the rows of a layer's weights are gates x hidden_size."""
+_CUDNN_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def _cudnn(input: torch.Tensor, dropout: float, train: bool) -> bool:
+    """Whether a local GPU would run this stack through cuDNN (ATen's `cudnn_is_acceptable`
+    of the input) and the worker can: it is a CUDA worker, autocast is off (a local GPU's
+    autocast casts and re-flattens cuDNN's weights its own way; the cells take that case),
+    and there is no dropout to draw (see the module's docstring)."""
+    return (
+        type(input) is RemoteTensor
+        and stream_of(input._gp).is_cuda_worker
+        and torch.backends.cudnn.enabled
+        and input.dtype in _CUDNN_DTYPES
+        and input.dim() == 3
+        and input.numel() != 0
+        and not (train and dropout > 0)
+        and not autocast._enabled()[0]
+    )
+
+
+def _cudnn_stack(
+    kind: str, input: torch.Tensor, hx: torch.Tensor, cx: torch.Tensor | None,
+    params: Sequence[torch.Tensor], has_biases: bool, num_layers: int, dropout: float,
+    train: bool, bidirectional: bool, batch_first: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """ATen's `_cudnn_impl`: the whole stack as one `_cudnn_rnn`, without a weight buffer
+    (the worker makes one) or a dropout state (no dropout is drawn)."""
+    hidden, proj = hx.size(2), 0
+    if cx is not None and cx.size(2) != hx.size(2):  # an LSTM with projections
+        hidden, proj = cx.size(2), hx.size(2)
+    stride0 = (4 if has_biases else 2) + (1 if proj else 0)
+    output, hy, cy, _, _ = aten._cudnn_rnn.default(
+        input, list(params), stride0, None, hx, cx, CUDNN_MODES[kind], hidden, proj, num_layers,
+        batch_first, dropout, train, bidirectional, [], None,
+    )  # fmt: skip
+    return output, hy, cy
+
+
+def _contiguous(shape: Sequence[int], dtype: torch.dtype) -> TensorSpec:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return TensorSpec(tuple(shape), tuple(reversed(strides)), 0, dtype)
+
+
+def _sequence_major(shape: Sequence[int], batch_first: bool, dtype: torch.dtype) -> TensorSpec:
+    """What cuDNN's kernels make of a [seq, batch, features] result: contiguous in that order,
+    and for a batch-first call transposed to [batch, seq, features] in place (so not
+    contiguous, which the meta kernel's result is)."""
+    if not batch_first:
+        return _contiguous(shape, dtype)
+    batch, seq, features = shape
+    return TensorSpec((batch, seq, features), (features, batch * features, 1), 0, dtype)
+
+
+def _cudnn_weight_count(
+    mode: int, features: int, hidden: int, proj: int, num_layers: int, directions: int
+) -> int:
+    """Elements of cuDNN's weight buffer: per layer and direction the input and hidden
+    matrices, two biases per gate row (cuDNN keeps them without biases too, as zeros) and the
+    projection."""
+    rows = CUDNN_GATES[mode] * hidden
+    out = proj or hidden
+    total = 0
+    for layer in range(num_layers):
+        inputs = features if layer == 0 else directions * out
+        per = rows * (inputs + out) + 2 * rows + (out * hidden if proj else 0)
+        total += directions * per
+    return total
+
+
+def _cudnn_rnn_layout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`_cudnn_rnn`'s five outputs as the worker's cuDNN makes them: the output sequence-major
+    (transposed back for batch first), hy and cy contiguous (cy empty without a cell state),
+    the reserve as an empty byte tensor (its size is cuDNN's; it stays on the worker) and the
+    weight buffer the worker made."""
+    if kwargs or len(args) != 16:
+        return None
+    input, weight, _, weight_buf, hx, cx, mode, hidden, proj, layers = args[:10]
+    batch_first, bidirectional, batch_sizes = args[10], args[13], args[14]
+    if batch_sizes or weight_buf is not None or input.dim() != 3 or mode not in CUDNN_GATES:
+        return None
+    if batch_first:
+        batch, seq, features = input.shape
+    else:
+        seq, batch, features = input.shape
+    directions = 2 if bidirectional else 1
+    out = proj or hidden
+    output = _sequence_major(
+        (batch, seq, directions * out) if batch_first else (seq, batch, directions * out),
+        batch_first, input.dtype,
+    )  # fmt: skip
+    hy = _contiguous((layers * directions, batch, out), hx.dtype)
+    if cx is not None:
+        cy = _contiguous((layers * directions, batch, hidden), cx.dtype)
+    else:
+        cy = _contiguous((0,), hx.dtype)
+    reserve = _contiguous((0,), torch.uint8)
+    count = _cudnn_weight_count(mode, features, hidden, proj, layers, directions)
+    buffer = _contiguous((count,), weight[0].dtype if weight else input.dtype)
+    return Seq(tuple, (output, hy, cy, reserve, buffer))
+
+
+def _cudnn_rnn_backward_layout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`_cudnn_rnn_backward`'s gradients as the worker returns them: the input's sequence-major
+    (as the forward's output), hx's and cx's contiguous, the weights' contiguous, one per
+    weight (the worker copies them out of cuDNN's gradient buffer: as views into it they
+    would have offsets the client does not know)."""
+    if kwargs or len(args) != 22:
+        return None
+    input, weight, hx, cx = args[0], args[1], args[4], args[5]
+    grads, batch_first, mask = args[7:10], args[14], args[21]
+    if input.dim() != 3 or len(mask) != 4:
+        return None
+    if all(g is None for g in grads):
+        return Seq(tuple, (Value(None),) * 3 + (Seq(list, (Value(None),) * len(weight)),))
+    dx = _sequence_major(tuple(input.shape), batch_first, input.dtype)
+    dhx = _contiguous(tuple(hx.shape), hx.dtype)
+    dcx = _contiguous(tuple(cx.shape), cx.dtype) if cx is not None else Value(None)
+    dw = tuple(_contiguous(tuple(w.shape), w.dtype) for w in weight) if mask[3] else ()
+    return Seq(tuple, (dx, dhx, dcx, Seq(list, dw)))
 
 
 # The cells are ATen's (RNN.cpp's LSTMCell and GRUCell) op for op, in-place ops on the gates'
@@ -212,6 +358,11 @@ def lstm(
     if len(hx) != 2:
         raise RuntimeError(f"lstm expects two hidden states, got {len(hx)}")
     h0, c0 = hx
+    if _cudnn(input, dropout, train):
+        return _cudnn_stack(
+            "lstm", input, h0, c0, params, has_biases, num_layers, dropout, train,
+            bidirectional, batch_first,
+        )  # fmt: skip
     projected = h0.size(2) != c0.size(2)
     grouped = _group(params, has_biases, projected)
     if _onednn(input, h0, c0, params):
@@ -230,6 +381,12 @@ def gru(
     input: torch.Tensor, hx: torch.Tensor, params: Sequence[torch.Tensor], has_biases: bool,
     num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if _cudnn(input, dropout, train):
+        out, hy, _ = _cudnn_stack(
+            "gru", input, hx, None, params, has_biases, num_layers, dropout, train,
+            bidirectional, batch_first,
+        )  # fmt: skip
+        return out, hy
     grouped = _group(params, has_biases, False)
     x = input.transpose(0, 1) if batch_first else input
     out, finals = _stack(
@@ -237,3 +394,32 @@ def gru(
     )
     out = out.transpose(0, 1) if batch_first else out
     return out, torch.stack(finals, 0)
+
+
+def _plain(kind: str, composite: Any) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """nn.RNN's layers (`rnn_tanh`, `rnn_relu`): cuDNN where a local GPU takes it, else ATen's
+    composite, whose cells every worker runs."""
+
+    def layer(
+        input: torch.Tensor, hx: torch.Tensor, params: Sequence[torch.Tensor],
+        has_biases: bool, num_layers: int, dropout: float, train: bool, bidirectional: bool,
+        batch_first: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        if _cudnn(input, dropout, train):
+            out, hy, _ = _cudnn_stack(
+                kind, input, hx, None, params, has_biases, num_layers, dropout, train,
+                bidirectional, batch_first,
+            )  # fmt: skip
+            return out, hy
+        result = composite.decompose(
+            input, hx, params, has_biases, num_layers, dropout, train, bidirectional,
+            batch_first,
+        )  # fmt: skip
+        return result[0], result[1]
+
+    layer.__name__ = kind
+    return layer
+
+
+rnn_tanh = _plain("rnn_tanh", aten.rnn_tanh.input)
+rnn_relu = _plain("rnn_relu", aten.rnn_relu.input)

@@ -222,7 +222,22 @@ class NeedsWorker(Exception):
     """Meta inference cannot say (data-dependent shape, no meta kernel): ask the worker."""
 
 
+Layout = Callable[[tuple[Any, ...], dict[str, Any]], Any]
+"""An op's outputs as a Plan template (TensorSpec, Seq, Value), or None for the meta kernel."""
+
+EXACT: dict[Any, Layout] = {}
+"""OpOverload → its outputs' layout, for ops whose meta kernel is missing or differs from the
+device kernel the worker runs (cuDNN's RNN: gpupool.torch.rnn). Consulted before the meta
+kernel, on plan-cache misses only."""
+
+
 def infer_plan(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Plan:
+    exact = EXACT.get(info.func)
+    if exact is not None:
+        template = exact(args, kwargs)
+        if template is not None:
+            _COUNTS["rules"] += 1
+            return Plan(template)
     _COUNTS["meta"] += 1
     meta_args = [to_meta(a) for a in args]
     meta_kwargs = {k: to_meta(v) for k, v in kwargs.items()}

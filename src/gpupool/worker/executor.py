@@ -49,7 +49,13 @@ from gpupool.worker.memory import (
     Reservation,
     is_out_of_memory,
 )
-from gpupool.worker.opchecks import CHECKS, argument_guard, guard, zero_fill_cpu_allocations
+from gpupool.worker.opchecks import (
+    CHECKS,
+    argument_guard,
+    guard,
+    quiet_cudnn_rnn_warning,
+    zero_fill_cpu_allocations,
+)
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
 from gpupool.worker.staging import PinnedStaging
@@ -239,6 +245,7 @@ class Executor:
 
     def __post_init__(self) -> None:
         zero_fill_cpu_allocations()  # a tenant never gets memory no kernel of its wrote
+        quiet_cudnn_rnn_warning()
         self._host = torch.device("cpu")
         self.streams = Streams(self.device)
         """The client's torch.cuda streams and events (STREAM, EVENT, QUERY)."""

@@ -1276,6 +1276,187 @@ _LSTM_LAYER_BACKWARD_ARGS = (
 )  # fmt: skip
 
 
+# ---- cuDNN's RNN --------------------------------------------------------------------------------
+
+_CUDNN_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
+"""cudnnRNNMode_t (RNN_RELU, RNN_TANH, LSTM, GRU) → gates: a layer's weights have gates x hidden
+rows."""
+_CUDNN_LSTM = 2
+_CUDNN_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+_CUDNN_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Each weight buffer a `_cudnn_rnn` forward made on this worker → the stack it was made for,
+whether it trained, and its own and its reserve's sizes. cuDNN's backward reads as many bytes
+of the weight buffer and the reserve as the stack's descriptors say, whatever the tensors
+hold: a backward gets only a weight buffer this worker made for the same stack (by identity),
+and a reserve of the size that forward's was (a retained graph passes a copy of it)."""
+
+WEIGHT_FORMAT_WARNING = "RNN module weights are not part of single contiguous chunk of memory"
+"""cuDNN's warning for a call without a weight buffer, which every call from a client is: its
+weights arrive one by one and the worker copies them into cuDNN's layout (the advice,
+`flatten_parameters()`, is for a local module)."""
+
+
+def quiet_cudnn_rnn_warning() -> None:
+    import warnings
+
+    warnings.filterwarnings("ignore", message=WEIGHT_FORMAT_WARNING, category=UserWarning)
+
+
+def _on_device(value: Any, device: torch.device, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """A dense tensor of `dtype` on the RNN's device: cuDNN reads its data pointer with the
+    stack's data type."""
+    tensor = _tensor(value, what)
+    if tensor.layout != torch.strided or tensor.device != device:
+        raise OpRefused(f"{what} must be a dense tensor on {device}")
+    if tensor.dtype != dtype:
+        raise OpRefused(f"{what} is {tensor.dtype}, expected {dtype}")
+    return tensor
+
+
+def _cudnn_stack(a: Args) -> tuple[Any, ...]:
+    """The stack both `_cudnn_rnn` and its backward describe, checked: mode, sizes, the input
+    [seq, batch, features] (or batch first) on a GPU, each layer's weights and the hidden
+    states that fit them. Returns what a weight buffer is made for."""
+    mode = _int(a["mode"], "mode")
+    if mode not in _CUDNN_GATES:
+        raise OpRefused(f"mode {mode} is not a cuDNN RNN mode (0-3)")
+    if _ints(a["batch_sizes"], "batch_sizes"):
+        raise OpRefused("packed sequences (batch_sizes) are not supported on a gpupool worker")
+    hidden = _int(a["hidden_size"], "hidden_size")
+    proj = _int(a["proj_size"], "proj_size")
+    layers = _int(a["num_layers"], "num_layers")
+    if hidden < 1 or layers < 1:
+        raise OpRefused("hidden_size and num_layers must be positive")
+    if proj < 0 or proj >= hidden or (proj and mode != _CUDNN_LSTM):
+        raise OpRefused("proj_size must be 0, or smaller than hidden_size for an LSTM")
+    inp = _tensor(a["input"], "input")
+    if inp.layout != torch.strided or inp.device.type == "cpu":
+        raise OpRefused("cuDNN's RNN runs on a CUDA worker, with a dense input on its GPU")
+    if inp.dtype not in _CUDNN_DTYPES:
+        raise OpRefused(f"input is {inp.dtype}; cuDNN's RNN takes float16, float32 or float64")
+    if inp.dim() != 3 or inp.numel() == 0:
+        raise OpRefused("input must be a non-empty three-dimensional tensor")
+    device, dtype = inp.device, inp.dtype
+    batch_first = bool(a["batch_first"])
+    batch, seq = (inp.shape[0], inp.shape[1]) if batch_first else (inp.shape[1], inp.shape[0])
+    features = inp.shape[2]
+    directions = 2 if bool(a["bidirectional"]) else 1
+    out = proj or hidden
+    rows = _CUDNN_GATES[mode] * hidden
+    hx = _on_device(a["hx"], device, dtype, "hx")
+    _shape(hx, [layers * directions, batch, out], "hx")
+    if not hx.is_contiguous():
+        raise OpRefused("hx must be contiguous")
+    cx = a.get("cx")
+    if mode == _CUDNN_LSTM:
+        cx = _on_device(cx, device, dtype, "cx")
+        _shape(cx, [layers * directions, batch, hidden], "cx")
+        if not cx.is_contiguous():
+            raise OpRefused("cx must be contiguous")
+    elif cx is not None:
+        raise OpRefused("cx is for an LSTM only")
+    stride0 = _int(a["weight_stride0"], "weight_stride0")
+    if stride0 - (1 if proj else 0) not in (2, 4):
+        raise OpRefused(f"weight_stride0 {stride0} does not fit the stack")
+    has_biases = stride0 - (1 if proj else 0) == 4
+    weights = a["weight"]
+    if not isinstance(weights, list | tuple) or len(weights) != layers * directions * stride0:
+        raise OpRefused(f"weight must be a list of {layers * directions * stride0} tensors")
+    for layer in range(layers):
+        inputs = features if layer == 0 else directions * out
+        shapes = [[rows, inputs], [rows, out]]
+        if has_biases:
+            shapes += [[rows], [rows]]
+        if proj:
+            shapes.append([proj, hidden])
+        for direction in range(directions):
+            first = (layer * directions + direction) * stride0
+            for i, shape in enumerate(shapes):
+                what = f"weight[{first + i}]"
+                _shape(_on_device(weights[first + i], device, dtype, what), shape, what)
+    dropout = a["dropout"]
+    if not isinstance(dropout, float | int) or not 0 <= dropout <= 1:
+        raise OpRefused("dropout must be a probability")
+    if a.get("dropout_state") is not None or (bool(a["train"]) and dropout > 0):
+        raise OpRefused(
+            "cuDNN's dropout between layers needs a dropout state the client does not send "
+            "(gpupool runs such layers as cells)"
+        )
+    return (mode, batch_first, seq, batch, features, hidden, proj, layers, directions,
+            has_biases, dtype, device)  # fmt: skip
+
+
+def _cudnn_rnn(a: Args) -> None:
+    _cudnn_stack(a)
+    if a.get("weight_buf") is not None:
+        raise OpRefused("weight_buf: the worker makes the weight buffer (the client sends none)")
+
+
+def _cudnn_rnn_made(a: Args, result: Any) -> Any:
+    """Remember the weight buffer, for the stack it is, with the reserve's size."""
+    reserve, buffer = result[3], result[4]
+    _CUDNN_BUFFERS[buffer] = (_cudnn_stack(a), bool(a["train"]), buffer.numel(), reserve.numel())
+    return result
+
+
+def _exact_bytes(tensor: torch.Tensor, count: int, what: str) -> None:
+    """Contiguous, `count` elements, all in its storage: read by its data pointer."""
+    _numel(tensor, count, what)
+    if not tensor.is_contiguous():
+        raise OpRefused(f"{what} must be contiguous")
+    _covers(tensor, count, what)
+
+
+def _cudnn_rnn_backward(a: Args) -> None:
+    stack = _cudnn_stack(a)
+    batch_first, seq, batch = stack[1], stack[2], stack[3]
+    hidden, proj, directions, dtype, device = stack[5], stack[6], stack[8], stack[10], stack[11]
+    buffer = _tensor(a["weight_buf"], "weight_buf")
+    made = _CUDNN_BUFFERS.get(buffer)
+    if made is None or made[0] != stack:
+        raise OpRefused("weight_buf was not made by this worker's forward of the same stack")
+    if not bool(a["train"]) or not made[1]:
+        raise OpRefused("cudnn RNN backward can only be called in training mode")
+    _exact_bytes(buffer, made[2], "weight_buf")  # as made: not resized since
+    reserve = _on_device(a["reserve"], device, torch.uint8, "reserve")
+    _exact_bytes(reserve, made[3], "reserve")
+    output = _on_device(a["output"], device, dtype, "output")
+    width = directions * (proj or hidden)
+    shape = [batch, seq, width] if batch_first else [seq, batch, width]
+    _shape(output, shape, "output")
+    if not (output.transpose(0, 1) if batch_first else output).is_contiguous():
+        raise OpRefused("output must be the forward's (sequence-major, contiguous)")
+    grads = (
+        ("grad_output", shape), ("grad_hy", list(a["hx"].shape)),
+        ("grad_cy", list(a["cx"].shape) if a.get("cx") is not None else None),
+    )  # fmt: skip
+    for name, expected in grads:
+        grad = a.get(name)
+        if grad is None:
+            continue
+        if expected is None:
+            raise OpRefused(f"{name} is for an LSTM only")
+        _shape(_on_device(grad, device, dtype, name), expected, name)  # made contiguous
+
+
+def _cudnn_rnn_gradients(a: Args, result: Any) -> Any:
+    """The weights' gradients copied out of cuDNN's gradient buffer: as views into it their
+    offsets would differ from the contiguous tensors the client describes."""
+    dx, dhx, dcx, dw = result
+    return dx, dhx, dcx, [g.clone() if isinstance(g, torch.Tensor) else g for g in dw]
+
+
+_CUDNN_RNN_ARGS = (
+    "input", "weight", "weight_stride0", "weight_buf", "hx", "cx", "mode", "hidden_size",
+    "proj_size", "num_layers", "batch_first", "dropout", "train", "bidirectional",
+    "batch_sizes", "dropout_state",
+)  # fmt: skip
+_CUDNN_RNN_BACKWARD_ARGS = (
+    *_CUDNN_RNN_ARGS, "output", "grad_output", "grad_hy", "grad_cy", "reserve",
+)  # fmt: skip
+
+
 def _needs(*names: str) -> frozenset[str]:
     return frozenset(names)
 
@@ -1309,6 +1490,10 @@ CHECKS: dict[str, Check] = {
     ),
     "mkldnn_rnn_layer_backward": Check(
         pre=_mkldnn_rnn_layer_backward, needs=_needs(*_LSTM_LAYER_BACKWARD_ARGS)
+    ),
+    "cudnn_rnn": Check(pre=_cudnn_rnn, post=_cudnn_rnn_made, needs=_needs(*_CUDNN_RNN_ARGS)),
+    "cudnn_rnn_backward": Check(
+        pre=_cudnn_rnn_backward, post=_cudnn_rnn_gradients, needs=_needs(*_CUDNN_RNN_BACKWARD_ARGS)
     ),
     "group_norm_backward": Check(
         pre=_group_norm_backward,

@@ -233,10 +233,13 @@ CHECKED_OVERLOADS.update(
     {
         "aten::mkldnn_rnn_layer": "mkldnn_rnn_layer",
         "aten::mkldnn_rnn_layer_backward": "mkldnn_rnn_layer_backward",
+        "aten::_cudnn_rnn": "cudnn_rnn",
+        "aten::_cudnn_rnn_backward": "cudnn_rnn_backward",
     }
 )
 """Single overloads behind a check, before `CHECKED` (the rest of their op is hot and needs
-none: `div` with a rounding mode only; oneDNN's LSTM layer, whose `.out` forms stay refused)."""
+none: `div` with a rounding mode only; oneDNN's and cuDNN's RNNs, whose `.out` forms stay
+refused)."""
 
 CHECKED_PREFIXES: tuple[tuple[str, str], ...] = (
     ("_foreach_", "same_lengths"),
@@ -306,6 +309,10 @@ REFUSED: dict[str, str] = {
     "shapes (forged ones crashed the worker); mkldnn_rnn_layer itself runs behind a check",
     "mkldnn_rnn_layer_backward": "the .out form of oneDNN's LSTM layer backward, which trusts "
     "its weights' shapes and workspace; mkldnn_rnn_layer_backward runs behind a check",
+    "_cudnn_rnn": "the .out form of cuDNN's RNN, which trusts its weight buffer; _cudnn_rnn "
+    "itself runs behind a check",
+    "_cudnn_rnn_backward": "the .out form of cuDNN's RNN backward, which trusts its weight "
+    "buffer, reserve and gradients' sizes; _cudnn_rnn_backward runs behind a check",
     "_add_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
     "the client",
     "_remove_batch_dim": "a vmap internal: batch levels of torch.func transforms, which run in "
