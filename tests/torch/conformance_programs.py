@@ -343,6 +343,9 @@ def resnet_bf16(device: str, wrap: Wrap = eager, steps: int = 4) -> dict[str, An
 
 RECURRENT_STACKS: dict[str, Callable[[], nn.Module]] = {
     "lstm, 2 layers": lambda: nn.LSTM(8, 6, 2),
+    "lstm, 3 layers, dropout": lambda: nn.LSTM(8, 6, 3, dropout=0.3),
+    "gru, 2 layers, dropout, batch first": lambda: nn.GRU(8, 6, 2, dropout=0.5,
+                                                          batch_first=True),
     "lstm, bidirectional, batch first": lambda: nn.LSTM(8, 6, 2, bidirectional=True,
                                                         batch_first=True),
     "lstm with projections": lambda: nn.LSTM(8, 6, 2, proj_size=4),
@@ -353,7 +356,7 @@ RECURRENT_STACKS: dict[str, Callable[[], nn.Module]] = {
     "rnn tanh": lambda: nn.RNN(8, 6, 2),
     "rnn relu, bidirectional": lambda: nn.RNN(8, 6, nonlinearity="relu", bidirectional=True),
 }  # fmt: skip
-"""Stacks a local GPU runs through cuDNN (dropout off: cuDNN's dropout draws its own masks)."""
+"""Stacks a local GPU runs through cuDNN, dropout between layers included."""
 
 
 def recurrent_stacks(device: str) -> dict[str, Any]:
@@ -370,6 +373,9 @@ def recurrent_stacks(device: str) -> dict[str, Any]:
         opt = torch.optim.SGD(module.parameters(), lr=0.1)
         for step in range(2):
             inputs = x.clone().to(device).requires_grad_()  # a leaf of its own, locally too
+            # The dropout between layers draws alike: a CPU worker's generator is not the
+            # client's, which made the weights (a GPU's is neither's, locally and remotely).
+            torch.manual_seed(10 + step)
             out, state = module(inputs)
             finals = list(state) if isinstance(state, tuple) else [state]
             loss = out.square().sum() + sum(f.sin().sum() for f in finals)

@@ -13,9 +13,9 @@ choose as a local device of the worker's kind would:
   into cuDNN's layout for each call, as cuDNN does for a local module that was never
   flattened), and cuDNN's workspace (`reserve`) stays on the worker, where the client sees it
   as an empty tensor (its size is cuDNN's to say). The worker checks both ops (opchecks:
-  cuDNN trusts the weight buffer, the reserve and the gradients' sizes). Training with
-  dropout between layers takes the cells below: cuDNN's dropout draws from a state the
-  client cannot reproduce, so a local GPU's dropout masks are not matched either way.
+  cuDNN trusts the weight buffer, the reserve and the gradients' sizes). Dropout between
+  layers is cuDNN's too, drawn from the dropout state the worker's ATen keeps and seeds as a
+  local GPU's does (gpupool.worker.cudnn_rnn): the same masks.
 - **A CPU worker, and the cases above that cuDNN does not take,** run ATen's CPU cells in their
   order: the input projection of a whole layer at once, then per step the hidden projection
   added to it and the gates; dropout between layers. Autograd records each op. A GRU and an
@@ -93,11 +93,10 @@ CUDNN_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
 _CUDNN_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
-def _cudnn(input: torch.Tensor, dropout: float, train: bool) -> bool:
+def _cudnn(input: torch.Tensor) -> bool:
     """Whether a local GPU would run this stack through cuDNN (ATen's `cudnn_is_acceptable`
-    of the input) and the worker can: it is a CUDA worker, autocast is off (a local GPU's
-    autocast casts and re-flattens cuDNN's weights its own way; the cells take that case),
-    and there is no dropout to draw (see the module's docstring)."""
+    of the input) and the worker can: it is a CUDA worker and autocast is off (a local GPU's
+    autocast casts and re-flattens cuDNN's weights its own way; the cells take that case)."""
     return (
         type(input) is RemoteTensor
         and stream_of(input._gp).is_cuda_worker
@@ -105,7 +104,6 @@ def _cudnn(input: torch.Tensor, dropout: float, train: bool) -> bool:
         and input.dtype in _CUDNN_DTYPES
         and input.dim() == 3
         and input.numel() != 0
-        and not (train and dropout > 0)
         and not autocast._enabled()[0]
     )
 
@@ -115,8 +113,8 @@ def _cudnn_stack(
     params: Sequence[torch.Tensor], has_biases: bool, num_layers: int, dropout: float,
     train: bool, bidirectional: bool, batch_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """ATen's `_cudnn_impl`: the whole stack as one `_cudnn_rnn`, without a weight buffer
-    (the worker makes one) or a dropout state (no dropout is drawn)."""
+    """ATen's `_cudnn_impl`: the whole stack as one `_cudnn_rnn`, without a weight buffer or a
+    dropout state (the worker has both)."""
     hidden, proj = hx.size(2), 0
     if cx is not None and cx.size(2) != hx.size(2):  # an LSTM with projections
         hidden, proj = cx.size(2), hx.size(2)
@@ -358,7 +356,7 @@ def lstm(
     if len(hx) != 2:
         raise RuntimeError(f"lstm expects two hidden states, got {len(hx)}")
     h0, c0 = hx
-    if _cudnn(input, dropout, train):
+    if _cudnn(input):
         return _cudnn_stack(
             "lstm", input, h0, c0, params, has_biases, num_layers, dropout, train,
             bidirectional, batch_first,
@@ -381,7 +379,7 @@ def gru(
     input: torch.Tensor, hx: torch.Tensor, params: Sequence[torch.Tensor], has_biases: bool,
     num_layers: int, dropout: float, train: bool, bidirectional: bool, batch_first: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    if _cudnn(input, dropout, train):
+    if _cudnn(input):
         out, hy, _ = _cudnn_stack(
             "gru", input, hx, None, params, has_biases, num_layers, dropout, train,
             bidirectional, batch_first,
@@ -405,7 +403,7 @@ def _plain(kind: str, composite: Any) -> Callable[..., tuple[torch.Tensor, torch
         has_biases: bool, num_layers: int, dropout: float, train: bool, bidirectional: bool,
         batch_first: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        if _cudnn(input, dropout, train):
+        if _cudnn(input):
             out, hy, _ = _cudnn_stack(
                 kind, input, hx, None, params, has_biases, num_layers, dropout, train,
                 bidirectional, batch_first,

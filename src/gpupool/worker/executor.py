@@ -40,6 +40,7 @@ from gpupool.worker import flags
 from gpupool.worker.activity import Activity
 from gpupool.worker.admission import Admission
 from gpupool.worker.collectives import COLLECTIVES, Collectives
+from gpupool.worker.cudnn_rnn import CudnnRnn
 from gpupool.worker.geometry import keeping_geometry
 from gpupool.worker.memory import (
     NO_RESERVATION,
@@ -163,7 +164,10 @@ class _BatchNormNoUpdate:
         return out, mean, rstd, out.new_empty((0,), dtype=torch.uint8)
 
 
-SHIMS: dict[str, Callable[..., Any]] = {"aten::_batch_norm_no_update": _BatchNormNoUpdate()}
+SHIMS: dict[str, Callable[..., Any]] = {
+    "aten::_batch_norm_no_update": _BatchNormNoUpdate(),
+    "aten::_cudnn_rnn": CudnnRnn(),  # cuDNN's dropout state, where the stack draws dropout
+}
 
 
 _FREE = int(Rec.FREE)

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from gpupool.worker.cudnn_rnn import DROPOUT_STATES
+
 
 class OpRefused(RuntimeError):
     """An op's arguments would make its kernel reach outside its tensors."""
@@ -1378,11 +1380,9 @@ def _cudnn_stack(a: Args) -> tuple[Any, ...]:
     dropout = a["dropout"]
     if not isinstance(dropout, float | int) or not 0 <= dropout <= 1:
         raise OpRefused("dropout must be a probability")
-    if a.get("dropout_state") is not None or (bool(a["train"]) and dropout > 0):
-        raise OpRefused(
-            "cuDNN's dropout between layers needs a dropout state the client does not send "
-            "(gpupool runs such layers as cells)"
-        )
+    if a.get("dropout_state") is not None:
+        raise OpRefused("dropout_state: the worker keeps cuDNN's dropout state (gpupool.worker."
+                        "cudnn_rnn); the client sends none")  # fmt: skip
     return (mode, batch_first, seq, batch, features, hidden, proj, layers, directions,
             has_biases, dtype, device)  # fmt: skip
 
@@ -1394,9 +1394,13 @@ def _cudnn_rnn(a: Args) -> None:
 
 
 def _cudnn_rnn_made(a: Args, result: Any) -> Any:
-    """Remember the weight buffer, for the stack it is, with the reserve's size."""
+    """Remember the weight buffer, for the stack it is, with the reserve's size and the
+    dropout state the forward drew with (None without dropout)."""
     reserve, buffer = result[3], result[4]
-    _CUDNN_BUFFERS[buffer] = (_cudnn_stack(a), bool(a["train"]), buffer.numel(), reserve.numel())
+    state = DROPOUT_STATES.get(buffer)
+    _CUDNN_BUFFERS[buffer] = (
+        _cudnn_stack(a), bool(a["train"]), buffer.numel(), reserve.numel(), state
+    )
     return result
 
 
@@ -1419,6 +1423,7 @@ def _cudnn_rnn_backward(a: Args) -> None:
     if not bool(a["train"]) or not made[1]:
         raise OpRefused("cudnn RNN backward can only be called in training mode")
     _exact_bytes(buffer, made[2], "weight_buf")  # as made: not resized since
+    a["dropout_state"] = made[4]  # the forward's, which the client's autograd did not see
     reserve = _on_device(a["reserve"], device, torch.uint8, "reserve")
     _exact_bytes(reserve, made[3], "reserve")
     output = _on_device(a["output"], device, dtype, "output")
