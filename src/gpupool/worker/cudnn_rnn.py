@@ -2,26 +2,30 @@
 
 A client calls `aten::_cudnn_rnn` for a whole recurrent stack (gpupool.torch.rnn), as ATen's
 `_cudnn_impl` does on a local GPU, but without the dropout state: on a local GPU that is a
-buffer ATen keeps per device (`get_dropout_state`), seeded from the device's generator the
-first time a stack trains with dropout and again after each `manual_seed`, and nothing in
-Python reaches it. A state made otherwise would draw other masks, and a seed drawn at another
-moment would move every later random op of the program.
+buffer ATen keeps per device (`get_dropout_state` in ATen's cudnn/RNN.cpp), made by
+`_cudnn_init_dropout_state` from a seed drawn off the device's generator the first time a stack
+trains with dropout, and again at the first such call after the generator was seeded
+(`manual_seed`, `set_rng_state`: its `reset_rnn_state` flag). Nothing in Python reaches that
+buffer or that flag, and a state made otherwise would draw other masks; a seed drawn at
+another moment would move every later random op of the program.
 
-So where the stack trains with dropout, the worker runs ATen's own composite (`torch.lstm`,
-`torch.gru`, `torch.rnn_tanh`, `torch.rnn_relu`) on the client's tensors: it takes the cached
-state, or seeds a new one, exactly where a local GPU would, and calls `_cudnn_rnn` with it,
-which a dispatch mode lets run and records: its five outputs are this op's, and the state is
-kept with the weight buffer (`DROPOUT_STATES`) for the backward, which needs the same one
-(opchecks fills it in: the client's autograd saved none). Without dropout the op runs as the
-client named it.
+So the worker keeps the same state the same way (`DropoutState`): per device, made with the
+same seed draw (`random_` of a long scalar on the device) at the same moments, the flag raised
+by the executor where it seeds the generator for the client. The state goes to `_cudnn_rnn`,
+and stays with the forward's weight buffer (`DROPOUT_STATES`) for the backward, which needs the
+same one (opchecks fills it in: the client's autograd saved none). Without dropout the op runs
+as the client named it.
+
+(ATen's own composite, run under a dispatch mode that records the `_cudnn_rnn` it calls, would
+give the same state; entering a dispatch mode imports Dynamo, four seconds at a worker's first
+RNN.)
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 aten = torch.ops.aten
@@ -29,27 +33,44 @@ aten = torch.ops.aten
 DROPOUT_STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Weight buffer of a forward that trained with dropout → the dropout state it used."""
 
-_COMPOSITES: dict[int, Any] = {0: torch.rnn_relu, 1: torch.rnn_tanh, 2: torch.lstm, 3: torch.gru}
-"""cudnnRNNMode_t → ATen's composite for that kind of stack."""
 
-
-class _Recorder(TorchDispatchMode):
-    """Lets every op of the composite run, and keeps `_cudnn_rnn`'s outputs and state."""
+class DropoutState:
+    """ATen's per-device cuDNN dropout state, kept as ATen keeps it."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.outputs: tuple[torch.Tensor, ...] | None = None
-        self.state: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._buffers: dict[int, torch.Tensor] = {}
+        self._seeded: set[int] = set()
+        """Devices whose generator was seeded since their last dropout call (ATen's flag)."""
+        self._fresh: set[int] = set()
+        """Devices whose flag this process has looked at (a new generator's flag is raised)."""
 
-    def __torch_dispatch__(
-        self, func: Any, types: Any, args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:  # fmt: skip
-        result = func(*args, **(kwargs or {}))
-        if func is aten._cudnn_rnn.default:
-            self.outputs = tuple(result)
-            self.state = args[15] if len(args) > 15 else (kwargs or {}).get("dropout_state")
-        return result
+    def generator_seeded(self, device: torch.device) -> None:
+        with self._lock:
+            self._seeded.add(_index(device))
+
+    def state(self, dropout: float, device: torch.device) -> torch.Tensor:
+        index = _index(device)
+        with self._lock:
+            reset = index in self._seeded or index not in self._fresh
+            self._seeded.discard(index)
+            self._fresh.add(index)
+            buffer = self._buffers.get(index)
+            if buffer is None or reset:
+                with torch.cuda.device(device):
+                    seed = int(torch.empty((), dtype=torch.long, device=device).random_().item())
+                    buffer = torch._cudnn_init_dropout_state(
+                        dropout, True, seed, dtype=torch.uint8, device=device
+                    )
+                self._buffers[index] = buffer
+            return buffer
+
+
+def _index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+DROPOUT = DropoutState()
 
 
 class CudnnRnn:
@@ -66,22 +87,13 @@ class CudnnRnn:
         train: bool, bidirectional: bool, batch_sizes: list[int],
         dropout_state: torch.Tensor | None,
     ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        if not (train and dropout > 0) or dropout_state is not None:
-            return tuple(self._kernel(
-                input, weight, weight_stride0, weight_buf, hx, cx, mode, hidden_size, proj_size,
-                num_layers, batch_first, dropout, train, bidirectional, batch_sizes,
-                dropout_state,
-            ))  # fmt: skip
-        has_biases = weight_stride0 - (1 if proj_size else 0) == 4
-        hidden: Any = (hx, cx) if cx is not None else hx
-        recorder = _Recorder()
-        with recorder:
-            _COMPOSITES[mode](
-                input, hidden, weight, has_biases, num_layers, dropout, train, bidirectional,
-                batch_first,
-            )  # fmt: skip
-        if recorder.outputs is None or len(recorder.outputs) != 5:
-            raise RuntimeError("_cudnn_rnn: ATen's composite did not call cuDNN for this stack")
-        if recorder.state is not None:
-            DROPOUT_STATES[recorder.outputs[4]] = recorder.state
-        return recorder.outputs
+        drawn = train and dropout > 0 and dropout_state is None
+        if drawn:
+            dropout_state = DROPOUT.state(dropout, input.device)
+        result = tuple(self._kernel(
+            input, weight, weight_stride0, weight_buf, hx, cx, mode, hidden_size, proj_size,
+            num_layers, batch_first, dropout, train, bidirectional, batch_sizes, dropout_state,
+        ))  # fmt: skip
+        if drawn:
+            DROPOUT_STATES[result[4]] = dropout_state
+        return result

@@ -40,7 +40,7 @@ from gpupool.worker import flags
 from gpupool.worker.activity import Activity
 from gpupool.worker.admission import Admission
 from gpupool.worker.collectives import COLLECTIVES, Collectives
-from gpupool.worker.cudnn_rnn import CudnnRnn
+from gpupool.worker.cudnn_rnn import DROPOUT, CudnnRnn
 from gpupool.worker.geometry import keeping_geometry
 from gpupool.worker.memory import (
     NO_RESERVATION,
@@ -928,6 +928,7 @@ class Executor:
         if self.device.type == "cuda":
             with torch.cuda.device(self.device):
                 torch.cuda.manual_seed(seed)
+            DROPOUT.generator_seeded(self.device)  # as the generator's own flag for ATen
         else:
             torch.manual_seed(seed)
 
@@ -950,6 +951,7 @@ class Executor:
         try:
             if self.device.type == "cuda":
                 torch.cuda.set_rng_state(state, self.device)
+                DROPOUT.generator_seeded(self.device)
             else:
                 torch.set_rng_state(state)
         except Exception as exc:
