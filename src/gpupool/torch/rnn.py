@@ -15,7 +15,7 @@ choose as a local device of the worker's kind would:
   as an empty tensor (its size is cuDNN's to say). The worker checks both ops (opchecks:
   cuDNN trusts the weight buffer, the reserve and the gradients' sizes). Dropout between
   layers is cuDNN's too, drawn from a dropout state the worker keeps and seeds as ATen does for a
-  local GPU's does (gpupool.worker.cudnn_rnn): the same masks.
+  local GPU (gpupool.worker.cudnn_rnn): the same masks.
 - **A CPU worker, and the cases above that cuDNN does not take,** run ATen's CPU cells in their
   order: the input projection of a whole layer at once, then per step the hidden projection
   added to it and the gates; dropout between layers. Autograd records each op. A GRU and an
