@@ -359,41 +359,76 @@ RECURRENT_STACKS: dict[str, Callable[[], nn.Module]] = {
 """Stacks a local GPU runs through cuDNN, dropout between layers included."""
 
 
-def recurrent_stacks(device: str) -> dict[str, Any]:
+RECURRENT_OFF_CUDNN: dict[str, Callable[[], nn.Module]] = {
+    "lstm, bfloat16": lambda: nn.LSTM(8, 6, 2, dropout=0.3).bfloat16(),
+    "lstm with projections, bfloat16, batch first": lambda: nn.LSTM(
+        8, 6, proj_size=4, batch_first=True).bfloat16(),
+    "gru, bfloat16, bidirectional": lambda: nn.GRU(8, 6, bidirectional=True).bfloat16(),
+    "gru without biases, bfloat16": lambda: nn.GRU(8, 6, bias=False).bfloat16(),
+    "rnn tanh, bfloat16": lambda: nn.RNN(8, 6, 2).bfloat16(),
+}  # fmt: skip
+"""Stacks a local GPU runs without cuDNN (bfloat16): its fused cells, step by step."""
+
+
+def recurrent_stacks(
+    device: str, stacks: dict[str, Callable[[], nn.Module]] | None = None,
+    autocast: bool = False, cudnn: bool = True,
+) -> dict[str, Any]:  # fmt: skip
     """Each stack trained two steps (outputs, final states, the input's and every weight's
     gradients, a retained graph's second backward), then run in evaluation under no_grad, and
-    each output's strides (a batch-first output is cuDNN's transposed one)."""
+    each output's strides (a batch-first output is cuDNN's transposed one). `autocast` runs
+    the forwards under torch.autocast (float16), `cudnn=False` with cuDNN off."""
     results: dict[str, Any] = {}
-    for name, make in RECURRENT_STACKS.items():
-        torch.manual_seed(0)
-        module = make().to(device)
-        dtype = next(module.parameters()).dtype
-        batch_first = module.batch_first
-        x = torch.randn(3, 5, 8, dtype=dtype) if batch_first else torch.randn(5, 3, 8, dtype=dtype)
-        opt = torch.optim.SGD(module.parameters(), lr=0.1)
-        for step in range(2):
-            inputs = x.clone().to(device).requires_grad_()  # a leaf of its own, locally too
-            # The dropout between layers draws alike: a CPU worker's generator is not the
-            # client's, which made the weights (a GPU's is neither's, locally and remotely).
-            torch.manual_seed(10 + step)
-            out, state = module(inputs)
-            finals = list(state) if isinstance(state, tuple) else [state]
-            loss = out.square().sum() + sum(f.sin().sum() for f in finals)
-            opt.zero_grad()
-            loss.backward(retain_graph=step == 0)
-            if step == 0:
-                (out.sum() * 2).backward()  # the retained graph, a second time
-            assert inputs.grad is not None
-            results[f"{name} {step} out"] = out.detach().cpu()
-            results[f"{name} {step} stride"] = torch.tensor(out.stride())
-            for i, f in enumerate(finals):
-                results[f"{name} {step} final{i}"] = f.detach().cpu()
-            results[f"{name} {step} dx"] = inputs.grad.cpu()
-            for p_name, p in module.named_parameters():
-                assert p.grad is not None
-                results[f"{name} {step} d{p_name}"] = p.grad.cpu()
-            opt.step()
-        module.eval()
-        with torch.no_grad():
-            results[f"{name} eval"] = module(x.to(device))[0].cpu()
+    device_type = torch.device(device).type
+    with torch.backends.cudnn.flags(enabled=cudnn):
+        for name, make in (RECURRENT_STACKS if stacks is None else stacks).items():
+            _recurrent_stack(name, make, device, device_type, autocast, results)
     return results
+
+
+def recurrent_off_cudnn(device: str) -> dict[str, Any]:
+    """The bfloat16 stacks; float32 ones with cuDNN off; float32 ones under autocast."""
+    some = dict(list(RECURRENT_STACKS.items())[:4])
+    return {
+        **recurrent_stacks(device, RECURRENT_OFF_CUDNN),
+        **{f"no cudnn: {k}": v for k, v in recurrent_stacks(device, some, cudnn=False).items()},
+        **{f"autocast: {k}": v for k, v in recurrent_stacks(device, some, autocast=True).items()},
+    }
+
+
+def _recurrent_stack(
+    name: str, make: Callable[[], nn.Module], device: str, device_type: str, autocast: bool,
+    results: dict[str, Any],
+) -> None:  # fmt: skip
+    torch.manual_seed(0)
+    module = make().to(device)
+    dtype = next(module.parameters()).dtype
+    batch_first = module.batch_first
+    x = torch.randn(3, 5, 8, dtype=dtype) if batch_first else torch.randn(5, 3, 8, dtype=dtype)
+    opt = torch.optim.SGD(module.parameters(), lr=0.1)
+    for step in range(2):
+        inputs = x.clone().to(device).requires_grad_()  # a leaf of its own, locally too
+        # The dropout between layers draws alike: a CPU worker's generator is not the
+        # client's, which made the weights (a GPU's is neither's, locally and remotely).
+        torch.manual_seed(10 + step)
+        with torch.autocast(device_type, enabled=autocast):
+            out, state = module(inputs)
+        finals = list(state) if isinstance(state, tuple) else [state]
+        loss = out.float().square().sum() + sum(f.float().sin().sum() for f in finals)
+        opt.zero_grad()
+        loss.backward(retain_graph=step == 0)
+        if step == 0:
+            (out.float().sum() * 2).backward()  # the retained graph, a second time
+        assert inputs.grad is not None
+        results[f"{name} {step} out"] = out.detach().cpu()
+        results[f"{name} {step} stride"] = torch.tensor(out.stride())
+        for i, f in enumerate(finals):
+            results[f"{name} {step} final{i}"] = f.detach().cpu()
+        results[f"{name} {step} dx"] = inputs.grad.cpu()
+        for p_name, p in module.named_parameters():
+            assert p.grad is not None
+            results[f"{name} {step} d{p_name}"] = p.grad.cpu()
+        opt.step()
+    module.eval()
+    with torch.no_grad(), torch.autocast(device_type, enabled=autocast):
+        results[f"{name} eval"] = module(x.to(device))[0].cpu()

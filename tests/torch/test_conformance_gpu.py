@@ -25,6 +25,7 @@ from conformance_programs import (
     cnn_training,
     encoder_bf16,
     mlp_training,
+    recurrent_off_cudnn,
     recurrent_stacks,
     resnet_bf16,
     transformer_bf16,
@@ -164,6 +165,19 @@ def test_recurrent_stacks_on_a_cuda_worker_are_the_local_gpus_cudnn_bit_for_bit(
     local = local_cuda("recurrent_stacks", "cuda", tmp_path)
     attach_cuda(1)
     remote = recurrent_stacks("cuda")
+    assert local.keys() == remote.keys()
+    for key, expected in local.items():
+        assert torch.equal(remote[key], expected), key
+
+
+def test_recurrent_stacks_off_cudnn_and_under_autocast_are_the_local_gpus_bit_for_bit(
+    attach_cuda: Callable[[int], None], tmp_path: Path
+) -> None:
+    """bfloat16 stacks and float32 ones with cuDNN off run ATen's fused cells step by step as a
+    local GPU does; under autocast cuDNN runs in float16 as ATen's autocast kernel casts."""
+    local = local_cuda("recurrent_off_cudnn", "cuda", tmp_path)
+    attach_cuda(1)
+    remote = recurrent_off_cudnn("cuda")
     assert local.keys() == remote.keys()
     for key, expected in local.items():
         assert torch.equal(remote[key], expected), key

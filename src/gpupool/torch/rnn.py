@@ -7,26 +7,30 @@ choose as a local device of the worker's kind would:
 
 - **A CUDA worker runs cuDNN** where a local GPU does (ATen's `cudnn_is_acceptable`: cuDNN on,
   float16/32/64, not empty): one `_cudnn_rnn` op for the whole stack, recorded by autograd
-  with its own backward (`_cudnn_rnn_backward`), as ATen's `_cudnn_impl` calls it. The worker
-  runs the same cuDNN kernels as a local GPU and its values are the local GPU's bit for bit.
-  Two differences, neither in the values: the weights go unflattened (the worker copies them
-  into cuDNN's layout for each call, as cuDNN does for a local module that was never
-  flattened), and cuDNN's workspace (`reserve`) stays on the worker, where the client sees it
-  as an empty tensor (its size is cuDNN's to say). The worker checks both ops (opchecks:
-  cuDNN trusts the weight buffer, the reserve and the gradients' sizes). Dropout between
-  layers is cuDNN's too, drawn from a dropout state the worker keeps and seeds as ATen does for a
-  local GPU (gpupool.worker.cudnn_rnn): the same masks.
-- **A CPU worker, and the cases above that cuDNN does not take,** run ATen's CPU cells in their
-  order: the input projection of a whole layer at once, then per step the hidden projection
-  added to it and the gates; dropout between layers. Autograd records each op. A GRU and an
-  LSTM with projections (which a local CPU runs as cells too) are then bit-identical with a
-  local CPU run. A float32 LSTM without projections is what a local CPU runs as oneDNN layers
-  (`mkldnn_rnn_layer`); on a CPU worker it runs so too, layer by layer as ATen's `mkldnn_rnn`
-  does (`_onednn_lstm`), and is bit-identical. The worker runs that kernel behind a check (it
-  trusts its weights' shapes, forged ones crashed a worker, and its backward trusts the
-  workspace's size). torch._decomp's own LSTM decomposition is not used: it drops the dropout
-  between layers. Plain RNNs off cuDNN keep ATen's composite (its cells are linear and tanh
-  or relu, which every worker has).
+  with its own backward (`_cudnn_rnn_backward`), as ATen's `_cudnn_impl` calls it; under
+  autocast cast to float16 first, as ATen's autocast kernel for it does. The worker runs the
+  same cuDNN kernels as a local GPU and its values are the local GPU's bit for bit. Two
+  differences, neither in the values: the weights go unflattened (the worker copies them into
+  cuDNN's layout for each call, as cuDNN does for a local module that was never flattened),
+  and cuDNN's workspace (`reserve`) stays on the worker, where the client sees it as an empty
+  tensor (its size is cuDNN's to say). The worker checks both ops (opchecks: cuDNN trusts the
+  weight buffer, the reserve and the gradients' sizes). Dropout between layers is cuDNN's
+  too, drawn from a dropout state the worker keeps and seeds as ATen does for a local GPU
+  (gpupool.worker.cudnn_rnn): the same masks.
+- **Stacks cuDNN does not take on a CUDA worker** (bfloat16, cuDNN off) run as ATen runs them on
+  a local GPU: per step the input and hidden products and the fused cell kernel
+  (`_thnn_fused_lstm_cell`, `_thnn_fused_gru_cell`), which adds the biases.
+- **A CPU worker** runs ATen's CPU cells in their order: the input projection of a whole layer
+  at once, then per step the hidden projection added to it and the gates; dropout between
+  layers. Autograd records each op. A GRU and an LSTM with projections (which a local CPU
+  runs as cells too) are then bit-identical with a local CPU run. A float32 LSTM without
+  projections is what a local CPU runs as oneDNN layers (`mkldnn_rnn_layer`); on a CPU worker
+  it runs so too, layer by layer as ATen's `mkldnn_rnn` does (`_onednn_lstm`), and is
+  bit-identical. The worker runs that kernel behind a check (it trusts its weights' shapes,
+  forged ones crashed a worker, and its backward trusts the workspace's size).
+  torch._decomp's own LSTM decomposition is not used: it drops the dropout between layers.
+- **Plain RNNs** off cuDNN keep ATen's composite: its cells are linear and tanh or relu,
+  which every worker has, step by step as on a local GPU.
 
 `torch.backends.cudnn.is_acceptable` answers False for a remote tensor: nn.LSTM's
 `flatten_parameters` asked it, and on a client whose torch is a CUDA build without a visible
@@ -66,6 +70,8 @@ def install() -> None:
     batch-first outputs other strides than cuDNN's)."""
     shapes.EXACT[aten._cudnn_rnn.default] = _cudnn_rnn_layout
     shapes.EXACT[aten._cudnn_rnn_backward.default] = _cudnn_rnn_backward_layout
+    shapes.EXACT[aten._thnn_fused_gru_cell.default] = _fused_gru_cell_layout
+    shapes.EXACT[aten._thnn_fused_gru_cell_backward.default] = _fused_gru_cell_backward_layout
     if _IS_ACCEPTABLE:
         return
     original = torch.backends.cudnn.is_acceptable
@@ -80,6 +86,8 @@ def install() -> None:
 def uninstall() -> None:
     shapes.EXACT.pop(aten._cudnn_rnn.default, None)
     shapes.EXACT.pop(aten._cudnn_rnn_backward.default, None)
+    shapes.EXACT.pop(aten._thnn_fused_gru_cell.default, None)
+    shapes.EXACT.pop(aten._thnn_fused_gru_cell_backward.default, None)
     if _IS_ACCEPTABLE:
         torch.backends.cudnn.is_acceptable = _IS_ACCEPTABLE.pop()
 
@@ -95,8 +103,7 @@ _CUDNN_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 def _cudnn(input: torch.Tensor) -> bool:
     """Whether a local GPU would run this stack through cuDNN (ATen's `cudnn_is_acceptable`
-    of the input) and the worker can: it is a CUDA worker and autocast is off (a local GPU's
-    autocast casts and re-flattens cuDNN's weights its own way; the cells take that case)."""
+    of the input, before autocast) and the worker is a CUDA worker."""
     return (
         type(input) is RemoteTensor
         and stream_of(input._gp).is_cuda_worker
@@ -104,8 +111,13 @@ def _cudnn(input: torch.Tensor) -> bool:
         and input.dtype in _CUDNN_DTYPES
         and input.dim() == 3
         and input.numel() != 0
-        and not autocast._enabled()[0]
     )
+
+
+def _autocast_half(tensor: torch.Tensor) -> torch.Tensor:
+    """autocast's `cached_cast(kHalf, ...)`: floating tensors other than double and half."""
+    cast = tensor.is_floating_point() and tensor.dtype not in (torch.float64, torch.float16)
+    return tensor.half() if cast else tensor
 
 
 def _cudnn_stack(
@@ -119,8 +131,17 @@ def _cudnn_stack(
     if cx is not None and cx.size(2) != hx.size(2):  # an LSTM with projections
         hidden, proj = cx.size(2), hx.size(2)
     stride0 = (4 if has_biases else 2) + (1 if proj else 0)
+    weights = list(params)
+    if autocast._enabled()[0]:
+        # A local GPU's autocast kernel for _cudnn_rnn (ATen's AutocastRNN.cpp): float16
+        # whatever autocast's dtype, the weights cast (autograd sees the casts) into a flat
+        # float16 buffer, which the worker makes here from the cast weights alike.
+        input, hx = _autocast_half(input), _autocast_half(hx)
+        cx = _autocast_half(cx) if cx is not None else None
+        if weights and weights[0].dtype not in (torch.float16, torch.float64):
+            weights = [w.half() for w in weights]
     output, hy, cy, _, _ = aten._cudnn_rnn.default(
-        input, list(params), stride0, None, hx, cx, CUDNN_MODES[kind], hidden, proj, num_layers,
+        input, weights, stride0, None, hx, cx, CUDNN_MODES[kind], hidden, proj, num_layers,
         batch_first, dropout, train, bidirectional, [], None,
     )  # fmt: skip
     return output, hy, cy
@@ -244,10 +265,79 @@ def _gru_cell(gates_in: torch.Tensor, hidden: Hidden, params: Sequence[torch.Ten
     return (hidden - new_gate).mul_(input_gate).add_(new_gate)
 
 
+# A CUDA worker's cells for the stacks cuDNN does not take (bfloat16, cuDNN off): ATen's
+# LSTMCell and GRUCell on a CUDA input, each step's input and hidden products (no bias) and the
+# fused cell kernel, which adds the biases.
+
+
+def _fused_lstm_cell(step: torch.Tensor, hidden: Hidden, params: Sequence[torch.Tensor]) -> Hidden:
+    hx, cx = hidden
+    biases = len(params) in (4, 5)
+    igates = torch.matmul(step, params[0].t())
+    hgates = torch.matmul(hx, params[1].t())
+    hy, cy, _ = aten._thnn_fused_lstm_cell.default(
+        igates, hgates, cx, params[2] if biases else None, params[3] if biases else None
+    )
+    if len(params) in (3, 5):  # a projection (proj_size): w_hr last
+        hy = torch.matmul(hy, params[-1].t())
+    return hy, cy
+
+
+def _fused_gru_cell(step: torch.Tensor, hidden: Hidden, params: Sequence[torch.Tensor]) -> Hidden:
+    biases = len(params) == 4
+    igates = torch.matmul(step, params[0].t())
+    hgates = torch.matmul(hidden, params[1].t())
+    return aten._thnn_fused_gru_cell.default(
+        igates, hgates, hidden, params[2] if biases else None, params[3] if biases else None
+    )[0]
+
+
+def _fused_gru_cell_layout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`_thnn_fused_gru_cell` (no meta kernel): hy as hx, and a [batch, 5 x hidden] workspace."""
+    if kwargs or len(args) < 3 or args[2].dim() != 2:
+        return None
+    hx = args[2]
+    batch, hidden = hx.shape
+    return Seq(tuple, (_contiguous((batch, hidden), hx.dtype),
+                       _contiguous((batch, 5 * hidden), hx.dtype)))  # fmt: skip
+
+
+def _fused_gru_cell_backward_layout(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """`_thnn_fused_gru_cell_backward`: both gates' gradients [batch, 3 x hidden], hx's as
+    grad_hy, the biases' (sums over the batch) only with biases."""
+    if kwargs or len(args) != 3 or args[1].dim() != 2:
+        return None
+    grad_hy, workspace, has_bias = args
+    batch, hidden = workspace.shape[0], workspace.shape[1] // 5
+    gates = _contiguous((batch, 3 * hidden), workspace.dtype)
+    bias: Any = _contiguous((3 * hidden,), workspace.dtype) if has_bias else Value(None)
+    return Seq(tuple, (gates, gates, _contiguous(tuple(grad_hy.shape), grad_hy.dtype), bias, bias))
+
+
+def _stepwise(
+    cell: Cell, inputs: torch.Tensor, hidden: Hidden, params: Sequence[torch.Tensor],
+    reverse: bool,
+) -> tuple[torch.Tensor, Hidden]:  # fmt: skip
+    """ATen's FullLayer on a CUDA input: no projection ahead, the cell takes each step."""
+    steps = inputs.unbind(0)
+    outputs = []
+    for step in reversed(steps) if reverse else steps:
+        hidden = cell(step, hidden, params)
+        outputs.append(hidden[0] if isinstance(hidden, tuple) else hidden)
+    if reverse:
+        outputs.reverse()
+    return torch.stack(outputs, 0), hidden
+
+
+def _on_cuda_worker(input: torch.Tensor) -> bool:
+    return type(input) is RemoteTensor and stream_of(input._gp).is_cuda_worker
+
+
 def _layer(
     cell: Cell, inputs: torch.Tensor, hidden: Hidden, params: Sequence[torch.Tensor],
     reverse: bool,
 ) -> tuple[torch.Tensor, Hidden]:  # fmt: skip
+    """ATen's FullLayer on a CPU input: the whole layer's input projection first."""
     b_ih = params[2] if len(params) >= 4 else None
     projected = F.linear(inputs, params[0], b_ih).unbind(0)
     steps = reversed(projected) if reverse else projected
@@ -265,6 +355,7 @@ def _stack(
     num_layers: int, dropout: float, train: bool, bidirectional: bool,
 ) -> tuple[torch.Tensor, list[Hidden]]:  # fmt: skip
     """The layers one after the other, each direction's output side by side."""
+    layer_of = _stepwise if cell in (_fused_lstm_cell, _fused_gru_cell) else _layer
     directions = 2 if bidirectional else 1
     finals: list[Hidden] = []
     layer_input = input
@@ -272,7 +363,7 @@ def _stack(
         outputs = []
         for direction in range(directions):
             index = layer * directions + direction
-            out, final = _layer(cell, layer_input, hiddens[index], params[index], direction == 1)
+            out, final = layer_of(cell, layer_input, hiddens[index], params[index], direction == 1)
             outputs.append(out)
             finals.append(final)
         layer_input = outputs[0] if directions == 1 else torch.cat(outputs, outputs[0].dim() - 1)
@@ -370,7 +461,8 @@ def lstm(
         )  # fmt: skip
     x = input.transpose(0, 1) if batch_first else input
     hiddens = list(zip(h0.unbind(0), c0.unbind(0), strict=True))
-    out, finals = _stack(_lstm_cell, x, hiddens, grouped, num_layers, dropout, train, bidirectional)
+    cell = _fused_lstm_cell if _on_cuda_worker(input) else _lstm_cell
+    out, finals = _stack(cell, x, hiddens, grouped, num_layers, dropout, train, bidirectional)
     out = out.transpose(0, 1) if batch_first else out
     return out, torch.stack([h for h, _ in finals], 0), torch.stack([c for _, c in finals], 0)
 
@@ -387,8 +479,9 @@ def gru(
         return out, hy
     grouped = _group(params, has_biases, False)
     x = input.transpose(0, 1) if batch_first else input
+    cell = _fused_gru_cell if _on_cuda_worker(input) else _gru_cell
     out, finals = _stack(
-        _gru_cell, x, list(hx.unbind(0)), grouped, num_layers, dropout, train, bidirectional
+        cell, x, list(hx.unbind(0)), grouped, num_layers, dropout, train, bidirectional
     )
     out = out.transpose(0, 1) if batch_first else out
     return out, torch.stack(finals, 0)
