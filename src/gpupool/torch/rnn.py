@@ -5,21 +5,21 @@ their kernel by the input's device, and a remote tensor's C++ device is PrivateU
 CUDA nor CPU. The layers here (registered for AutogradPrivateUse1 in gpupool.torch.kernels)
 choose as a local device of the worker's kind would:
 
-- **A CUDA worker runs cuDNN** where a local GPU does (ATen's `cudnn_is_acceptable`: cuDNN on,
-  float16/32/64, not empty): one `_cudnn_rnn` op for the whole stack, recorded by autograd
-  with its own backward (`_cudnn_rnn_backward`), as ATen's `_cudnn_impl` calls it; under
-  autocast cast to float16 first, as ATen's autocast kernel for it does. The worker runs the
-  same cuDNN kernels as a local GPU and its values are the local GPU's bit for bit. Two
-  differences, neither in the values: the weights go unflattened (the worker copies them into
-  cuDNN's layout for each call, as cuDNN does for a local module that was never flattened),
-  and cuDNN's workspace (`reserve`) stays on the worker, where the client sees it as an empty
-  tensor (its size is cuDNN's to say). The worker checks both ops (opchecks: cuDNN trusts the
-  weight buffer, the reserve and the gradients' sizes). Dropout between layers is cuDNN's
-  too, drawn from a dropout state the worker keeps and seeds as ATen does for a local GPU
-  (gpupool.worker.cudnn_rnn): the same masks.
-- **Stacks cuDNN does not take on a CUDA worker** (bfloat16, cuDNN off) run as ATen runs them on
-  a local GPU: per step the input and hidden products and the fused cell kernel
-  (`_thnn_fused_lstm_cell`, `_thnn_fused_gru_cell`), which adds the biases.
+- **A CUDA worker runs cuDNN** where a local GPU does (ATen's `cudnn_is_acceptable`, which the
+  worker answers: cuDNN on, not empty, a dtype cuDNN takes): one `_cudnn_rnn` op for the whole
+  stack, recorded by autograd with its own backward (`_cudnn_rnn_backward`), as ATen's
+  `_cudnn_impl` calls it; under autocast cast to float16 first, as ATen's autocast kernel for
+  it does. The worker runs the same cuDNN kernels as a local GPU and its values are the local
+  GPU's bit for bit. Two differences, neither in the values: the weights go unflattened (the
+  worker copies them into cuDNN's layout for each call, as cuDNN does for a local module that
+  was never flattened), and cuDNN's workspace (`reserve`) stays on the worker, where the
+  client sees it as an empty tensor (its size is cuDNN's to say). The worker checks both ops
+  (opchecks: cuDNN trusts the weight buffer, the reserve and the gradients' sizes). Dropout
+  between layers is cuDNN's too, drawn from a dropout state the worker keeps and seeds as
+  ATen does for a local GPU (gpupool.worker.cudnn_rnn): the same masks.
+- **Stacks cuDNN does not take on a CUDA worker** (cuDNN off, a dtype it does not take) run as
+  ATen runs them on a local GPU: per step the input and hidden products and the fused cell
+  kernel (`_thnn_fused_lstm_cell`, `_thnn_fused_gru_cell`), which adds the biases.
 - **A CPU worker** runs ATen's CPU cells in their order: the input projection of a whole layer
   at once, then per step the hidden projection added to it and the gates; dropout between
   layers. Autograd records each op. A GRU and an LSTM with projections (which a local CPU
@@ -84,6 +84,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
+    _ACCEPTS.clear()
     shapes.EXACT.pop(aten._cudnn_rnn.default, None)
     shapes.EXACT.pop(aten._cudnn_rnn_backward.default, None)
     shapes.EXACT.pop(aten._thnn_fused_gru_cell.default, None)
@@ -98,20 +99,29 @@ CUDNN_MODES = {"rnn_relu": 0, "rnn_tanh": 1, "lstm": 2, "gru": 3}
 """cudnnRNNMode_t, the `mode` argument of `_cudnn_rnn`."""
 CUDNN_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
 """Gates per mode: the rows of a layer's weights are gates x hidden_size."""
-_CUDNN_DTYPES = (torch.float16, torch.float32, torch.float64)
+_FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_ACCEPTS: dict[tuple[int, torch.dtype], bool] = {}
+"""(stream, dtype) → the worker's ATen's `cudnn_is_acceptable` for a tensor of that dtype."""
 
 
 def _cudnn(input: torch.Tensor) -> bool:
-    """Whether a local GPU would run this stack through cuDNN (ATen's `cudnn_is_acceptable`
-    of the input, before autocast) and the worker is a CUDA worker."""
-    return (
+    """Whether a local GPU would run this stack through cuDNN: ATen's `cudnn_is_acceptable` of
+    the input (before autocast), asked of the worker's ATen once per dtype (which dtypes it
+    takes depends on the torch version: torch 2.11's takes bfloat16), on a CUDA worker."""
+    if not (
         type(input) is RemoteTensor
         and stream_of(input._gp).is_cuda_worker
         and torch.backends.cudnn.enabled
-        and input.dtype in _CUDNN_DTYPES
+        and input.dtype in _FLOATING
         and input.dim() == 3
         and input.numel() != 0
-    )
+    ):
+        return False
+    key = (id(input._gp.stream), input.dtype)
+    accepts = _ACCEPTS.get(key)
+    if accepts is None:
+        accepts = _ACCEPTS[key] = bool(aten.cudnn_is_acceptable.default(input))
+    return accepts
 
 
 def _autocast_half(tensor: torch.Tensor) -> torch.Tensor:

@@ -1284,7 +1284,7 @@ _CUDNN_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
 """cudnnRNNMode_t (RNN_RELU, RNN_TANH, LSTM, GRU) → gates: a layer's weights have gates x hidden
 rows."""
 _CUDNN_LSTM = 2
-_CUDNN_DTYPES = (torch.float16, torch.float32, torch.float64)
+_CUDNN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 _CUDNN_BUFFERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Each weight buffer a `_cudnn_rnn` forward made on this worker → the stack it was made for,
@@ -1336,7 +1336,7 @@ def _cudnn_stack(a: Args) -> tuple[Any, ...]:
     if inp.layout != torch.strided or inp.device.type == "cpu":
         raise OpRefused("cuDNN's RNN runs on a CUDA worker, with a dense input on its GPU")
     if inp.dtype not in _CUDNN_DTYPES:
-        raise OpRefused(f"input is {inp.dtype}; cuDNN's RNN takes float16, float32 or float64")
+        raise OpRefused(f"input is {inp.dtype}; cuDNN's RNN takes floating tensors")
     if inp.dim() != 3 or inp.numel() == 0:
         raise OpRefused("input must be a non-empty three-dimensional tensor")
     device, dtype = inp.device, inp.dtype
