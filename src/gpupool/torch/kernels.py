@@ -80,8 +80,14 @@ def install() -> None:
             dispatch.COMPOSITE_KERNELS[op] = kernel
         dispatch.WHOLE_COMPOSITES.add(aten.linear.default)
     _LIBRARIES.extend([cuda, backend, autograd])
-    rnn.install()
+    rnn.install(_cudnn_accepts)
     _install_engine_thread()
+
+
+def _cudnn_accepts(tensor: torch.Tensor) -> bool:
+    """ATen's `cudnn_is_acceptable`, answered by the worker's ATen: the client's composite of it
+    sees the remote tensor's C++ device, which is not cuda, and answers False."""
+    return bool(dispatch.run(op_info(aten.cudnn_is_acceptable.default), (tensor,), {}))
 
 
 def uninstall() -> None:

@@ -64,10 +64,12 @@ Cell = Callable[[torch.Tensor, Hidden, Sequence[torch.Tensor]], Hidden]
 _IS_ACCEPTABLE: list[Callable[[torch.Tensor], bool]] = []
 
 
-def install() -> None:
+def install(cudnn_accepts: Callable[[torch.Tensor], bool]) -> None:
     """cuDNN's weight flattening is not for remote tensors (see above); cuDNN's RNN ops get
     their outputs' layouts here (their meta kernel has none for the weight buffer and gives
-    batch-first outputs other strides than cuDNN's)."""
+    batch-first outputs other strides than cuDNN's). `cudnn_accepts` asks the worker's ATen
+    whether cuDNN takes a tensor (gpupool.torch.kernels: a round trip)."""
+    _ASK[:] = [cudnn_accepts]
     shapes.EXACT[aten._cudnn_rnn.default] = _cudnn_rnn_layout
     shapes.EXACT[aten._cudnn_rnn_backward.default] = _cudnn_rnn_backward_layout
     shapes.EXACT[aten._thnn_fused_gru_cell.default] = _fused_gru_cell_layout
@@ -85,6 +87,7 @@ def install() -> None:
 
 def uninstall() -> None:
     _ACCEPTS.clear()
+    _ASK.clear()
     shapes.EXACT.pop(aten._cudnn_rnn.default, None)
     shapes.EXACT.pop(aten._cudnn_rnn_backward.default, None)
     shapes.EXACT.pop(aten._thnn_fused_gru_cell.default, None)
@@ -102,6 +105,7 @@ CUDNN_GATES = {0: 1, 1: 1, 2: 4, 3: 3}
 _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ACCEPTS: dict[tuple[int, torch.dtype], bool] = {}
 """(stream, dtype) → the worker's ATen's `cudnn_is_acceptable` for a tensor of that dtype."""
+_ASK: list[Callable[[torch.Tensor], bool]] = []
 
 
 def _cudnn(input: torch.Tensor) -> bool:
@@ -120,7 +124,7 @@ def _cudnn(input: torch.Tensor) -> bool:
     key = (id(input._gp.stream), input.dtype)
     accepts = _ACCEPTS.get(key)
     if accepts is None:
-        accepts = _ACCEPTS[key] = bool(aten.cudnn_is_acceptable.default(input))
+        accepts = _ACCEPTS[key] = bool(_ASK and _ASK[0](input))
     return accepts
 
 
