@@ -123,6 +123,56 @@ def test_recurrent_stacks_on_a_cpu_worker_give_the_local_cpus_values(
         assert torch.equal(remote[key], value), key
 
 
+def _packed_run(module: torch.nn.Module, x: torch.Tensor, lengths: torch.Tensor, device: str,
+                sort: bool) -> list[torch.Tensor]:  # fmt: skip
+    from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
+
+    module = copy.deepcopy(module).to(device)
+    inputs = x.clone().to(device).requires_grad_()
+    packed = pack_padded_sequence(inputs, lengths, module.batch_first, enforce_sorted=sort)
+    assert packed.batch_sizes.device.type == "cpu"  # as on a local GPU: PackedSequence insists
+    torch.manual_seed(3)  # the dropout between layers draws alike
+    out, state = module(packed)
+    padded, out_lengths = pad_packed_sequence(out, module.batch_first)
+    assert out_lengths.device.type == "cpu" and out_lengths.tolist() == lengths.tolist()
+    finals = list(state) if isinstance(state, tuple) else [state]
+    (padded.square().sum() + sum(f.sin().sum() for f in finals)).backward()
+    assert inputs.grad is not None
+    grads = [p.grad.cpu() for p in module.parameters() if p.grad is not None]
+    return [padded.detach().cpu(), *(f.detach().cpu() for f in finals), inputs.grad.cpu(), *grads]
+
+
+def test_packed_sequences_on_a_cpu_worker_give_the_local_cpus_values(
+    attach: Callable[..., Any],
+) -> None:
+    """pack_padded_sequence and the layers on a PackedSequence (`lstm.data`, `gru.data`): the
+    batch sizes stay on the host, and a CPU worker runs ATen's packed layers' cells op for op
+    (they failed at the fused cell, which only CUDA has)."""
+    torch.manual_seed(0)
+    modules = {
+        "lstm, 2 layers, bidirectional": torch.nn.LSTM(4, 5, 2, bidirectional=True),
+        "lstm with projections, batch first": torch.nn.LSTM(4, 5, proj_size=3, batch_first=True),
+        "gru, 2 layers, dropout": torch.nn.GRU(4, 5, 2, dropout=0.3),
+        "gru, bidirectional, no biases": torch.nn.GRU(4, 5, bidirectional=True, bias=False),
+    }
+    x = torch.randn(6, 3, 4)
+    cases = [(torch.tensor([6, 4, 2]), True), (torch.tensor([3, 6, 1]), False)]
+    local = {
+        (name, i): _packed_run(m, x.transpose(0, 1) if m.batch_first else x, lengths, "cpu", sort)
+        for name, m in modules.items()
+        for i, (lengths, sort) in enumerate(cases)
+    }
+    attach()
+    if runtime.stream(0).is_cuda_worker:
+        pytest.skip("compares with a local CPU run")
+    for (name, i), want in local.items():
+        m = modules[name]
+        lengths, sort = cases[i]
+        got = _packed_run(m, x.transpose(0, 1) if m.batch_first else x, lengths, "cuda", sort)
+        for a, b in zip(got, want, strict=True):
+            assert torch.equal(a, b), (name, i)
+
+
 def test_cudnn_rnn_layouts_follow_the_meta_kernel_and_cudnns_batch_first_strides() -> None:
     """The client's layouts of `_cudnn_rnn` (gpupool.torch.rnn) give the meta kernel's shapes,
     and its strides except where cuDNN's differ: a batch-first output is transposed from a

@@ -650,6 +650,14 @@ def _unsupported(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> An
     raise NotImplementedError(f"{func} is not supported on gpupool remote devices")
 
 
+def _in_the_client(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """An aten op's device-generic kernel, run here: its tensor work goes to the worker op by
+    op, and what it makes from host arguments stays on the host, as on a local GPU
+    (`_pack_padded_sequence` makes its batch sizes from the host lengths: sent whole, they
+    came back a remote tensor, which PackedSequence refuses)."""
+    return func._op_dk(_COMPOSITE_KEYS[1], *args, **kwargs)
+
+
 _SPECIAL: dict[int, Any] = {
     id(op): handler
     for op, handler in {
@@ -665,6 +673,7 @@ _SPECIAL: dict[int, Any] = {
         aten.is_pinned.default: _false,
         aten._has_compatible_shallow_copy_type.default: _same_kind,
         aten._pin_memory.default: _unsupported,
+        aten._pack_padded_sequence.default: _in_the_client,
         aten.set_.source_Storage: _unsupported,
         aten.set_.source_Storage_storage_offset: _unsupported,
     }.items()

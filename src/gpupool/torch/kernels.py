@@ -520,6 +520,8 @@ _COMPOSITES: tuple[tuple[str, Any, Any], ...] = (
     ("gru.input", aten.gru.input, rnn.gru),
     ("rnn_tanh.input", aten.rnn_tanh.input, rnn.rnn_tanh),
     ("rnn_relu.input", aten.rnn_relu.input, rnn.rnn_relu),
+    ("lstm.data", aten.lstm.data, rnn.lstm_packed),
+    ("gru.data", aten.gru.data, rnn.gru_packed),
     ("linear", aten.linear.default, linear),
 )  # fmt: skip
 """(overload name, OpOverload, kernel) of the composites the client runs its own way: registered

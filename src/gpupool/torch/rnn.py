@@ -37,8 +37,12 @@ choose as a local device of the worker's kind would:
 GPU it raised ("cuDNN ... not compatible with devices with SM < 7.5") before any op ran; the
 client never asks cuDNN anything (the worker does).
 
-Packed sequences (`lstm.data`, `gru.data`) keep the composite, so on a CPU worker they fail
-at the fused cell, naming it.
+Packed sequences (`lstm.data`, `gru.data`: nn.LSTM and nn.GRU on a PackedSequence): a CPU
+worker runs ATen's packed layers with the CPU cells op for op, bit-identical with a local CPU;
+a CUDA worker runs ATen's composite, whose fused cells it has (a local GPU runs cuDNN on them,
+so those agree to rounding). `pack_padded_sequence`'s batch sizes stay on the host
+(gpupool.torch.dispatch runs that op's kernel in the client). Plain RNNs on a PackedSequence
+keep ATen's composite everywhere.
 """
 
 from __future__ import annotations
@@ -528,3 +532,141 @@ def _plain(kind: str, composite: Any) -> Callable[..., tuple[torch.Tensor, torch
 
 rnn_tanh = _plain("rnn_tanh", aten.rnn_tanh.input)
 rnn_relu = _plain("rnn_relu", aten.rnn_relu.input)
+
+
+# ---- packed sequences (`lstm.data`, `gru.data`) ------------------------------------------------
+# On a CPU worker: ATen's PackedLayer and ReversedPackedLayer with the CPU cells above, op for
+# op (the whole input projected first, the hidden states narrowed as sequences end and
+# regrown backwards). On a CUDA worker: ATen's composite, whose fused cells the worker has.
+
+
+def _narrow(hidden: Hidden, start: int, end: int) -> Hidden:
+    if isinstance(hidden, tuple):
+        return tuple(h.narrow(0, start, end - start) for h in hidden)
+    return hidden.narrow(0, start, end - start)
+
+
+def _concat(hiddens: Sequence[Hidden]) -> Hidden:
+    if isinstance(hiddens[0], tuple):
+        return tuple(torch.cat(parts, 0) for parts in zip(*hiddens, strict=True))
+    return torch.cat(list(hiddens), 0)
+
+
+def _output(hidden: Hidden) -> torch.Tensor:
+    return hidden[0] if isinstance(hidden, tuple) else hidden
+
+
+def _packed_layer(
+    cell: Cell, data: torch.Tensor, sizes: list[int], hidden: Hidden,
+    params: Sequence[torch.Tensor], reverse: bool,
+) -> tuple[torch.Tensor, Hidden]:  # fmt: skip
+    projected = F.linear(data, params[0], params[2] if len(params) >= 4 else None)
+    outputs: list[torch.Tensor] = []
+    if not reverse:
+        finals: list[Hidden] = []
+        offset, last = 0, sizes[0]
+        for size in sizes:
+            step = projected.narrow(0, offset, size)
+            offset += size
+            if last > size:  # sequences ended: their final states are kept as they are
+                finals.append(_narrow(hidden, size, last))
+                hidden = _narrow(hidden, 0, size)
+            last = size
+            hidden = cell(step, hidden, params)
+            outputs.append(_output(hidden))
+        finals.append(hidden)
+        finals.reverse()
+        return torch.cat(outputs, 0), _concat(finals)
+    initial = hidden
+    offset, last = data.size(0), sizes[-1]
+    hidden = _narrow(initial, 0, last)
+    for size in reversed(sizes):
+        if size > last:  # sequences begin (backwards): their initial states join
+            hidden = _concat([hidden, _narrow(initial, last, size)])
+        step = projected.narrow(0, offset - size, size)
+        offset -= size
+        last = size
+        hidden = cell(step, hidden, params)
+        outputs.append(_output(hidden))
+    outputs.reverse()
+    return torch.cat(outputs, 0), hidden
+
+
+def _packed_stack(
+    cell: Cell, data: torch.Tensor, sizes: list[int], hiddens: list[Hidden],
+    params: list[list[torch.Tensor]], num_layers: int, dropout: float, train: bool,
+    bidirectional: bool,
+) -> tuple[torch.Tensor, list[Hidden]]:  # fmt: skip
+    directions = 2 if bidirectional else 1
+    finals: list[Hidden] = []
+    layer_input = data
+    for layer in range(num_layers):
+        outputs = []
+        for direction in range(directions):
+            index = layer * directions + direction
+            out, final = _packed_layer(
+                cell, layer_input, sizes, hiddens[index], params[index], direction == 1
+            )
+            outputs.append(out)
+            finals.append(final)
+        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
+        if dropout != 0 and train and layer < num_layers - 1:
+            layer_input = F.dropout(layer_input, dropout, True)
+    return layer_input, finals
+
+
+def _batch_sizes(batch_sizes: torch.Tensor, data: torch.Tensor) -> list[int]:
+    """A PackedSequence's batch sizes, as ATen checks them before reading the data by them."""
+    if batch_sizes.device.type != "cpu" or batch_sizes.dim() != 1:
+        raise RuntimeError("batch_sizes tensor should be a 1D CPU int64 tensor")
+    sizes = [int(s) for s in batch_sizes.tolist()]
+    if not sizes or any(s < 1 for s in sizes) or sizes != sorted(sizes, reverse=True):
+        raise RuntimeError("batch_sizes must be positive and non-increasing")
+    if sum(sizes) != data.size(0):
+        raise RuntimeError(f"batch_sizes sum to {sum(sizes)}, the data has {data.size(0)} rows")
+    return sizes
+
+
+def _cpu_worker(data: torch.Tensor) -> bool:
+    return type(data) is RemoteTensor and not stream_of(data._gp).is_cuda_worker
+
+
+def lstm_packed(
+    data: torch.Tensor, batch_sizes: torch.Tensor, hx: Sequence[torch.Tensor],
+    params: Sequence[torch.Tensor], has_biases: bool, num_layers: int, dropout: float,
+    train: bool, bidirectional: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    if not _cpu_worker(data):
+        out = aten.lstm.data.decompose(
+            data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional
+        )
+        return out[0], out[1], out[2]
+    if len(hx) != 2:
+        raise RuntimeError(f"lstm expects two hidden states, got {len(hx)}")
+    h0, c0 = hx
+    sizes = _batch_sizes(batch_sizes, data)
+    grouped = _group(params, has_biases, h0.size(2) != c0.size(2))
+    hiddens = list(zip(h0.unbind(0), c0.unbind(0), strict=True))
+    out, finals = _packed_stack(
+        _lstm_cell, data, sizes, hiddens, grouped, num_layers, dropout, train, bidirectional
+    )
+    return out, torch.stack([h for h, _ in finals], 0), torch.stack([c for _, c in finals], 0)
+
+
+def gru_packed(
+    data: torch.Tensor, batch_sizes: torch.Tensor, hx: torch.Tensor,
+    params: Sequence[torch.Tensor], has_biases: bool, num_layers: int, dropout: float,
+    train: bool, bidirectional: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if not _cpu_worker(data):
+        out = aten.gru.data.decompose(
+            data, batch_sizes, hx, params, has_biases, num_layers, dropout, train, bidirectional
+        )
+        return out[0], out[1]
+    sizes = _batch_sizes(batch_sizes, data)
+    grouped = _group(params, has_biases, False)
+    out, finals = _packed_stack(
+        _gru_cell, data, sizes, list(hx.unbind(0)), grouped, num_layers, dropout, train,
+        bidirectional,
+    )  # fmt: skip
+    return out, torch.stack(finals, 0)
