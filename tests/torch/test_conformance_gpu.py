@@ -164,7 +164,10 @@ def test_recurrent_stacks_on_a_cuda_worker_are_the_local_gpus_cudnn_bit_for_bit(
     strides are the local GPU's exactly."""
     local = local_cuda("recurrent_stacks", "cuda", tmp_path)
     attach_cuda(1)
-    remote = recurrent_stacks("cuda")
+    assert_bit_identical(local, recurrent_stacks("cuda"))
+
+
+def assert_bit_identical(local: dict[str, Any], remote: dict[str, Any]) -> None:
     assert local.keys() == remote.keys()
     for key, expected in local.items():
         assert torch.equal(remote[key], expected), key
@@ -177,10 +180,7 @@ def test_recurrent_stacks_off_cudnn_and_under_autocast_are_the_local_gpus_bit_fo
     local GPU does; under autocast cuDNN runs in float16 as ATen's autocast kernel casts."""
     local = local_cuda("recurrent_off_cudnn", "cuda", tmp_path)
     attach_cuda(1)
-    remote = recurrent_off_cudnn("cuda")
-    assert local.keys() == remote.keys()
-    for key, expected in local.items():
-        assert torch.equal(remote[key], expected), key
+    assert_bit_identical(local, recurrent_off_cudnn("cuda"))
 
 
 def test_cudnn_rnn_layouts_are_what_the_gpus_cudnn_makes() -> None:

@@ -368,12 +368,20 @@ def _layer(
     return torch.stack(outputs, 0), hidden
 
 
+Layer = Callable[
+    [Cell, torch.Tensor, Hidden, Sequence[torch.Tensor], bool], tuple[torch.Tensor, Hidden]
+]
+"""One layer in one direction: (cell, input, initial hidden state, weights, reverse)."""
+
+
 def _stack(
     cell: Cell, input: torch.Tensor, hiddens: list[Hidden], params: list[list[torch.Tensor]],
     num_layers: int, dropout: float, train: bool, bidirectional: bool,
+    layer_of: Layer | None = None,
 ) -> tuple[torch.Tensor, list[Hidden]]:  # fmt: skip
     """The layers one after the other, each direction's output side by side."""
-    layer_of = _stepwise if cell in (_fused_lstm_cell, _fused_gru_cell) else _layer
+    if layer_of is None:
+        layer_of = _stepwise if cell in (_fused_lstm_cell, _fused_gru_cell) else _layer
     directions = 2 if bidirectional else 1
     finals: list[Hidden] = []
     layer_input = input
@@ -597,22 +605,15 @@ def _packed_stack(
     params: list[list[torch.Tensor]], num_layers: int, dropout: float, train: bool,
     bidirectional: bool,
 ) -> tuple[torch.Tensor, list[Hidden]]:  # fmt: skip
-    directions = 2 if bidirectional else 1
-    finals: list[Hidden] = []
-    layer_input = data
-    for layer in range(num_layers):
-        outputs = []
-        for direction in range(directions):
-            index = layer * directions + direction
-            out, final = _packed_layer(
-                cell, layer_input, sizes, hiddens[index], params[index], direction == 1
-            )
-            outputs.append(out)
-            finals.append(final)
-        layer_input = outputs[0] if directions == 1 else torch.cat(outputs, -1)
-        if dropout != 0 and train and layer < num_layers - 1:
-            layer_input = F.dropout(layer_input, dropout, True)
-    return layer_input, finals
+    def layer_of(
+        cell: Cell, x: torch.Tensor, hidden: Hidden, weights: Sequence[torch.Tensor],
+        reverse: bool,
+    ) -> tuple[torch.Tensor, Hidden]:  # fmt: skip
+        return _packed_layer(cell, x, sizes, hidden, weights, reverse)
+
+    return _stack(
+        cell, data, hiddens, params, num_layers, dropout, train, bidirectional, layer_of
+    )
 
 
 def _batch_sizes(batch_sizes: torch.Tensor, data: torch.Tensor) -> list[int]:
