@@ -47,10 +47,12 @@ from gpupool.torch.tensor import (
     RemoteTensor,
     bind_dispatch,
     is_remote_device,
+    is_sparse_remote,
     read_values,
     restride,
     wrap,
     wrap_signature,
+    wrap_sparse,
 )
 
 aten = torch.ops.aten
@@ -318,6 +320,10 @@ def run(
     key = (info, *enc.key)
     plan = _PLANS.get(key)
     if plan is None:
+        if _has_sparse(args) or _has_sparse(kwargs.values()):
+            # A sparse tensor's outputs (how many values, coalesced or not) are the worker's
+            # to say: every op on one is a round trip, and never cached.
+            return _call(info, stream, wire_args, wire_kwargs)
         if not info.is_view and (_has_bits(args) or _has_bits(kwargs.values())):
             return _run_resolved(info, args, kwargs, device_index)
         plan = rules.plan(info, enc.key, args, kwargs)
@@ -381,6 +387,9 @@ def _materialize(described: Any, stream: DeviceStream) -> Any:
     if tag == "T":
         _, handle, dtype, shape, stride, offset = described
         return wrap(shape, stride, offset, dtype_from_name(dtype), Handle(handle, stream))
+    if tag == "S":  # a sparse COO tensor: the worker holds its indices and values
+        _, handle, dtype, shape = described
+        return wrap_sparse(shape, dtype_from_name(dtype), Handle(handle, stream))
     if tag == "L":
         return [_materialize(item, stream) for item in described[1]]
     if tag == "D":
@@ -432,8 +441,34 @@ def upload(host: torch.Tensor, stream: DeviceStream) -> RemoteTensor:
 
 def download(tensor: RemoteTensor) -> torch.Tensor:
     """The tensor's values in host memory (waits for everything queued before it), with its
-    math bits as `.cpu()` of a local GPU tensor keeps them."""
+    math bits as `.cpu()` of a local GPU tensor keeps them. A sparse tensor comes as one too,
+    from its indices and values (read as the dense tensors they are)."""
+    if is_sparse_remote(tensor):
+        return torch.sparse_coo_tensor(
+            read_values(aten._indices.default(tensor)), read_values(aten._values.default(tensor)),
+            tensor.shape, is_coalesced=bool(aten.is_coalesced.default(tensor)),
+        )  # fmt: skip
     return read_values(tensor)
+
+
+def upload_sparse(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host sparse COO tensor on a remote device: its indices and values moved as the dense
+    tensors they are, made one again on the worker (which checks the indices against the
+    size: the constructor the client's sparse_coo_tensor calls trusts them)."""
+    return torch.sparse_coo_tensor(
+        host._indices().to(device), host._values().to(device), host.shape,
+        is_coalesced=host.is_coalesced(),
+    )  # fmt: skip
+
+
+def _has_sparse(values: Any) -> bool:
+    for value in values:
+        if type(value) is RemoteTensor:
+            if is_sparse_remote(value):
+                return True
+        elif type(value) in (list, tuple) and _has_sparse(value):
+            return True
+    return False
 
 
 # ---- math bits (lazy conjugate and negative) --------------------------------------------------
@@ -501,9 +536,12 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return run(op_info(func), args, rest)
     if is_remote_device(device):
         target = runtime.stream(device.index)
-        if direct_copy(here, target):
+        if direct_copy(here, target) and not is_sparse_remote(source):
             return _transfer(source, target, kwargs.get("dtype") or source.dtype)
     host = download(source)
+    if host.layout == torch.sparse_coo and is_remote_device(device):
+        dtype = kwargs.get("dtype")
+        return upload_sparse(host if dtype is None else host.to(dtype), device)
     dtype = kwargs.get("dtype")
     if dtype is not None and dtype != host.dtype:
         host = host.to(dtype)

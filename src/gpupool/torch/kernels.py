@@ -34,7 +34,7 @@ import torch
 from gpupool.torch import dispatch, rnn, rules, runtime
 from gpupool.torch.shapes import op_info
 from gpupool.torch.stream import stream_of
-from gpupool.torch.tensor import BACKEND, RemoteTensor, ensure_backend
+from gpupool.torch.tensor import BACKEND, RemoteTensor, ensure_backend, is_remote_device
 
 aten = torch.ops.aten
 _LIBRARIES: list[Any] = []
@@ -74,14 +74,32 @@ def install() -> None:
         for name, op in {**_BELOW_PYTHON, **_KERNELS_OF_THEIR_OWN}.items():
             backend.impl(name, _op_kernel(op))
         backend.impl("_efficientzerotensor", _zeros)
+        sparse = torch.library.Library("aten", "IMPL", "SparseCPU")
+        sparse.impl("_to_copy", _sparse_to_copy)
         autograd = torch.library.Library("aten", "IMPL", "AutogradPrivateUse1")
         for name, op, kernel in _COMPOSITES:
             autograd.impl(name, kernel)
             dispatch.COMPOSITE_KERNELS[op] = kernel
         dispatch.WHOLE_COMPOSITES.add(aten.linear.default)
-    _LIBRARIES.extend([cuda, backend, autograd])
+    _LIBRARIES.extend([cuda, backend, autograd, sparse])
     rnn.install(_cudnn_accepts)
     _install_engine_thread()
+
+
+def _sparse_to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    """A host sparse COO tensor moved to a remote device (`.to("cuda")`, `.cuda()`): ATen's
+    copy would allocate an empty sparse tensor there and fill it through sparse internals; the
+    client moves its indices and values instead (dispatch.upload_sparse). Every other copy of
+    a host sparse tensor is ATen's."""
+    device = kwargs.get("device")
+    layout = kwargs.get("layout")
+    if device is not None and is_remote_device(device) and layout in (None, torch.sparse_coo):
+        dtype = kwargs.get("dtype")
+        host = self if dtype is None or dtype == self.dtype else self.to(dtype)
+        return dispatch.upload_sparse(host, device)
+    return aten._to_copy.default._op_dk(
+        torch._C.DispatchKey.CompositeExplicitAutograd, self, **kwargs
+    )
 
 
 def _cudnn_accepts(tensor: torch.Tensor) -> bool:

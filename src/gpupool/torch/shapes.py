@@ -247,6 +247,8 @@ def infer_plan(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> P
         raise NeedsWorker(f"{info.name}: {exc}") from exc
     returns = [out] if len(info.returns_alias) <= 1 else list(out)
     for value in returns:
+        if isinstance(value, torch.Tensor) and value.layout == torch.sparse_coo:
+            raise NeedsWorker(f"{info.name}: a sparse COO output, which the worker describes")
         if isinstance(value, torch.Tensor) and value.layout != torch.strided:
             raise NotImplementedError(
                 f"{info.name}: {value.layout} tensors are not supported on gpupool remote "

@@ -237,7 +237,10 @@ class RemoteTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         with torch.no_grad():
-            host = read_values(self).reshape(self.shape)
+            if self._sig[1] == SPARSE_COO:
+                host = self.cpu()
+            else:
+                host = read_values(self).reshape(self.shape)
         text = repr(host)
         extras = [f"device='{self.device}'"]
         if self.grad_fn is not None:
@@ -298,6 +301,8 @@ def wrap(
 
 def wrap_signature(sig: tuple[Any, ...], handle: Handle) -> RemoteTensor:
     """wrap() from a signature already made (a cached plan's, another wrapper's): shared as is."""
+    if sig[1] == SPARSE_COO:
+        return wrap_sparse(sig[0], sig[3], handle)
     tensor: RemoteTensor = _make_wrapper(
         RemoteTensor, sig[0], strides=sig[1], storage_offset=sig[2], dtype=sig[3],
         device=handle.stream.cxx_device,
@@ -307,6 +312,29 @@ def wrap_signature(sig: tuple[Any, ...], handle: Handle) -> RemoteTensor:
     if len(sig) == 5:
         set_math_bits(tensor, sig[4])
     return tensor
+
+
+SPARSE_COO = "sparse_coo"
+"""A sparse COO tensor's signature has this where a strided one has its strides: (shape,
+"sparse_coo", 0, dtype, 0), so that what reads a signature's shape and dtype reads them alike,
+and with a fifth item, as a math-bit tensor's (here no bits), so that the compiled path hands
+it to Python and the plan cache never keeps an op of it. Its indices, values and their count
+live on the worker (every op on it asks the worker)."""
+
+
+def wrap_sparse(shape: Any, dtype: torch.dtype, handle: Handle) -> RemoteTensor:
+    """A remote sparse COO tensor: a wrapper of that layout, without strides or storage."""
+    tensor: RemoteTensor = _make_wrapper(
+        RemoteTensor, shape, dtype=dtype, layout=torch.sparse_coo,
+        device=handle.stream.cxx_device,
+    )  # fmt: skip
+    tensor._gp = handle
+    tensor._sig = (tuple(shape), SPARSE_COO, 0, dtype, 0)
+    return tensor
+
+
+def is_sparse_remote(value: Any) -> bool:
+    return type(value) is RemoteTensor and value._sig[1] == SPARSE_COO
 
 
 def restride(tensor: RemoteTensor, shape: Any, stride: Any, offset: int) -> None:

@@ -1263,7 +1263,10 @@ def _leaves(value: Any) -> Iterable[Any]:
 
 
 def _describe(value: Any, handles: Iterator[int]) -> Any:
-    """Output of a CALL for the client: tensors as [T, handle, dtype, shape, stride, offset]."""
+    """Output of a CALL for the client: tensors as [T, handle, dtype, shape, stride, offset],
+    a sparse COO tensor as [S, handle, dtype, shape] (its indices and values stay here)."""
+    if isinstance(value, torch.Tensor) and value.layout == torch.sparse_coo:
+        return ["S", next(handles), dtype_name(value.dtype), list(value.shape)]
     if isinstance(value, torch.Tensor):
         return [
             "T", next(handles), _movable_dtype(value), list(value.shape),

@@ -9,7 +9,7 @@ import resource
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -425,7 +425,7 @@ class HostMemory:
         """Count one more handle on `tensor` (lock held). False: nothing to count."""
         if not tensor.is_cpu:
             return False
-        storage = tensor.untyped_storage()
+        storage = _storage_of(tensor)
         key = storage._cdata
         charged = self._charged.get(id(tensor))
         if charged is not None and charged[0] == key:
@@ -486,7 +486,7 @@ class HostMemory:
                 charged = self._charged.get(id(tensor))
                 if charged is None or not tensor.is_cpu:
                     continue
-                storage = tensor.untyped_storage()
+                storage = _storage_of(tensor)
                 key, nbytes = storage._cdata, storage.nbytes()
                 before = self._held
                 if charged[0] != key:
@@ -607,3 +607,26 @@ def _tried_bytes(message: str) -> int | None:
         return None
     unit = match.group(2) if match.group(2).endswith("iB") else match.group(2)[0] + "iB"
     return int(float(match.group(1)) * _UNITS.get(unit, 1))
+
+
+class _SparseHeld:
+    """What a sparse COO tensor holds, counted as one storage of its own: its indices' and
+    values' bytes (a view of its values handed out as a tensor of its own counts them again:
+    more, never less). Keyed by the tensor; its size is taken afresh at each count, so an
+    in-place op that adds values is counted too."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._cdata = ("sparse", id(tensor))
+        indices, values = tensor._indices(), tensor._values()
+        self._nbytes = (
+            indices.untyped_storage().nbytes() + values.untyped_storage().nbytes()
+        )
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+def _storage_of(tensor: torch.Tensor) -> Any:
+    if tensor.layout == torch.sparse_coo:
+        return _SparseHeld(tensor)
+    return tensor.untyped_storage()
