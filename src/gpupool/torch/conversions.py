@@ -69,7 +69,7 @@ def _refuse_compressed(self: torch.Tensor, device: Any) -> None:
     """A CSR/CSC/BSR/BSC tensor copied to a remote device fails here, before torch's copy
     runs: that copy builds the compressed tensor in C++ for the target device, which torch
     2.13 refuses with NotImplementedError and torch 2.11 with a RuntimeError of its own.
-    (A COO tensor fails at the factory, naming it, on both.)"""
+    (A COO tensor moves: gpupool.torch.kernels moves its indices and values.)"""
     if (
         self.layout in _COMPRESSED
         and isinstance(device, torch.device)
