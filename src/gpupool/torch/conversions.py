@@ -78,7 +78,7 @@ def _refuse_compressed(self: torch.Tensor, device: Any) -> None:
     ):
         raise NotImplementedError(
             f"aten::_to_copy: {self.layout} tensors are not supported on gpupool remote "
-            "devices (only strided ones); use .to_dense() first"
+            "devices (strided and sparse COO ones are); use .to_sparse() or .to_dense() first"
         )
 
 

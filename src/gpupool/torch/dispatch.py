@@ -726,11 +726,14 @@ def factory(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     index = device.index if isinstance(device, torch.device) else None
     layout = kwargs.get("layout")
     if layout is not None and layout != torch.strided:
-        # A sparse tensor copied to the device allocates this way too: fail at that op,
-        # before anything is sent, so the session and every other tensor stay as they are.
+        # A sparse tensor made on the device allocates this way (a COO one moved there does
+        # not: kernels moves its indices and values): fail at that op, before anything is
+        # sent, so the session and every other tensor stay as they are. A compressed layout
+        # (CSR and the others) cannot be a Python tensor subclass at all in PyTorch ("layout_impl
+        # is only implemented for TensorImpl subclasses").
         raise NotImplementedError(
             f"{func.name()}: {layout} tensors are not supported on gpupool remote devices "
-            "(only strided ones); use .to_dense() first"
+            "(strided and sparse COO ones are); use .to_sparse() or .to_dense() first"
         )
     on = runtime.current_index() if index is None else index
     stride = args[1] if func is aten.empty_strided.default else None

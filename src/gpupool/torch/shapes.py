@@ -252,7 +252,7 @@ def infer_plan(info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]) -> P
         if isinstance(value, torch.Tensor) and value.layout != torch.strided:
             raise NotImplementedError(
                 f"{info.name}: {value.layout} tensors are not supported on gpupool remote "
-                "devices (only strided ones); use .to_dense() first"
+                "devices (strided and sparse COO ones are); use .to_sparse() or .to_dense() first"
             )
     nodes: list[Any] = []
     for value, alias in zip(returns, info.returns_alias or (None,), strict=False):
