@@ -126,3 +126,20 @@ def test_a_sparse_tensor_on_a_worker_counts_against_the_lease(
     assert held >= n * (2 * 8 + 4)  # the indices (two int64 rows) and the values (float32)
     del remote
     assert torch.cuda.memory_allocated() - before < held
+
+
+def test_a_sparse_tensor_saves_and_loads_as_torch_saves_one(attach: Callable[..., Any]) -> None:
+    import io
+
+    attach()
+    remote = _sparse().to("cuda")
+    buffer = io.BytesIO()
+    torch.save({"s": remote}, buffer)
+    buffer.seek(0)
+    on_host = torch.load(buffer, map_location="cpu")["s"]
+    assert on_host.layout == torch.sparse_coo and on_host.device.type == "cpu"
+    assert torch.equal(on_host.to_dense(), _sparse().to_dense())
+    buffer.seek(0)
+    back = torch.load(buffer)["s"]  # cuda storages come back on the remote device
+    assert back.is_sparse and back.device == torch.device("cuda:0")
+    assert torch.equal(back.cpu().to_dense(), _sparse().to_dense())

@@ -21,7 +21,12 @@ _state = threading.local()
 
 def reduce_remote(tensor: RemoteTensor, protocol: Any) -> Any:
     """Pickle a remote tensor as its host copy; inside torch.save the copy's storage is tagged
-    with the remote device."""
+    with the remote device. A sparse COO tensor pickles as PyTorch pickles one: its indices
+    and values (remote tensors themselves, so tagged alike) and how to rebuild it."""
+    if tensor.layout == torch.sparse_coo:
+        with torch.no_grad():
+            parts = (tensor._indices(), tensor._values(), tensor.size(), tensor.is_coalesced())
+        return (torch._utils._rebuild_sparse_tensor, (tensor.layout, parts))
     with torch.no_grad():
         host = tensor._gp.stream.read(tensor._gp.ext)
     saving: dict[int, tuple[int, torch.Tensor]] | None = getattr(_state, "saving", None)
@@ -90,8 +95,10 @@ def _place(value: Any, remote: dict[int, int], memo: dict[int, Any]) -> Any:
         return memo[id(value)]
     placed: Any = value
     if isinstance(value, torch.Tensor) and not isinstance(value, RemoteTensor):
+        # A sparse tensor was saved as its indices and values: where they were, it goes.
+        held = value._values() if value.layout == torch.sparse_coo else value
         index = (
-            remote.get(value.untyped_storage().data_ptr()) if value.device.type == "cpu" else None
+            remote.get(held.untyped_storage().data_ptr()) if value.device.type == "cpu" else None
         )
         if index is not None:
             with torch.no_grad():
