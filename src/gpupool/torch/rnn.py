@@ -110,6 +110,7 @@ _FLOATING = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _ACCEPTS: dict[tuple[int, torch.dtype], bool] = {}
 """(stream, dtype) → the worker's ATen's `cudnn_is_acceptable` for a tensor of that dtype."""
 _ASK: list[Callable[[torch.Tensor], bool]] = []
+"""How `_cudnn` asks the worker (install()'s argument: a round trip, gpupool.torch.kernels)."""
 
 
 def _cudnn(input: torch.Tensor) -> bool:
