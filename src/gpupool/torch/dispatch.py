@@ -46,6 +46,7 @@ from gpupool.torch.tensor import (
     Handle,
     RemoteTensor,
     bind_dispatch,
+    contiguous_strides,
     is_remote_device,
     is_sparse_remote,
     read_values,
@@ -579,7 +580,7 @@ def _transfer(source: RemoteTensor, target: DeviceStream, dtype: torch.dtype) ->
     handle = target.new_handle()
     _send(source, target, handle.id, dtype, into=False)
     shape = tuple(source.shape)
-    return wrap(shape, _contiguous_strides(shape), 0, dtype, handle)
+    return wrap(shape, contiguous_strides(shape), 0, dtype, handle)
 
 
 def _send(
@@ -590,14 +591,6 @@ def _send(
     here.emit([Rec.SEND, xid, source._gp.ext, str(target.address)])
     here.flush()  # the target's worker waits for these bytes: nothing may hold them back
     target.emit([Rec.RECV, xid, handle, None if dtype is None else DTYPE_EXT[dtype], into])
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _copy_(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -18,6 +18,8 @@ import weakref
 
 import torch
 
+from gpupool.torch.tensor import contiguous_strides
+
 _PINNED: dict[int, tuple[int, int]] = {}
 """Start address → (length, block number) of every pinned block alive (its views share the
 storage). The number tells blocks at one address apart: a freed mmap unmaps its memory before
@@ -41,7 +43,7 @@ def pin(tensor: torch.Tensor) -> torch.Tensor:
         raise RuntimeError(f"cannot pin '{tensor.device}' memory: only host tensors can be pinned")
     if tensor.layout is not torch.strided:
         raise RuntimeError(f"gpupool cannot pin a {tensor.layout} tensor")
-    strides = tensor.stride() if _dense(tensor) else _contiguous(tuple(tensor.shape))
+    strides = tensor.stride() if _dense(tensor) else contiguous_strides(tuple(tensor.shape))
     span = _span(tuple(tensor.shape), strides) * tensor.element_size()
     block = _Block(-1, max(span, 1))
     flat = torch.frombuffer(block, dtype=torch.uint8, count=max(span, 1))
@@ -96,14 +98,6 @@ def _dense(tensor: torch.Tensor) -> bool:
     if tensor.is_contiguous():
         return True
     return tensor.dim() == 4 and tensor.is_contiguous(memory_format=torch.channels_last)
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _span(shape: tuple[int, ...], strides: tuple[int, ...]) -> int:

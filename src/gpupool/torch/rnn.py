@@ -56,7 +56,7 @@ import torch.nn.functional as F
 from gpupool.torch import autocast, shapes
 from gpupool.torch.shapes import Seq, TensorSpec, Value
 from gpupool.torch.stream import stream_of
-from gpupool.torch.tensor import RemoteTensor
+from gpupool.torch.tensor import RemoteTensor, contiguous_strides
 
 aten = torch.ops.aten
 
@@ -167,11 +167,7 @@ def _cudnn_stack(
 
 
 def _contiguous(shape: Sequence[int], dtype: torch.dtype) -> TensorSpec:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return TensorSpec(tuple(shape), tuple(reversed(strides)), 0, dtype)
+    return TensorSpec(tuple(shape), contiguous_strides(shape), 0, dtype)
 
 
 def _sequence_major(shape: Sequence[int], batch_first: bool, dtype: torch.dtype) -> TensorSpec:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from gpupool.torch.shapes import _COUNTS, OpInfo, Plan, Seq, TensorSpec
-from gpupool.torch.tensor import RemoteTensor
+from gpupool.torch.tensor import RemoteTensor, contiguous_strides
 
 Shape = tuple[int, ...]
 Layout = tuple[Shape, Shape]
@@ -47,19 +47,11 @@ _RULES: dict[int, Rule | None] = {}
 KNOWN_MAX = 8192
 
 
-def contiguous(shape: Sequence[int]) -> Shape:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
 def _dense(tensor: RemoteTensor) -> Shape | None:
     """A remote tensor's shape if it is standard contiguous, without math bits and not empty."""
     sig = tensor._sig
     shape = sig[0]
-    if len(sig) != 4 or sig[1] != contiguous(shape) or 0 in shape:
+    if len(sig) != 4 or sig[1] != contiguous_strides(shape) or 0 in shape:
         return None
     return shape
 
@@ -105,7 +97,7 @@ def pointwise(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | N
     if not shapes:
         return None
     out = _broadcast(shapes)
-    return None if out is None else [(out, contiguous(out))]
+    return None if out is None else [(out, contiguous_strides(out))]
 
 
 def same_shape(outputs: int) -> Rule:
@@ -124,7 +116,7 @@ def same_shape(outputs: int) -> Rule:
                 type(value) is RemoteTensor and _dense(value) == shape
             ):
                 return None
-        return [(shape, contiguous(shape))] * outputs
+        return [(shape, contiguous_strides(shape))] * outputs
 
     return rule
 
@@ -147,7 +139,7 @@ def matmul(rank: int, first: int) -> Rule:
         if a is None or b is None or a[-1] != b[-2] or a[:-2] != b[:-2]:
             return None
         out = (*a[:-1], b[-1])
-        return [(out, contiguous(out))]
+        return [(out, contiguous_strides(out))]
 
     return rule
 
@@ -161,7 +153,7 @@ def linear(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | None
     if shape is None or not shape or weight is None or shape[-1] != weight[1]:
         return None
     out = (*shape[:-1], weight[0])
-    return [(out, contiguous(out))]
+    return [(out, contiguous_strides(out))]
 
 
 def layer_norm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | None:
@@ -178,7 +170,8 @@ def layer_norm(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | 
     if tuple(shape[axis:]) != tuple(normalized):
         return None
     stats = (*shape[:axis], *([1] * len(normalized)))
-    return [(shape, contiguous(shape)), (stats, contiguous(stats)), (stats, contiguous(stats))]
+    stats_layout = (stats, contiguous_strides(stats))
+    return [(shape, contiguous_strides(shape)), stats_layout, stats_layout]
 
 
 def cat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | None:
@@ -207,7 +200,7 @@ def cat(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | None:
             return None
         total += shape[dim]
     out = (*shapes[0][:dim], total, *shapes[0][dim + 1 :])
-    return [(out, contiguous(out))]
+    return [(out, contiguous_strides(out))]
 
 
 def embedding(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | None:
@@ -218,7 +211,7 @@ def embedding(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | N
     if shape is None:
         return None
     out = (*shape, weight._sig[0][1])
-    return [(out, contiguous(out))]
+    return [(out, contiguous_strides(out))]
 
 
 def reduction(dim_at: int, keepdim_at: int) -> Rule:
@@ -248,7 +241,7 @@ def reduction(dim_at: int, keepdim_at: int) -> Rule:
             out: Shape = tuple(1 if i in chosen else n for i, n in enumerate(shape))
         else:
             out = tuple(n for i, n in enumerate(shape) if i not in chosen)
-        return [(out, contiguous(out))]
+        return [(out, contiguous_strides(out))]
 
     return rule
 
@@ -270,7 +263,7 @@ def attention(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Layout] | N
     if mask is not None or kwargs.get("enable_gqa"):
         return None
     out = (*qs[:3], vs[3])
-    return [(out, contiguous(out))]
+    return [(out, contiguous_strides(out))]
 
 
 aten = torch.ops.aten

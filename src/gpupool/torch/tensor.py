@@ -19,7 +19,7 @@ remote tensor's backward in the calling thread (gpupool.torch.kernels), as it do
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -281,6 +281,16 @@ def math_bits(tensor: torch.Tensor) -> int:
 def set_math_bits(tensor: torch.Tensor, bits: int) -> None:
     torch._C._set_conj(tensor, bool(bits & CONJ))
     torch._C._set_neg(tensor, bool(bits & NEG))
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a standard contiguous tensor of `shape` (size-0 and size-1 dimensions
+    step as size 1, as PyTorch's own)."""
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def wrap(
