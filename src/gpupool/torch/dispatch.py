@@ -452,12 +452,15 @@ def download(tensor: RemoteTensor) -> torch.Tensor:
     return read_values(tensor)
 
 
-def upload_sparse(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host sparse COO tensor on a remote device: its indices and values moved as the dense
-    tensors they are, made one again on the worker (which checks the indices against the
-    size: the constructor the client's sparse_coo_tensor calls trusts them)."""
+def upload_sparse(
+    host: torch.Tensor, device: torch.device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """A host sparse COO tensor on a remote device (its values cast to `dtype` if given): its
+    indices and values moved as the dense tensors they are, made one again on the worker
+    (which checks the indices against the size: the constructor the client's
+    sparse_coo_tensor calls trusts them)."""
     return torch.sparse_coo_tensor(
-        host._indices().to(device), host._values().to(device), host.shape,
+        host._indices().to(device), host._values().to(device, dtype), host.shape,
         is_coalesced=host.is_coalesced(),
     )  # fmt: skip
 
@@ -540,10 +543,9 @@ def _to_copy(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         if direct_copy(here, target) and not is_sparse_remote(source):
             return _transfer(source, target, kwargs.get("dtype") or source.dtype)
     host = download(source)
-    if host.layout == torch.sparse_coo and is_remote_device(device):
-        dtype = kwargs.get("dtype")
-        return upload_sparse(host if dtype is None else host.to(dtype), device)
     dtype = kwargs.get("dtype")
+    if host.layout == torch.sparse_coo and is_remote_device(device):
+        return upload_sparse(host, device, dtype)
     if dtype is not None and dtype != host.dtype:
         host = host.to(dtype)
     if device.type == "cpu":

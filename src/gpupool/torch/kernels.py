@@ -94,9 +94,7 @@ def _sparse_to_copy(self: torch.Tensor, **kwargs: Any) -> torch.Tensor:
     device = kwargs.get("device")
     layout = kwargs.get("layout")
     if device is not None and is_remote_device(device) and layout in (None, torch.sparse_coo):
-        dtype = kwargs.get("dtype")
-        host = self if dtype is None or dtype == self.dtype else self.to(dtype)
-        return dispatch.upload_sparse(host, device)
+        return dispatch.upload_sparse(self, device, kwargs.get("dtype"))
     return aten._to_copy.default._op_dk(
         torch._C.DispatchKey.CompositeExplicitAutograd, self, **kwargs
     )

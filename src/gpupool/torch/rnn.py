@@ -48,7 +48,7 @@ keep ATen's composite everywhere.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.nn.functional as F
@@ -118,8 +118,7 @@ def _cudnn(input: torch.Tensor) -> bool:
     the input (before autocast), asked of the worker's ATen once per dtype (which dtypes it
     takes depends on the torch version: torch 2.11's takes bfloat16), on a CUDA worker."""
     if not (
-        type(input) is RemoteTensor
-        and stream_of(input._gp).is_cuda_worker
+        _on_cuda_worker(input)
         and torch.backends.cudnn.enabled
         and input.dtype in _FLOATING
         and input.dim() == 3
@@ -334,17 +333,25 @@ def _stepwise(
     reverse: bool,
 ) -> tuple[torch.Tensor, Hidden]:  # fmt: skip
     """ATen's FullLayer on a CUDA input: no projection ahead, the cell takes each step."""
-    steps = inputs.unbind(0)
+    return _steps(cell, inputs.unbind(0), hidden, params, reverse)
+
+
+def _steps(
+    cell: Cell, steps: Sequence[torch.Tensor], hidden: Hidden, params: Sequence[torch.Tensor],
+    reverse: bool,
+) -> tuple[torch.Tensor, Hidden]:  # fmt: skip
+    """The cell over a layer's steps (backwards for the reverse direction), the outputs
+    stacked in time order."""
     outputs = []
     for step in reversed(steps) if reverse else steps:
         hidden = cell(step, hidden, params)
-        outputs.append(hidden[0] if isinstance(hidden, tuple) else hidden)
+        outputs.append(_output(hidden))
     if reverse:
         outputs.reverse()
     return torch.stack(outputs, 0), hidden
 
 
-def _on_cuda_worker(input: torch.Tensor) -> bool:
+def _on_cuda_worker(input: torch.Tensor) -> TypeGuard[RemoteTensor]:
     return type(input) is RemoteTensor and stream_of(input._gp).is_cuda_worker
 
 
@@ -354,15 +361,7 @@ def _layer(
 ) -> tuple[torch.Tensor, Hidden]:  # fmt: skip
     """ATen's FullLayer on a CPU input: the whole layer's input projection first."""
     b_ih = params[2] if len(params) >= 4 else None
-    projected = F.linear(inputs, params[0], b_ih).unbind(0)
-    steps = reversed(projected) if reverse else projected
-    outputs = []
-    for step in steps:
-        hidden = cell(step, hidden, params)
-        outputs.append(hidden[0] if isinstance(hidden, tuple) else hidden)
-    if reverse:
-        outputs.reverse()
-    return torch.stack(outputs, 0), hidden
+    return _steps(cell, F.linear(inputs, params[0], b_ih).unbind(0), hidden, params, reverse)
 
 
 Layer = Callable[
