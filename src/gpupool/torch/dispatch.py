@@ -466,13 +466,7 @@ def upload_sparse(
 
 
 def _has_sparse(values: Any) -> bool:
-    for value in values:
-        if type(value) is RemoteTensor:
-            if is_sparse_remote(value):
-                return True
-        elif type(value) in (list, tuple) and _has_sparse(value):
-            return True
-    return False
+    return _any_remote(values, is_sparse_remote)
 
 
 # ---- math bits (lazy conjugate and negative) --------------------------------------------------
@@ -512,10 +506,17 @@ def _toggle_bit(bit: int) -> Any:
 
 
 def _has_bits(values: Any) -> bool:
+    return _any_remote(values, lambda tensor: len(tensor._sig) == 5)
+
+
+def _any_remote(values: Any, test: Any) -> bool:
+    """Whether `test` holds for a remote tensor among `values`, lists and tuples of them
+    included."""
     for value in values:
-        if type(value) is RemoteTensor and len(value._sig) == 5:
-            return True
-        if type(value) in (list, tuple) and _has_bits(value):
+        if type(value) is RemoteTensor:
+            if test(value):
+                return True
+        elif type(value) in (list, tuple) and _any_remote(value, test):
             return True
     return False
 

@@ -40,21 +40,19 @@ class DropoutState:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._buffers: dict[int, torch.Tensor] = {}
-        self._seeded: set[int] = set()
-        """Devices whose generator was seeded since their last dropout call (ATen's flag)."""
-        self._fresh: set[int] = set()
-        """Devices whose flag this process has looked at (a new generator's flag is raised)."""
+        self._lowered: set[int] = set()
+        """Devices whose generator's flag (ATen's `reset_rnn_state`) a dropout call has taken
+        down since the generator was last seeded; a new generator's flag is up."""
 
     def generator_seeded(self, device: torch.device) -> None:
         with self._lock:
-            self._seeded.add(_index(device))
+            self._lowered.discard(_index(device))
 
     def state(self, dropout: float, device: torch.device) -> torch.Tensor:
         index = _index(device)
         with self._lock:
-            reset = index in self._seeded or index not in self._fresh
-            self._seeded.discard(index)
-            self._fresh.add(index)
+            reset = index not in self._lowered
+            self._lowered.add(index)
             buffer = self._buffers.get(index)
             if buffer is None or reset:
                 with torch.cuda.device(device):
