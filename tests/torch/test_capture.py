@@ -89,6 +89,28 @@ def test_captured_mlp_step_matches_eager_and_local(capturing: Capturing) -> None
         assert_same(local, captured, rtol=1e-4, atol=1e-5)
 
 
+def test_a_step_compiled_by_inductor_on_the_worker_matches_eager(attach: Callable[..., Any]) -> None:
+    """capture(compile=True): after one op-by-op RUN the worker compiles the program with
+    Inductor (C++ kernels on this CPU worker, Triton on a CUDA one) and the step's losses and
+    weights stay those of eager execution, to float rounding (Inductor fuses the arithmetic)."""
+    attach()
+    steps: list[CapturedStep] = []
+
+    def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+        steps.append(gpupool.torch.capture(fn, compile=True))
+        return steps[-1]
+
+    eager = mlp_training("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", CaptureWarning)
+        got = mlp_training("cuda", compiled)
+    programs = [p for s in steps for p in s.worker_programs()]
+    settled = [mode for mode, runs in programs if runs > 1]
+    assert not [why for s in steps for why in s.not_compiled()]
+    assert settled and all(mode.startswith("inductor") for mode in settled), programs
+    assert_same(eager, got, rtol=1e-4, atol=1e-5)
+
+
 def test_captured_cnn_step_with_adam_and_clipping_matches_eager_and_local(
     capturing: Capturing, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -494,6 +494,38 @@ def test_compiled_functions_and_modules_give_the_eager_results_on_the_pool(
     assert counters["stats"]["unique_graphs"] == 1, "host graphs go to the backend asked for"
 
 
+def test_compiled_inference_is_compiled_by_inductor_on_the_worker(
+    attach: Callable[..., Any],
+) -> None:
+    """Inference calls of a compiled model become one program the worker compiles with
+    Inductor (C++ kernels on this CPU worker): same values as eager to float rounding, and its
+    train/eval, parameters and gradients-needing calls stay the model's own."""
+    attach()
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4)).cuda()
+    compiled = torch.compile(model)
+    x = torch.randn(8, 16, device="cuda")
+    with torch.no_grad():
+        expected = model(x).cpu()
+        got = [compiled(x).cpu() for _ in range(5)]
+    route = compiled.forward
+    assert [m[:8] for m, runs in route.step.worker_programs() if runs > 1] == ["inductor"], (
+        route.step.worker_programs(), route.step.not_compiled()
+    )
+    for value in got:
+        torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+    # A forward hook runs Python at every call: such a model stays on Dynamo's path.
+    seen: list[int] = []
+    handle = model[0].register_forward_hook(lambda *_: seen.append(1))
+    with torch.no_grad():
+        for _ in range(4):
+            compiled(x)
+    handle.remove()
+    assert len(seen) == 4
+    assert compiled(x).requires_grad  # with gradients: eager ops, autograd history kept
+
+
 # ---- 10. DLPack -----------------------------------------------------------------------------------
 
 

@@ -85,7 +85,7 @@ def test_a_program_replays_on_new_inputs_with_outputs_under_new_handles() -> Non
                    [Rec.RUN, 5, [handle_ext(20)], [31]]])  # fmt: skip
     assert read(executor, 31) == [3.0, 3.0, 3.0] and read(executor, 30) == [15.0] * 3
     assert read(executor, 77) == [3.0, 3.0, 3.0]
-    assert executor.stats()["programs"] == [[5, "ops", 2]]
+    assert executor.stats()["programs"] == [[5, "ops", 2, None]]
 
 
 def test_a_run_on_an_input_of_another_shape_is_an_error_at_the_next_read() -> None:
@@ -187,12 +187,12 @@ def test_a_capture_that_fails_logs_the_op_and_replays_op_by_op(
     with caplog.at_level(logging.WARNING, logger="gpupool.worker"):
         run(executor, [[Rec.RUN, 5, [handle_ext(20)], [30]]])
     assert executor.error is None
-    assert executor.stats()["programs"] == [[5, "ops", GRAPH_AFTER_RUNS + 1]]
+    assert executor.stats()["programs"] == [[5, "ops", GRAPH_AFTER_RUNS + 1, None]]
     (record,) = [r for r in caplog.records if "replays op by op" in r.getMessage()]
     assert "capture failed at op 2 of 2 (aten::nonzero)" in record.getMessage()
     assert "not permitted when stream is capturing" in record.getMessage()
     run(executor, [[Rec.RUN, 5, [handle_ext(20)], [31]]])  # op by op from now on, no retry
-    assert executor.stats()["programs"] == [[5, "ops", GRAPH_AFTER_RUNS + 2]]
+    assert executor.stats()["programs"] == [[5, "ops", GRAPH_AFTER_RUNS + 2, None]]
 
 
 def test_the_worker_logs_how_a_program_will_run(caplog: pytest.LogCaptureFixture) -> None:
@@ -200,6 +200,104 @@ def test_the_worker_logs_how_a_program_will_run(caplog: pytest.LogCaptureFixture
     with caplog.at_level(logging.INFO, logger="gpupool.worker"):
         define(executor, body())
     assert "program 5 defined (2 steps): op by op (a cpu worker" in caplog.text
+
+
+def _updating(**changes: Any) -> dict[str, Any]:
+    """out = (input + weight) * input, then weight += out in place (an optimizer's update of
+    the client's tensor 10), the sum kept under handle 77."""
+    return body(
+        steps=[
+            ["op", 3, [slot(0), slot(1)], None, [2]],
+            ["op", 4, [slot(2), slot(0)], None, [3]],
+            ["op", 8, [slot(1), slot(3)], {"alpha": 0.5}, [None]],
+        ],
+        **changes,
+    )
+
+
+def _updating_worker() -> Any:
+    executor = prepared()
+    run(executor, [[Rec.DEF, 8, "aten::add_.Tensor"]])
+    return executor
+
+
+def _three_runs(executor: Any) -> list[Any]:
+    seen = []
+    for i in range(3):
+        run(executor, [[Rec.RUN, 5, [handle_ext(20)], [30 + i]]])
+        seen += [read(executor, 30 + i), read(executor, 77), read(executor, 10)]
+    return seen
+
+
+def test_a_program_compiled_by_inductor_gives_the_op_by_op_values(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The first RUN goes op by op (every guard sees the arguments), the second compiles: the
+    outputs, the escape and the in-place update of the client's tensor are the same."""
+    by_ops, compiled = _updating_worker(), _updating_worker()
+    define(by_ops, _updating())
+    with caplog.at_level(logging.INFO, logger="gpupool.worker"):
+        define(compiled, _updating(compile="inductor"))
+        assert "op by op for 1 run, then compiled by Inductor" in caplog.text
+        assert _three_runs(compiled) == _three_runs(by_ops)
+    assert "program 5 compiled by Inductor (3 ops)" in caplog.text
+    assert compiled.stats()["programs"] == [[5, "inductor", 3, None]]
+    assert by_ops.stats()["programs"] == [[5, "ops", 3, None]]
+    # The client's tensor grown behind the program's back: the compiled kernels would index
+    # it with the old geometry, so the run is refused and the worker goes on.
+    run(compiled, [[Rec.DEF, 12, "aten::resize_"], [Rec.OP, 12, [handle_ext(10), [64]], None, None],
+                   [Rec.RUN, 5, [handle_ext(20)], [40]]])  # fmt: skip
+    assert "has changed its layout or storage since the step was compiled" in str(
+        read(compiled, 40)
+    )
+    assert compiled.error is None and read(compiled, 20) == [3.0, 3.0, 3.0]
+
+
+def test_inductor_never_compiles_what_the_op_path_guards(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A checked op, a shim, or a string that is not an identifier keep the program op by op,
+    and the log says which; so does a compile that fails."""
+    executor = prepared()
+    run(executor, [[Rec.DEF, 6, "aten::_batch_norm_no_update"], [Rec.DEF, 9, "aten::gelu"],
+                   [Rec.DEF, 11, "aten::embedding_dense_backward"]])  # fmt: skip
+    bn = ["op", 6, [slot(0), slot(1), None, slot(1), slot(1), 0.1, 0.0], None, [2] + [None] * 3]
+    cases = {
+        "runs through the worker's own implementation": [bn],
+        "takes a string argument": [
+            ["op", 9, [slot(0)], {"approximate": "tanh'); import os; ('"}, [2]]
+        ],
+        "runs behind a check of its tensors' values": [
+            ["op", 11, [slot(0), slot(1), 3, -1, False], None, [2]]
+        ],
+    }
+    for program_id, (reason, steps) in enumerate(cases.items(), start=40):
+        define(executor, body(steps=steps, outputs=[2], escapes=[], slots=3 + 3 * (steps == [bn]),
+                              compile="inductor"), program_id)  # fmt: skip
+        assert reason in (executor.programs.get(program_id).compile_problem or ""), reason
+    from gpupool.worker import inductor
+
+    def refuse(*args: Any) -> Any:
+        raise inductor.NotCompilable("RuntimeError: no C++ compiler")
+
+    monkeypatch.setattr(inductor, "compile_steps", refuse)
+    executor = _updating_worker()
+    define(executor, _updating(compile="inductor"))
+    with caplog.at_level(logging.WARNING, logger="gpupool.worker"):
+        seen = _three_runs(executor)
+    assert "program 5 replays op by op: Inductor could not compile it: RuntimeError: no C++" in (
+        caplog.text
+    )
+    assert seen == _three_runs_fresh()
+    assert executor.stats()["programs"] == [
+        [5, "ops", 3, "Inductor could not compile it: RuntimeError: no C++ compiler"]
+    ]
+
+
+def _three_runs_fresh() -> list[Any]:
+    executor = _updating_worker()
+    define(executor, _updating())
+    return _three_runs(executor)
 
 
 HOSTILE: dict[str, Any] = {
@@ -221,6 +319,7 @@ HOSTILE: dict[str, Any] = {
     "bad escape": body(escapes=[[2]]),
     "escape never set": body(escapes=[[3, 77]], steps=[]),
     "output never set": body(steps=[]),
+    "unknown compiler": body(compile="tvm"),
     "external on an input": body(externals=[[0, 10]]),
     "huge slot count": body(slots=1 << 40),
     "bad input spec": body(inputs=[["float32", "3", [1]]]),

@@ -68,13 +68,18 @@ class CaptureWarning(UserWarning):
     """A captured step fell back to eager execution, or was captured again."""
 
 
-def capture(fn: Callable[..., Any] | None = None, *, graph: bool = True) -> Any:
+def capture(
+    fn: Callable[..., Any] | None = None, *, graph: bool = True, compile: bool = False
+) -> Any:
     """Capture a step: `step = capture(train_step)` or `@capture` / `@capture(graph=False)`.
 
-    graph=False keeps a CUDA worker replaying op by op instead of as a CUDA graph."""
+    graph=False keeps a CUDA worker replaying op by op instead of as a CUDA graph.
+    compile=True asks the worker to compile the step's program with Inductor (fused Triton
+    kernels on a CUDA worker, C++ on a CPU one) after its first replay; a program it may not
+    or cannot compile keeps replaying op by op, and the worker's log says why."""
     if fn is None:
-        return lambda f: CapturedStep(f, graph=graph)
-    return CapturedStep(fn, graph=graph)
+        return lambda f: CapturedStep(f, graph=graph, compile=compile)
+    return CapturedStep(fn, graph=graph, compile=compile)
 
 
 # ---- recording -------------------------------------------------------------------------------
@@ -198,8 +203,9 @@ def _convert(value: Any, slot_of: Callable[[int], int]) -> Any:
 
 
 def build_recording(
-    recorder: Recorder, inputs: list[RemoteTensor], result: Any, graph: bool
-) -> Recording | str:
+    recorder: Recorder, inputs: list[RemoteTensor], result: Any, graph: bool,
+    compile: bool = False,
+) -> Recording | str:  # fmt: skip
     """The program of a recorded call, or why it cannot be one."""
     if recorder.problem is not None:
         return recorder.problem
@@ -288,6 +294,8 @@ def build_recording(
         "v": PROGRAM_VERSION, "inputs": input_specs, "slots": n_slots, "externals": externals,
         "steps": steps, "outputs": output_slots, "escapes": escape_slots, "graph": graph,
     }  # fmt: skip
+    if compile:
+        body["compile"] = "inductor"
     canon = (
         n_slots, steps, externals, output_slots, outputs, result_spec, template,
         [slot for slot, _ in escape_slots],
@@ -500,9 +508,10 @@ class _Entry:
 class CapturedStep:
     """A step function that the worker replays; see the module's docstring."""
 
-    def __init__(self, fn: Callable[..., Any], graph: bool = True) -> None:
+    def __init__(self, fn: Callable[..., Any], graph: bool = True, compile: bool = False) -> None:
         self.fn = fn
         self.graph = graph
+        self.compile = compile
         self._entries: dict[Any, _Entry] = {}
         self._warned: set[str] = set()
         functools.update_wrapper(self, fn)
@@ -515,19 +524,28 @@ class CapturedStep:
         return any(e.program is not None for e in self._entries.values())
 
     def worker_modes(self) -> list[str]:
-        """How the worker runs this step's programs: "ops" or "graph" (a round trip)."""
+        """How the worker runs this step's programs (a round trip): "ops", "graph" (a CUDA
+        graph), "inductor" (compiled by Inductor) or "inductor+graph"."""
         return [mode for mode, _runs in self.worker_programs()]
 
     def worker_programs(self) -> list[tuple[str, int]]:
         """(mode, RUNs so far) of each of this step's programs on its worker (a round trip).
         A CUDA worker runs a program's first RUNs op by op before it captures the graph, so a
         mode means little without the count."""
+        return [(mode, runs) for mode, runs, _ in self._programs()]
+
+    def not_compiled(self) -> list[str]:
+        """Why the worker keeps programs of a `compile=True` step op by op (a round trip):
+        an op it never compiles, or Inductor's own error; empty when all compiled."""
+        return [why for _, _, why in self._programs() if why]
+
+    def _programs(self) -> list[tuple[str, int, str | None]]:
         ids = {e.program.id for e in self._entries.values() if e.program is not None}
         programs = []
         for stream in runtime.streams():
-            for program_id, mode, runs in stream.stats().get("programs", []):
+            for program_id, mode, runs, *why in stream.stats().get("programs", []):
                 if program_id in ids:
-                    programs.append((str(mode), int(runs)))
+                    programs.append((str(mode), int(runs), str(why[0]) if why and why[0] else None))
         return programs
 
     # ---- calls ---------------------------------------------------------------------------
@@ -620,7 +638,7 @@ class CapturedStep:
             result = self.fn(*args, **kwargs)
             if any(t._gp is not h or t._sig != s for t, (h, s) in zip(inputs, before, strict=True)):
                 recorder._fail("changes an argument's shape or storage in place")
-            recording = build_recording(recorder, inputs, result, self.graph)
+            recording = build_recording(recorder, inputs, result, self.graph, self.compile)
         finally:
             for stream in streams:
                 stream.recorder = None

@@ -1,4 +1,15 @@
-"""torch.compile while attached: correct results on remote tensors, host graphs compiled as asked.
+"""torch.compile while attached: Inductor on the worker where a call allows it, correct results
+on remote tensors always, host graphs compiled as asked.
+
+A call of a compiled model or function with remote tensors and no gradient to record (an
+inference call: under `torch.no_grad()` or `inference_mode()`, or with nothing that requires
+grad) becomes a captured step (`gpupool.torch.capture`, `compile=True`): its aten ops are
+recorded as it runs, sent once, and the worker compiles them with Inductor, the way a local
+torch.compile would compile them on the local GPU. What a replay would not reproduce keeps the
+call on Dynamo's path: module hooks (they run Python at every call), and whatever capture
+itself declines (a value read inside the call, shapes that keep changing, non-tensor results);
+those run as below, without the warnings capture gives for them, since a local torch.compile
+prints none either.
 
 Dynamo does not trace a remote tensor's ops: RemoteTensor overrides __torch_dispatch__ without
 Dynamo's subclass protocol (__tensor_flatten__), so Dynamo breaks the graph at them and they
@@ -6,14 +17,23 @@ run eagerly, each a remote op streamed to the worker. gpupool's own frames are n
 (they would be retraced as user code). A graph that does reach the backend with remote (or
 their C++ meta) inputs runs as the FX graph itself: Inductor would write kernels for a device
 this process does not have. Graphs of host tensors go to the backend that was asked for.
+Calls that need gradients (a training forward whose loss is differentiated outside the call)
+take this path: capture's outputs carry no autograd history.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
+
+from gpupool.torch import runtime
+from gpupool.torch.capture import CapturedStep, CaptureWarning
+from gpupool.torch.tensor import RemoteTensor
 
 _ORIGINAL: Any = None
 
@@ -77,12 +97,72 @@ def compile(
     _skip_gpupool()
     if mode is not None and options is not None:
         raise RuntimeError("Either mode or options can be specified, but both can't be specified")
-    return _ORIGINAL(
+    compiled = _ORIGINAL(
         model,
         fullgraph=fullgraph,
         dynamic=dynamic,
         backend=_backend(backend, mode, options, dynamic),
         disable=disable,
+    )
+    if disable or backend != "inductor":
+        return compiled  # another backend was asked for: it never sees the worker's graph
+    if isinstance(model, torch.nn.Module) and isinstance(compiled, torch.nn.Module):
+        # The OptimizedModule stays what the program holds (its parameters, state_dict, train
+        # and eval); only its forward, Dynamo's, is routed.
+        compiled.forward = _WorkerRoute(model, compiled.forward, model)
+        return compiled
+    if callable(model):
+        return functools.wraps(model)(_WorkerRoute(model, compiled, None))
+    return compiled
+
+
+class _WorkerRoute:
+    """One compiled model or function: each call goes to the worker's Inductor (a captured
+    step) or to Dynamo's compiled callable, as the module's docstring says."""
+
+    def __init__(
+        self, target: Callable[..., Any], dynamo: Callable[..., Any], module: Any
+    ) -> None:
+        self.dynamo = dynamo
+        self.module: torch.nn.Module | None = module
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return target(*args, **kwargs)
+
+        self.step = CapturedStep(call, compile=True)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if runtime.attached() and self._on_the_worker(args, kwargs):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CaptureWarning)
+                return self.step(*args, **kwargs)
+        return self.dynamo(*args, **kwargs)
+
+    def _on_the_worker(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        module = self.module
+        if module is not None:
+            if _hooked(module):
+                return False
+            tensors += [*module.parameters(), *module.buffers()]
+        if not any(isinstance(t, RemoteTensor) for t in tensors):
+            return False
+        return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+def _hooked(module: torch.nn.Module) -> bool:
+    """Whether a call runs hooks (Python at every call, which a replay would skip)."""
+    hooks = torch.nn.modules.module
+    if (
+        hooks._global_forward_hooks
+        or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks
+        or hooks._global_backward_pre_hooks
+    ):
+        return True
+    return any(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+        for m in module.modules()
     )
 
 

@@ -140,6 +140,8 @@ class _Op:
     name: str
     fn: Callable[..., Any] | None
     problem: str | None = None
+    check: str | None = None
+    """The check the op policy runs it behind (`gpupool.worker.opchecks.CHECKS`), if any."""
     call: Callable[..., Any] | None = field(init=False, default=None)
     """What runs the op: an OpOverload's C++ callable itself (`_op`, what its __call__ calls),
     one Python frame less for every op of a stream."""
@@ -423,6 +425,7 @@ class Executor:
             if check is None:
                 return _Op(name, None, f"{name}: the op policy names an unknown check")
             call = guard(name, check, fn, call)
+            op.check = decided.detail
         op.call = argument_guard(name, fn, call)
         return op
 

@@ -1,5 +1,6 @@
-"""Captured steps on the worker: a program validated once, replayed per RUN op by op or as a
-CUDA graph.
+"""Captured steps on the worker: a program validated once, replayed per RUN op by op, compiled
+by Inductor where the client asks for it (`gpupool.worker.inductor`), and on a CUDA worker
+captured as a CUDA graph.
 
 A program names its tensors by slot: the call's inputs, the client's persistent tensors
 (externals: parameters, optimizer state, looked up by handle at each run), and temporaries
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -43,6 +45,8 @@ class DefinedOp(Protocol):
     def call(self) -> Callable[..., Any] | None: ...
     @property
     def problem(self) -> str | None: ...
+    @property
+    def check(self) -> str | None: ...
 
 
 class ExecutorView(Protocol):
@@ -115,7 +119,9 @@ def _flatten(value: Any) -> Iterator[Any]:
 
 
 class _OpStep:
-    __slots__ = ("args", "bind_args", "bind_kwargs", "fn", "kwargs", "name", "outs", "problem")
+    __slots__ = (
+        "args", "bare", "bind_args", "bind_kwargs", "fn", "kwargs", "name", "outs", "problem",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -125,14 +131,19 @@ class _OpStep:
         args: list[Any],
         kwargs: dict[str, Any] | None,
         outs: list[int | None] | None,
+        bare: Any = None,
     ) -> None:
-        self.name, self.fn, self.problem = name, fn, problem
+        self.name, self.fn, self.problem, self.bare = name, fn, problem, bare
         self.args, self.kwargs, self.outs = args, kwargs or {}, outs
         self.bind_args = _binder(args)
         self.bind_kwargs = {k: b for k, v in self.kwargs.items() if (b := _binder(v)) is not None}
 
     def run(self, slots: list[Any]) -> None:
-        if self.fn is None:
+        self.apply(self.fn, slots)
+
+    def apply(self, fn: Any, slots: list[Any]) -> None:
+        """Run with `fn`: the guarded call (`run`), or the bare overload Inductor traces."""
+        if fn is None:
             raise ProgramError(self.problem or f"{self.name} cannot run on this worker")
         args = self.bind_args(slots) if self.bind_args is not None else self.args
         kwargs = self.kwargs
@@ -140,7 +151,7 @@ class _OpStep:
             kwargs = dict(kwargs)
             for name, bind in self.bind_kwargs.items():
                 kwargs[name] = bind(slots)
-        result = self.fn(*args, **kwargs)
+        result = fn(*args, **kwargs)
         outs = self.outs
         if outs:
             if len(outs) == 1 and isinstance(result, torch.Tensor):
@@ -165,6 +176,35 @@ class _PutStep:
 
     def run(self, slots: list[Any]) -> None:
         slots[self.slot].copy_(self.source)
+
+
+class _CompiledStep:
+    """The whole program as one call of its Inductor-compiled form."""
+
+    __slots__ = ("compiled", "geometry", "inputs", "results")
+    name = "the program compiled by Inductor"
+
+    def __init__(
+        self, compiled: Any, inputs: list[int], results: list[int], examples: list[torch.Tensor]
+    ) -> None:
+        from gpupool.worker.inductor import geometry
+
+        self.compiled, self.inputs, self.results = compiled, inputs, results
+        self.geometry = [geometry(t) for t in examples]
+
+    def run(self, slots: list[Any]) -> None:
+        from gpupool.worker.inductor import geometry
+
+        tensors = [slots[i] for i in self.inputs]
+        for i, (tensor, expected) in enumerate(zip(tensors, self.geometry, strict=True)):
+            if geometry(tensor) != expected:
+                raise ProgramError(
+                    f"tensor {i} of the compiled step has changed its layout or storage since "
+                    "the step was compiled (capture the step again)"
+                )
+        values = self.compiled(*tensors)
+        for slot, value in zip(self.results, values, strict=True):
+            slots[slot] = value
 
 
 @dataclass
@@ -198,8 +238,16 @@ class Program:
         steps = body.get("steps")
         if not isinstance(steps, list) or len(steps) > MAX_PROGRAM_STEPS:
             raise ProtocolError("program steps must be a list of bounded length")
-        self.steps: list[_OpStep | _PutStep] = []
+        self.steps: list[_OpStep | _PutStep | _CompiledStep] = []
         self.mutated_inputs: set[int] = set()
+        asked = body.get("compile")
+        if asked not in (None, "inductor"):
+            raise ProtocolError(f"program compile must be 'inductor' or absent, not {asked!r:.40}")
+        self.compile_problem: str | None = None
+        """Why the program is not compiled although asked to be (None: not asked, or fine)."""
+        if asked == "inductor" and os.environ.get("GPUPOOL_INDUCTOR", "1") == "0":
+            self.compile_problem = "the worker's operator turned compiling off (GPUPOOL_INDUCTOR=0)"
+        self._compile_pending = asked == "inductor" and self.compile_problem is None
         for step in steps:
             self.steps.append(self._compile(step, defined, n_inputs, executor))
         self.outputs = [_slot(s, self.n_slots, defined, "output") for s in _list(body, "outputs")]
@@ -209,8 +257,12 @@ class Program:
                 raise ProtocolError(f"program escape slot {slot} is never written")
         self.graph_allowed = bool(body.get("graph", True)) and self.device.type == "cuda"
         self.mode = "ops"
-        """ops: op by op; graph: a CUDA graph replay; the client can ask for it in STATS."""
+        """ops: op by op; graph: a CUDA graph replay; inductor: one call of the program compiled
+        by Inductor; inductor+graph: that call captured as a CUDA graph (STATS says which)."""
         self.runs = 0
+        self._graph_from_run = GRAPH_AFTER_RUNS + (2 if self._compile_pending else 1)
+        """The run that captures the CUDA graph: after the op-by-op warm-up, and where Inductor
+        compiles, after the compiled call's own first run (Triton loads its kernels then)."""
         self._graph: _Graph | None = None
         self.failed_step: str | None = None
         """The step the last failed run stopped at ("op 12 of 40 (aten::nonzero)")."""
@@ -218,12 +270,19 @@ class Program:
         log.info("program %d defined (%d steps): %s", self.id, len(self.steps), self._plan())
 
     def _plan(self) -> str:
-        """How this program will run, so a worker log says why one never became a graph."""
+        """How this program will run, so a worker log says why one never became a graph (or
+        was not compiled)."""
+        if self._compile_pending:
+            plan = "op by op for 1 run, then compiled by Inductor"
+        elif self.compile_problem is not None:
+            plan = f"op by op, not compiled: {self.compile_problem}"
+        else:
+            plan = "op by op"
         if self.device.type != "cuda":
-            return f"op by op (a {self.device.type} worker has no CUDA graphs)"
+            return f"{plan} (a {self.device.type} worker has no CUDA graphs)"
         if not self.graph_allowed:
-            return "op by op (the client asked for graph=False)"
-        return f"op by op for {GRAPH_AFTER_RUNS} run(s), then captured as a CUDA graph"
+            return f"{plan} (the client asked for graph=False)"
+        return f"{plan}, then captured as a CUDA graph from run {self._graph_from_run}"
 
     # ---- definition ----------------------------------------------------------------------
 
@@ -266,10 +325,29 @@ class Program:
                 if defined[slot]:
                     raise ProtocolError(f"program op {op.name} writes slot {slot} twice")
                 defined[slot] = True
+        if self._compile_pending:
+            self._note_compilable(op, args, kwargs or {})
         # op.call, not op.fn: a checked op runs behind its check, and where the lease counts
         # storages each step is charged before it runs.
         call = op.call if op.fn is not None else None
-        return _OpStep(op.name, call, op.problem, args, kwargs, outs)
+        return _OpStep(op.name, call, op.problem, args, kwargs, outs, op.fn)
+
+    def _note_compilable(self, op: DefinedOp, args: list[Any], kwargs: dict[str, Any]) -> None:
+        """Whether this op may be part of an Inductor graph (`gpupool.worker.inductor` says
+        what never is); the first one that may not keeps the program op by op."""
+        from gpupool.worker.inductor import GEOMETRY_CHECKS, constant_problem
+
+        problem = None
+        if op.fn is None or not isinstance(op.fn, torch._ops.OpOverload):
+            problem = f"{op.name} runs through the worker's own implementation"
+        elif op.check is not None and op.check not in GEOMETRY_CHECKS:
+            problem = f"{op.name} runs behind a check of its tensors' values each time"
+        else:
+            found = constant_problem([args, list(kwargs.values())], lambda v: type(v) is Slot)
+            if found is not None:
+                problem = f"{op.name} takes {found}"
+        if problem is not None:
+            self.compile_problem, self._compile_pending = problem, False
 
     def _note_mutations(
         self, fn: Any, args: list[Any], kwargs: dict[str, Any], n_inputs: int
@@ -310,7 +388,9 @@ class Program:
         self.failed_step = None
         if self._graph is not None:
             return self._replay(inputs)
-        if self.graph_allowed and self.runs > GRAPH_AFTER_RUNS:
+        if self._compile_pending and self.runs > 1:
+            self._compile_now(inputs, executor)
+        if self.graph_allowed and self.runs >= self._graph_from_run:
             try:
                 return self._capture(inputs, executor)
             except torch.OutOfMemoryError as exc:
@@ -323,6 +403,44 @@ class Program:
         self._run_steps(slots)
         return slots
 
+    def _compile_now(self, inputs: list[torch.Tensor], executor: ExecutorView) -> None:
+        """Replace the steps by one call of their Inductor-compiled form (after one run op by
+        op: every guard passed with these arguments). A failure keeps the steps, once."""
+        from gpupool.worker.inductor import NotCompilable, compile_steps
+
+        self._compile_pending = False
+        n_inputs = len(self.input_specs)
+        external = [slot for slot, _ in self.externals]
+        fixed = set(range(n_inputs)) | set(external)
+        wanted = dict.fromkeys([*self.outputs, *(slot for slot, _ in self.escapes)])
+        results = [slot for slot in wanted if slot not in fixed]
+        steps = list(self.steps)
+
+        def run(*tensors: torch.Tensor) -> list[Any]:
+            slots: list[Any] = [None] * self.n_slots
+            slots[:n_inputs] = tensors[:n_inputs]
+            for slot, tensor in zip(external, tensors[n_inputs:], strict=True):
+                slots[slot] = tensor
+            for step in steps:
+                if isinstance(step, _OpStep):
+                    step.apply(step.bare, slots)
+                else:
+                    step.run(slots)
+            return [slots[slot] for slot in results]
+
+        slots = self._slots(inputs, executor)
+        examples = [*slots[:n_inputs], *(slots[slot] for slot in external)]
+        try:
+            compiled = compile_steps(run, examples)
+        except NotCompilable as exc:
+            self.compile_problem = f"Inductor could not compile it: {exc}"
+            log.warning("program %d replays op by op: %s", self.id, self.compile_problem)
+            return
+        self.steps = [_CompiledStep(compiled, [*range(n_inputs), *external], results, examples)]
+        self.mode = "inductor"
+        self._graph_from_run = self.runs + GRAPH_AFTER_RUNS
+        log.info("program %d compiled by Inductor (%d ops)", self.id, len(steps))
+
     def _run_steps(self, slots: list[Any]) -> None:
         """Every step in order; a failing one is named in `failed_step`, for the client's error
         and the worker's log (a capture that fails says which op could not be captured)."""
@@ -331,7 +449,7 @@ class Program:
             try:
                 step.run(slots)
             except Exception as exc:
-                name = step.name if isinstance(step, _OpStep) else "a constant copied in"
+                name = getattr(step, "name", "a constant copied in")
                 self.failed_step = f"op {index + 1} of {len(self.steps)} ({name})"
                 self._step_error = _one_line(exc)  # text only: a traceback would pin the slots
                 raise
@@ -395,7 +513,7 @@ class Program:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self._run_steps(slots)
         self._graph = _Graph(graph, static, slots)
-        self.mode = "graph"
+        self.mode = "inductor+graph" if self.mode == "inductor" else "graph"
         log.info("program %d captured as a CUDA graph (%d steps)", self.id, len(self.steps))
         graph.replay()
         self._copy_back(inputs)
@@ -434,7 +552,7 @@ class Program:
         log.warning("program %d replays op by op: %s", self.id, why)
         self.graph_allowed = False
         self._graph = None
-        self.mode = "ops"
+        self.mode = "inductor" if self.steps and isinstance(self.steps[0], _CompiledStep) else "ops"
         with contextlib.suppress(Exception):  # a broken capture may leave an error behind
             torch.cuda.synchronize(self.device)
 
@@ -474,7 +592,8 @@ class Programs:
         self.programs.clear()
 
     def describe(self) -> list[list[Any]]:
-        return [[p.id, p.mode, p.runs] for p in self.programs.values()]
+        """[id, mode, runs, why not compiled (None where not asked or compiled)] per program."""
+        return [[p.id, p.mode, p.runs, p.compile_problem] for p in self.programs.values()]
 
 
 def decode_body(body: bytes, executor: ExecutorView) -> Any:
