@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# On the GPU machine (nvidia-h200, torch 2.11 CUDA build): issue 21's points that need a CUDA
+# worker and have no run yet, in one device command of a few minutes, a client without a GPU
+# against its workers on GPU 0:
+#   - the recurrent and cuDNN tests of tests/torch/test_conformance_gpu.py;
+#   - captured steps and torch.compile's inference calls compiled by Inductor on the worker
+#     (Triton kernels, then a CUDA graph: modes `inductor+graph`);
+#   - sparse COO tensors and packed sequences on a CUDA worker.
+#   bash bench/gpu/run_issue21_cuda_worker.sh   (carry .whl, made by
+#     `../shared/tools/device-wheels controller agent k8s programs`)
+# stdout: each pytest's summary; $OUT/*.log: their whole output.
+set -u
+. bench/gpu/site.sh
+nvidia-smi -L
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+export GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0
+run() {
+  local name=$1; shift
+  CUDA_VISIBLE_DEVICES= timeout -k 5 "$@" > "$OUT/$name.log" 2>&1
+  echo "===== $name rc=$?"; tail -4 "$OUT/$name.log"
+}
+run recurrent 200 python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/torch/test_conformance_gpu.py -k "recurrent or cudnn"
+run inductor 240 python3 -m pytest -q -p no:cacheprovider -rs tests/torch/test_capture.py \
+  tests/torch/test_remote_apis.py -k "inductor or compiled"
+run sparse_packed 150 python3 -m pytest -q -p no:cacheprovider -rs tests/torch/test_sparse.py \
+  tests/torch/test_real_programs.py -k "sparse or packed or recurrent"
+pkill -9 -f 'gpupool[.]worker' 2>/dev/null
+exit 0
