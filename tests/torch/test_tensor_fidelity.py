@@ -227,6 +227,30 @@ def test_linear_without_a_gradient_goes_whole_and_with_one_as_its_parts(
     assert remote is not None and torch.equal(remote.cpu(), local)
 
 
+def test_linear_of_a_transposed_input_and_a_trainable_weight_folds_as_locally(
+    attach: Callable[..., Any],
+) -> None:
+    """Under no_grad, matmul folds a non-contiguous 3-d input into one matrix product when the
+    weight requires grad, and multiplies batch by batch when it does not: the two round
+    differently (an nn.GRU's input projection with batch_first, in eval mode, differed by one
+    ulp on an AVX2 host). The worker's weights never require grad, so that linear is
+    decomposed in the client, where the weight's flag is the program's."""
+    attach()
+    torch.manual_seed(5)
+    x = torch.randn(3, 5, 8).transpose(0, 1)
+    weight, bias = torch.randn(18, 8, requires_grad=True), torch.randn(18, requires_grad=True)
+    remote = [t.detach().cuda().requires_grad_() for t in (weight, bias)]
+    with torch.no_grad():
+        for args in ((weight, bias), (weight,)):
+            local = F.linear(x, *args)
+            got = F.linear(x.cuda(), *remote[: len(args)]).cpu()
+            assert torch.equal(got, local), len(args)
+        frozen = [t.detach() for t in (weight, bias)]
+        assert torch.equal(
+            F.linear(x.cuda(), *(t.cuda() for t in frozen)).cpu(), F.linear(x, *frozen)
+        )
+
+
 def test_views_made_in_inference_mode_are_what_a_local_device_makes(
     attach: Callable[..., Any],
 ) -> None:

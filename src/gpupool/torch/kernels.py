@@ -440,10 +440,18 @@ def linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     Python that a local GPU makes in C++: on a 3-d input that was 24 us of client time per
     linear against 10 us as one op (a CPU worker, 2-core x86 machine), and a transformer's
     inference is mostly linears. The worker runs `aten::linear` itself, which decomposes
-    there exactly as it does on a local device, so the values are the same. With a gradient
-    to record (or forward-mode AD on) the composite runs here as before: autograd needs its
-    parts."""
-    if type(input) is RemoteTensor and not _needs_grad(input, weight, bias):
+    there as it does on a local device, so the values are the same, with one exception kept
+    here: on a non-contiguous input of three or more dimensions `matmul` folds the input into
+    a matrix (a copy, then `mm`) when the weight requires grad, even under no_grad, and else
+    multiplies batch by batch, which rounds differently; the worker's weight never requires
+    grad, so that case decomposes here (an nn.GRU with batch_first in eval mode, whose input
+    projection sees the transposed sequence). With a gradient to record (or forward-mode AD
+    on) the composite runs here as before: autograd needs its parts."""
+    if (
+        type(input) is RemoteTensor
+        and not _needs_grad(input, weight, bias)
+        and (input.dim() <= 2 or not weight.requires_grad or input.is_contiguous())
+    ):
         with torch._C._AutoDispatchBelowAutograd():
             return aten.linear.default(input, weight, bias)
     return aten.linear.default.decompose(input, weight, bias)
