@@ -253,6 +253,29 @@ def test_a_program_compiled_by_inductor_gives_the_op_by_op_values(
     assert compiled.error is None and read(compiled, 20) == [3.0, 3.0, 3.0]
 
 
+def test_a_program_compiles_only_after_a_run_op_by_op_passed_on_that_geometry() -> None:
+    """A view past its storage is refused op by op (`within_storage`, a check of geometry
+    alone); a program whose RUNs keep failing so is never compiled, so Inductor never gets to
+    index past the storage. Nor does one whose tensors changed since their last good RUN."""
+    executor = prepared()
+    run(executor, [[Rec.DEF, 13, "aten::as_strided"], [Rec.DEF, 14, "aten::sum"]])
+    reach = ["op", 13, [slot(1), [3], [1000]], None, [2]]  # tensor 10 has 3 elements
+    define(executor, body(steps=[reach, ["op", 14, [slot(2)], None, [3]]], outputs=[3],
+                          escapes=[], compile="inductor"))  # fmt: skip
+    for i in range(4):
+        run(executor, [[Rec.RUN, 5, [handle_ext(20)], [30 + i]]])
+        assert "reach" in str(read(executor, 30 + i)) or "storage" in str(read(executor, 30 + i))
+    assert executor.stats()["programs"] == [[5, "ops", 4, None]]
+    # Good RUNs, but the client's tensor regrows before every one: it never compiles either.
+    executor = _updating_worker()
+    define(executor, _updating(compile="inductor"))
+    run(executor, [[Rec.DEF, 12, "aten::resize_"]])
+    for i in range(3):
+        run(executor, [[Rec.OP, 12, [handle_ext(10), [3 + 61 * (i % 2)]], None, None],
+                       [Rec.RUN, 5, [handle_ext(20)], [40 + i]]])  # fmt: skip
+    assert executor.stats()["programs"][0][1] == "ops"
+
+
 def test_inductor_never_compiles_what_the_op_path_guards(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -248,6 +248,10 @@ class Program:
         if asked == "inductor" and os.environ.get("GPUPOOL_INDUCTOR", "1") == "0":
             self.compile_problem = "the worker's operator turned compiling off (GPUPOOL_INDUCTOR=0)"
         self._compile_pending = asked == "inductor" and self.compile_problem is None
+        self._passed: Any = None
+        """The geometry of the tensors in the last RUN that went op by op without an error:
+        the program compiles only at a RUN whose tensors have just that geometry, so every
+        guard the compiled call skips has passed for what it computes."""
         for step in steps:
             self.steps.append(self._compile(step, defined, n_inputs, executor))
         self.outputs = [_slot(s, self.n_slots, defined, "output") for s in _list(body, "outputs")]
@@ -388,8 +392,30 @@ class Program:
         self.failed_step = None
         if self._graph is not None:
             return self._replay(inputs)
-        if self._compile_pending and self.runs > 1:
-            self._compile_now(inputs, executor)
+        before = None
+        if self._compile_pending:
+            before = self._geometry(inputs, executor)
+            if before is not None and before == self._passed:
+                self._compile_now(inputs, executor)
+                before = None
+        slots = self._run(inputs, executor)
+        if before is not None:
+            self._passed = before  # only once the run op by op succeeded
+        return slots
+
+    def _geometry(self, inputs: list[torch.Tensor], executor: ExecutorView) -> Any:
+        """The geometry of the tensors a compiled call would take, or None if one is missing."""
+        from gpupool.worker.inductor import geometry
+
+        tensors = executor.tensors
+        shapes = []
+        for tensor in [*inputs, *(tensors.get(handle) for _, handle in self.externals)]:
+            if not isinstance(tensor, torch.Tensor):
+                return None
+            shapes.append(geometry(tensor))
+        return shapes
+
+    def _run(self, inputs: list[torch.Tensor], executor: ExecutorView) -> list[Any]:
         if self.graph_allowed and self.runs >= self._graph_from_run:
             try:
                 return self._capture(inputs, executor)
@@ -404,8 +430,9 @@ class Program:
         return slots
 
     def _compile_now(self, inputs: list[torch.Tensor], executor: ExecutorView) -> None:
-        """Replace the steps by one call of their Inductor-compiled form (after one run op by
-        op: every guard passed with these arguments). A failure keeps the steps, once."""
+        """Replace the steps by one call of their Inductor-compiled form (after a run op by
+        op on tensors of this geometry: every guard passed with these arguments). A failure
+        keeps the steps, once."""
         from gpupool.worker.inductor import NotCompilable, compile_steps
 
         self._compile_pending = False
