@@ -15,7 +15,10 @@ fields each micro-benchmark has.
 `--mode captured`: the remote side runs its training step through `gpupool.torch.capture`
 (one message per step, replayed by the worker as a CUDA graph), still against the local
 EAGER step of the same run; rows have mode "captured" and say how the worker replayed
-(`remote_worker_modes`: graph or ops) and any capture warnings. `--worker-device cpu` runs
+(`remote_worker_modes`: graph or ops) and any capture warnings. `--mode compiled`: captured
+as above with `compile=True`, so the worker compiles each step's program with Inductor
+(Triton on a GPU worker, then a CUDA graph; C++ on a CPU worker); rows have mode "compiled".
+`--worker-device cpu` runs
 the whole comparison on the CPU (a CPU worker against plain CPU PyTorch), for the small
 workloads (mlp, cnn, gpt_tiny) on a machine without a GPU.
 
@@ -23,6 +26,8 @@ workloads (mlp, cnn, gpt_tiny) on a machine without a GPU.
                                     [--only resnet50,gpt2,ops,roundtrip,copy]
     python bench/remote_overhead.py --mode captured --only resnet50,gpt2
     python bench/remote_overhead.py --mode captured --worker-device cpu --only mlp,cnn,gpt_tiny
+    python bench/remote_overhead.py --mode compiled --worker-device cpu \\
+        --out bench/results/remote_compiled_cpu.json
 
 torchvision and transformers are imported only inside the workloads that need them.
 """
@@ -191,9 +196,10 @@ def _worker_stats() -> dict[str, Any] | None:
     return stats if "busy_s" in stats else None
 
 
-CAPTURE_WARMUP = 6
+CAPTURE_WARMUP = 7
 """Calls before a captured step is timed: recordings until two agree (three), the worker's
-side-stream warm-up run, the CUDA graph capture, and one replay to spare."""
+side-stream warm-up run, the CUDA graph capture, and one replay to spare (compiled: the
+Inductor compile comes at the second RUN and pushes the capture one RUN later)."""
 
 
 def time_step(spec: dict[str, Any], step: Any, warmup: int, device: str) -> dict[str, Any]:
@@ -204,7 +210,9 @@ def time_step(spec: dict[str, Any], step: Any, warmup: int, device: str) -> dict
 
     import gpupool.torch
 
-    captured = gpupool.torch.capture(step, graph=spec.get("graph", True))
+    captured = gpupool.torch.capture(
+        step, graph=spec.get("graph", True), compile=bool(spec.get("compile"))
+    )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", gpupool.torch.CaptureWarning)
         timed = time_steps(captured, spec["steps"], max(warmup, CAPTURE_WARMUP), device)
@@ -212,6 +220,7 @@ def time_step(spec: dict[str, Any], step: Any, warmup: int, device: str) -> dict
         **timed,
         "replaying": captured.replaying,
         "worker_modes": captured.worker_modes(),
+        "not_compiled": captured.not_compiled(),
         "capture_warnings": sorted({str(w.message)[:300] for w in caught}),
     }
 
@@ -489,7 +498,7 @@ def main() -> int:
         default=None,
         help="worker and client poll the socket this long before sleeping (default: off)",
     )
-    parser.add_argument("--mode", choices=["eager", "captured"], default="eager")
+    parser.add_argument("--mode", choices=["eager", "captured", "compiled"], default="eager")
     parser.add_argument(
         "--no-graph",
         action="store_true",
@@ -520,13 +529,14 @@ def main() -> int:
 
     wanted = {w for w in args.only.split(",") if w}
     on_cpu = args.worker_device == "cpu"
-    base = CPU_PLAN if on_cpu else CAPTURED_PLAN if args.mode == "captured" else PLAN
+    base = CPU_PLAN if on_cpu else CAPTURED_PLAN if args.mode != "eager" else PLAN
     plan = [
         (w, b)
         for w, b in base
         if not wanted or w in wanted or w.split("_")[0] in wanted or f"{w}:{b}" in wanted
     ]
-    extra: dict[str, Any] = {"capture": args.mode == "captured", "graph": not args.no_graph,
+    extra: dict[str, Any] = {"capture": args.mode != "eager", "graph": not args.no_graph,
+                             "compile": args.mode == "compiled",
                              "worker_device": "cpu" if on_cpu else "cuda"}  # fmt: skip
     worker_cpus: str | None = None
     if args.pin:

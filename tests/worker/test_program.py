@@ -276,6 +276,13 @@ def test_a_program_compiles_only_after_a_run_op_by_op_passed_on_that_geometry() 
     assert executor.stats()["programs"][0][1] == "ops"
 
 
+def test_the_checks_inductor_may_skip_are_checks_of_the_op_policy() -> None:
+    from gpupool.worker.inductor import GEOMETRY_CHECKS
+    from gpupool.worker.opchecks import CHECKS
+
+    assert set(CHECKS) >= GEOMETRY_CHECKS
+
+
 def test_inductor_never_compiles_what_the_op_path_guards(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -19,6 +19,8 @@ What is never compiled, so that a tenant cannot reach past what the op-by-op pat
   - an argument other than numbers, bools, None, dtypes, devices, layouts, memory formats,
     short identifier-like strings ("sum", "tanh") and lists of those: nothing a tenant sends
     becomes text in generated code that is not one of those.
+Indices that kernels read from tensors (gather, index, embedding) stay bounds-checked in the
+generated code (`assert_indirect_indexing`), as ATen's kernels check them.
 Inductor writes its generated code and compiled kernels to a cache directory private to this
 worker process (made at the first compile, removed when the process ends), never to the shared
 default under /tmp, and compiles in this process (no compile workers). Random ops keep ATen's
@@ -50,7 +52,7 @@ _configured = False
 
 GEOMETRY_CHECKS = frozenset({
     "within_storage", "same_lengths", "few_views", "softmax_backward", "layer_norm_backward",
-    "batch_norm", "group_norm_backward",
+    "batch_norm", "group_norm_backward", "attention_backward", "no_varlen", "fused_optimizer",
 })  # fmt: skip
 """Checks of `gpupool.worker.opchecks.CHECKS` that read arguments, sizes, strides, storage
 offsets and sizes only, never a tensor's values, and change nothing."""
@@ -88,6 +90,10 @@ def _configure() -> None:
 
     config.compile_threads = 1
     config.fallback_random = True
+    # Indices read from tensors (gather, index, embedding) are bounds-checked in the kernels
+    # Inductor writes, as ATen's own kernels check them: out of range raises (a CPU worker)
+    # or fails the device assert (a CUDA one), as on a local device; never a read past.
+    config.assert_indirect_indexing = True
     for name in ("autotune_remote_cache", "fx_graph_remote_cache", "bundled_autotune_remote_cache"):
         if hasattr(config, name):
             setattr(config, name, False)
