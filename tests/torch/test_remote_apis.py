@@ -515,6 +515,11 @@ def test_compiled_inference_is_compiled_by_inductor_on_the_worker(
     )
     for value in got:
         torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)
+    scaled = torch.compile(lambda t: model[0](t).sin() * 2)
+    with torch.no_grad():
+        values = [scaled(x).cpu() for _ in range(5)]
+    assert [m[:8] for m, runs in scaled.step.worker_programs() if runs > 1] == ["inductor"]
+    torch.testing.assert_close(values[-1], (model[0](x).sin() * 2).cpu(), rtol=1e-5, atol=1e-6)
     # A forward hook runs Python at every call: such a model stays on Dynamo's path.
     seen: list[int] = []
     handle = model[0].register_forward_hook(lambda *_: seen.append(1))
@@ -524,6 +529,44 @@ def test_compiled_inference_is_compiled_by_inductor_on_the_worker(
     handle.remove()
     assert len(seen) == 4
     assert compiled(x).requires_grad  # with gradients: eager ops, autograd history kept
+
+
+def test_compiled_calls_that_change_python_state_keep_doing_so(
+    attach: Callable[..., Any],
+) -> None:
+    """A replay runs no Python: a compiled model that counts its calls, or a function that
+    fills a cache, must keep running its Python at every call, as under a local torch.compile;
+    and a function's captured calls follow the module it names when it changes."""
+    attach()
+    torch._dynamo.reset()
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(4, 4)
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return self.linear(x).relu()
+
+    model = Counting().cuda()
+    compiled = torch.compile(model)
+    x = torch.randn(2, 4, device="cuda")
+    seen: list[int] = []
+
+    @torch.compile
+    def logged(t: torch.Tensor) -> torch.Tensor:
+        seen.append(1)
+        return model.linear(t) * 2
+
+    with torch.no_grad():
+        for _ in range(6):
+            compiled(x)
+            logged(x)
+        assert model.calls == 6 and len(seen) == 6
+        model.linear = nn.Linear(4, 4).cuda()  # what the function names, replaced
+        torch.testing.assert_close(logged(x).cpu(), (model.linear(x) * 2).cpu())
 
 
 # ---- 10. DLPack -----------------------------------------------------------------------------------

@@ -322,7 +322,7 @@ def first_difference(a: Recording, b: Recording) -> str:
 # ---- guards ------------------------------------------------------------------------------------
 
 
-def _closure_values(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
+def closure_values(fn: Callable[..., Any]) -> list[tuple[Callable[[], Any], Any]]:
     """(getter, value) of what fn closes over: cells, the globals it names, a method's self."""
     found: list[tuple[Callable[[], Any], Any]] = []
     target = fn
@@ -376,7 +376,7 @@ class Guards:
     def of(cls, fn: Callable[..., Any], optimizers: list[torch.optim.Optimizer]) -> Guards:
         identities = []
         modules: list[torch.nn.Module] = []
-        for getter, value in _closure_values(fn):
+        for getter, value in closure_values(fn):
             # Everything fn names: a rebound tensor, module or constant means other ops.
             identities.append((getter, value))
             if isinstance(value, torch.nn.Module):

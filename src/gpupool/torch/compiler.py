@@ -6,10 +6,11 @@ inference call: under `torch.no_grad()` or `inference_mode()`, or with nothing t
 grad) becomes a captured step (`gpupool.torch.capture`, `compile=True`): its aten ops are
 recorded as it runs, sent once, and the worker compiles them with Inductor, the way a local
 torch.compile would compile them on the local GPU. What a replay would not reproduce keeps the
-call on Dynamo's path: module hooks (they run Python at every call), and whatever capture
-itself declines (a value read inside the call, shapes that keep changing, non-tensor results);
-those run as below, without the warnings capture gives for them, since a local torch.compile
-prints none either.
+call on Dynamo's path: module hooks (they run Python at every call), a model or function seen
+changing Python state during a call (a counter bumped, a cache filled, a flag flipped: a replay
+would not repeat it; from then on), and whatever capture itself declines (a value read inside
+the call, shapes that keep changing, non-tensor results); those run as below, without the
+warnings capture gives for them, since a local torch.compile prints none either.
 
 Dynamo does not trace a remote tensor's ops: RemoteTensor overrides __torch_dispatch__ without
 Dynamo's subclass protocol (__tensor_flatten__), so Dynamo breaks the graph at them and they
@@ -32,7 +33,7 @@ import torch
 from torch.utils._pytree import tree_leaves
 
 from gpupool.torch import runtime
-from gpupool.torch.capture import CapturedStep, CaptureWarning
+from gpupool.torch.capture import CapturedStep, CaptureWarning, closure_values
 from gpupool.torch.tensor import RemoteTensor
 
 _ORIGINAL: Any = None
@@ -125,17 +126,30 @@ class _WorkerRoute:
     ) -> None:
         self.dynamo = dynamo
         self.module: torch.nn.Module | None = module
+        self.side_effects = False
+        """Set once a call was seen changing Python state: replays would not, so from then on
+        every call takes Dynamo's path."""
+        if module is None:
+            # The function itself: capture guards what it closes over and the globals it names.
+            self.step = CapturedStep(target, compile=True)
+            self._watched: list[Any] = [value for _, value in closure_values(target)]
+        else:
 
-        def call(*args: Any, **kwargs: Any) -> Any:
-            return target(*args, **kwargs)
+            def call(*args: Any, **kwargs: Any) -> Any:
+                return target(*args, **kwargs)
 
-        self.step = CapturedStep(call, compile=True)
+            self.step = CapturedStep(call, compile=True)
+            self._watched = [module]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if runtime.attached() and self._on_the_worker(args, kwargs):
+        if not self.side_effects and runtime.attached() and self._on_the_worker(args, kwargs):
+            before = _python_state(self._watched)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CaptureWarning)
-                return self.step(*args, **kwargs)
+                result = self.step(*args, **kwargs)
+            # A recorded call ran the Python; a replay did not, and changes nothing here.
+            self.side_effects = _python_state(self._watched) != before
+            return result
         return self.dynamo(*args, **kwargs)
 
     def _on_the_worker(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -148,6 +162,36 @@ class _WorkerRoute:
         if not any(isinstance(t, RemoteTensor) for t in tensors):
             return False
         return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
+_SCALARS = (int, float, bool, str, bytes, type(None))
+_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
+"""What capture's guards already follow (tensors and children replaced)."""
+
+
+def _python_state(values: list[Any]) -> list[Any]:
+    """A fingerprint of the Python state a compiled call could change: for each module among
+    `values` (and its submodules) its attributes, for anything else itself; a scalar by value,
+    a list, dict or set by identity and length, anything else by identity. A counter bumped,
+    an entry added to a cache, a flag flipped: the fingerprint changes."""
+    state: list[Any] = []
+    for value in values:
+        if isinstance(value, torch.nn.Module):
+            for module in value.modules():
+                for key, item in module.__dict__.items():
+                    if key not in _TABLES:
+                        state.append((key, _fingerprint(item)))
+        else:
+            state.append(_fingerprint(value))
+    return state
+
+
+def _fingerprint(value: Any) -> Any:
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, list | dict | set):
+        return (id(value), len(value))
+    return id(value)
 
 
 def _hooked(module: torch.nn.Module) -> bool:
