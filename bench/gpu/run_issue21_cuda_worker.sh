@@ -5,7 +5,8 @@
 #   - the recurrent and cuDNN tests of tests/torch/test_conformance_gpu.py;
 #   - captured steps and torch.compile's inference calls compiled by Inductor on the worker
 #     (Triton kernels, then a CUDA graph: modes `inductor+graph`);
-#   - sparse COO tensors and packed sequences on a CUDA worker.
+#   - sparse COO tensors and packed sequences on a CUDA worker;
+#   - bench/remote_overhead.py --mode compiled: a captured ResNet-50 step compiled there.
 #   bash bench/gpu/run_issue21_cuda_worker.sh   (carry .whl, made by
 #     `../shared/tools/device-wheels controller agent k8s programs`)
 # stdout: each pytest's summary; $OUT/*.log: their whole output.
@@ -25,5 +26,9 @@ run inductor 240 python3 -m pytest -q -p no:cacheprovider -rs tests/torch/test_c
   tests/torch/test_remote_apis.py -k "inductor or compiled"
 run sparse_packed 150 python3 -m pytest -q -p no:cacheprovider -rs tests/torch/test_sparse.py \
   tests/torch/test_real_programs.py -k "sparse or packed or recurrent"
+# Captured ResNet-50 steps compiled by Inductor on the worker against the local eager step.
+timeout -k 5 300 python3 bench/remote_overhead.py --mode compiled --only resnet50:32 \
+  --out "$OUT/remote_compiled_h200.json" > "$OUT/compiled_bench.log" 2>&1
+echo "===== compiled bench rc=$?"; grep '^{' "$OUT/compiled_bench.log" | cut -c1-400
 pkill -9 -f 'gpupool[.]worker' 2>/dev/null
 exit 0
