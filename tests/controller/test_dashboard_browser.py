@@ -50,6 +50,13 @@ if (_missing := _browser_missing()) is not None:
 
 from playwright.sync_api import Browser, Page, expect, sync_playwright  # noqa: E402
 
+ACTION_TIMEOUT_MS = scaled(15.0) * 1000
+"""How long a click or fill waits for its element, and (EXPECT_TIMEOUT_MS) an assertion for
+what it shows: stretched by the suite's slowdown, since a loaded machine renders slowly (a
+toast's 5 s default ran out under load)."""
+EXPECT_TIMEOUT_MS = scaled(10.0) * 1000
+expect.set_options(timeout=EXPECT_TIMEOUT_MS)
+
 
 @dataclass
 class LivePool:
@@ -157,7 +164,7 @@ def sign_in(page: Page, pool: LivePool, role: str) -> None:
 @pytest.fixture
 def anonymous_page(browser: Browser) -> Iterator[Page]:
     page = browser.new_page(viewport={"width": 1400, "height": 900})
-    page.set_default_timeout(15_000)
+    page.set_default_timeout(ACTION_TIMEOUT_MS)
     yield page
     page.close()
 
@@ -181,7 +188,7 @@ def page(browser: Browser, pool: LivePool) -> Iterator[Page]:
     )
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
-    page.set_default_timeout(15_000)
+    page.set_default_timeout(ACTION_TIMEOUT_MS)
     yield page
     page.close()
     assert errors == [], f"the page threw: {errors}"
@@ -202,7 +209,7 @@ def test_overview_shows_the_pool_and_follows_it_without_a_reload(
     pool.lease(compute_pct=10, memory="1GiB", holder="live-update-check")
     # The page polls; the new lease shows up with no navigation.
     expect(page.locator("[data-testid=kpi-leases] .value")).to_have_text(
-        str(holding + 1), timeout=10_000
+        str(holding + 1), timeout=EXPECT_TIMEOUT_MS
     )
     expect(page.locator("#live")).to_have_class("live ok")
 
@@ -271,7 +278,7 @@ def test_switching_a_gpu_mode_asks_first_and_records_the_operator(
     expect(page.locator("#dialog-actor")).to_have_text("admin:browser-test")
     page.locator("#dialog-ok").click()
     expect(page.locator("#dialog")).to_be_hidden()
-    expect(page.locator("#gpu-name")).to_contain_text("physical", timeout=10_000)
+    expect(page.locator("#gpu-name")).to_contain_text("physical", timeout=EXPECT_TIMEOUT_MS)
     assert pool.api.get(f"/gpus/{gpu['uuid']}").json()["mode"] == "physical"
     events = pool.api.get("/events", params={"subject": gpu["uuid"], "kind": "gpu.mode"}).json()
     assert events[-1]["actor"] == "admin:browser-test"
