@@ -23,6 +23,8 @@ import torch
 
 from gpupool.protocol.v1.dataplane import PROGRAM_VERSION, Ext, ProtocolError
 from gpupool.protocol.v1.tensors import dtype_from_name, tensor_from_bytes
+from gpupool.worker import inductor
+from gpupool.worker.inductor import GEOMETRY_CHECKS, NotCompilable, constant_problem, geometry
 
 log = logging.getLogger("gpupool.worker")
 
@@ -185,16 +187,13 @@ class _CompiledStep:
     name = "the program compiled by Inductor"
 
     def __init__(
-        self, compiled: Any, inputs: list[int], results: list[int], examples: list[torch.Tensor]
+        self, compiled: Any, inputs: list[int], results: list[int], shapes: list[Any]
     ) -> None:
-        from gpupool.worker.inductor import geometry
-
         self.compiled, self.inputs, self.results = compiled, inputs, results
-        self.geometry = [geometry(t) for t in examples]
+        self.geometry = shapes
+        """The geometry of the tensors it was compiled for (`Program._geometry`)."""
 
     def run(self, slots: list[Any]) -> None:
-        from gpupool.worker.inductor import geometry
-
         tensors = [slots[i] for i in self.inputs]
         for i, (tensor, expected) in enumerate(zip(tensors, self.geometry, strict=True)):
             if geometry(tensor) != expected:
@@ -339,8 +338,6 @@ class Program:
     def _note_compilable(self, op: DefinedOp, args: list[Any], kwargs: dict[str, Any]) -> None:
         """Whether this op may be part of an Inductor graph (`gpupool.worker.inductor` says
         what never is); the first one that may not keeps the program op by op."""
-        from gpupool.worker.inductor import GEOMETRY_CHECKS, constant_problem
-
         problem = None
         if op.fn is None or not isinstance(op.fn, torch._ops.OpOverload):
             problem = f"{op.name} runs through the worker's own implementation"
@@ -396,7 +393,7 @@ class Program:
         if self._compile_pending:
             before = self._geometry(inputs, executor)
             if before is not None and before == self._passed:
-                self._compile_now(inputs, executor)
+                self._compile_now(inputs, executor, before)
                 before = None
         slots = self._run(inputs, executor)
         if before is not None:
@@ -405,8 +402,6 @@ class Program:
 
     def _geometry(self, inputs: list[torch.Tensor], executor: ExecutorView) -> Any:
         """The geometry of the tensors a compiled call would take, or None if one is missing."""
-        from gpupool.worker.inductor import geometry
-
         tensors = executor.tensors
         shapes = []
         for tensor in [*inputs, *(tensors.get(handle) for _, handle in self.externals)]:
@@ -429,12 +424,12 @@ class Program:
         self._run_steps(slots)
         return slots
 
-    def _compile_now(self, inputs: list[torch.Tensor], executor: ExecutorView) -> None:
+    def _compile_now(
+        self, inputs: list[torch.Tensor], executor: ExecutorView, shapes: list[Any]
+    ) -> None:
         """Replace the steps by one call of their Inductor-compiled form (after a run op by
         op on tensors of this geometry: every guard passed with these arguments). A failure
         keeps the steps, once."""
-        from gpupool.worker.inductor import NotCompilable, compile_steps
-
         self._compile_pending = False
         n_inputs = len(self.input_specs)
         external = [slot for slot, _ in self.externals]
@@ -458,12 +453,12 @@ class Program:
         slots = self._slots(inputs, executor)
         examples = [*slots[:n_inputs], *(slots[slot] for slot in external)]
         try:
-            compiled = compile_steps(run, examples)
+            compiled = inductor.compile_steps(run, examples)
         except NotCompilable as exc:
             self.compile_problem = f"Inductor could not compile it: {exc}"
             log.warning("program %d replays op by op: %s", self.id, self.compile_problem)
             return
-        self.steps = [_CompiledStep(compiled, [*range(n_inputs), *external], results, examples)]
+        self.steps = [_CompiledStep(compiled, [*range(n_inputs), *external], results, shapes)]
         self.mode = "inductor"
         self._graph_from_run = self.runs + GRAPH_AFTER_RUNS
         log.info("program %d compiled by Inductor (%d ops)", self.id, len(steps))
