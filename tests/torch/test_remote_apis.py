@@ -51,6 +51,63 @@ def test_pin_memory_gives_a_pinned_copy_that_moves_to_the_device(
     assert pinned.pinned_blocks() == blocks, "pinned memory goes with its last tensor"
 
 
+def test_large_pinned_tensors_reach_a_same_host_worker_from_their_own_memory(
+    attach: Callable[..., Any],
+) -> None:
+    attach(2)  # cuda:1 is the worker on this host's Unix socket
+    stream = runtime.stream(1)
+    region = pinned.shared_region()
+    assert region is not None
+    before = stream.pinned_puts
+    first = torch.full((512, 1024), 1.0).pin_memory()  # 2 MiB: a block of the shared region
+    assert first.is_pinned() and region.offset_of(first, 1) is not None
+    moved = first.to("cuda:1", non_blocking=True)
+    assert stream.pinned_puts == before + 1, "the worker copies out of the pinned tensor itself"
+    # Freed before the stream synchronised, its block may still be read: not handed out again.
+    used = {first.data_ptr()}
+    del first
+    gc.collect()
+    second = torch.full((512, 1024), 2.0).pin_memory()
+    assert second.data_ptr() not in used
+    assert moved.sum().item() == 512 * 1024, "the first put's bytes were not overwritten"
+    used.add(second.data_ptr())
+    moved_second = second[128:].to("cuda:1", non_blocking=True)  # a view: its own offset
+    assert torch.equal(moved_second.cpu(), torch.full((384, 1024), 2.0))
+    # Synchronised since, both blocks are free again and the next pin reuses one.
+    del second
+    gc.collect()
+    third = torch.zeros(512, 1024).pin_memory()
+    assert third.data_ptr() in used
+    # A blocking copy may not leave the source in use after it returns: it is copied.
+    puts = stream.pinned_puts
+    assert torch.equal(third.to("cuda:1").cpu(), third) and stream.pinned_puts == puts
+    # Over TCP (cuda:0, another host as far as the client knows) the bytes go by socket.
+    assert torch.equal(third.to("cuda:0", non_blocking=True).cpu(), third)
+    assert runtime.stream(0).pinned_puts == 0
+
+
+def test_the_shared_pinned_region_is_sealed_and_never_shared_by_a_forked_child() -> None:
+    import fcntl
+
+    region = pinned.shared_region()
+    assert region is not None
+    seals = fcntl.fcntl(region.fd, fcntl.F_GET_SEALS)
+    assert seals & fcntl.F_SEAL_SHRINK and seals & fcntl.F_SEAL_SEAL
+    read_end, write_end = os.pipe()
+    child = os.fork()
+    if child == 0:  # a loader worker that pins: memory of its own, never the parent's blocks
+        try:
+            block = pinned.pin(torch.ones(1 << 20))
+            ok = pinned.is_pinned(block) and region.offset_of(block, 1) is None
+            os.write(write_end, b"1" if ok else b"0")
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    assert os.read(read_end, 1) == b"1"
+    os.close(read_end)
+    os.waitpid(child, 0)
+
+
 def test_a_freed_blocks_late_finalizer_leaves_the_next_block_at_its_address_pinned() -> None:
     # A freed mmap unmaps before its finalizer runs, GIL released: the loader's pin thread can
     # map the next batch at that address in between (CI saw an unpinned batch this way).
@@ -268,6 +325,10 @@ def _worker_flags() -> dict[str, Any]:
 
 @pytest.fixture
 def restore_switches() -> Any:
+    # torch.testing._internal (the OpInfo sweep, in the same pytest process) freezes the
+    # cuDNN switches at import; a user program's process never has, so thaw them here.
+    thawed = getattr(torch.backends, "__allow_nonbracketed_mutation")()
+    thawed.__enter__()
     saved = (
         torch.are_deterministic_algorithms_enabled(),
         torch.backends.cudnn.benchmark,
@@ -281,6 +342,7 @@ def restore_switches() -> Any:
     torch.backends.cuda.matmul.allow_tf32 = saved[3]
     torch.set_float32_matmul_precision("highest")
     torch.set_default_dtype(saved[4])
+    thawed.__exit__(None, None, None)
 
 
 def test_global_switches_are_applied_on_the_worker(
@@ -511,7 +573,8 @@ def test_compiled_inference_is_compiled_by_inductor_on_the_worker(
         got = [compiled(x).cpu() for _ in range(5)]
     route = compiled.forward
     assert [m[:8] for m, runs in route.step.worker_programs() if runs > 1] == ["inductor"], (
-        route.step.worker_programs(), route.step.not_compiled()
+        route.step.worker_programs(),
+        route.step.not_compiled(),
     )
     for value in got:
         torch.testing.assert_close(value, expected, rtol=1e-5, atol=1e-6)

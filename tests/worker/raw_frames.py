@@ -121,18 +121,22 @@ class RemoteRefusal(Exception):
     """The worker answered a HELLO with an ERROR (its body is the exception's argument)."""
 
 
-def authenticate(worker: Worker, fds: list[int] | None = None) -> socket.socket:
-    """A client connection of the worker's lease: HELLO with its token, WELCOME back."""
-    return authenticate_to(worker.address, worker.lease, worker.token, fds)
+def authenticate(
+    worker: Worker, fds: list[int] | None = None, pinned: bool = False
+) -> socket.socket:
+    """A client connection of the worker's lease: HELLO with its token, WELCOME back
+    (`pinned`: the second descriptor is offered as the client's shared pinned region)."""
+    return authenticate_to(worker.address, worker.lease, worker.token, fds, pinned)[0]
 
 
 def authenticate_to(
-    address: str, lease: str, token: str, fds: list[int] | None = None
-) -> socket.socket:
+    address: str, lease: str, token: str, fds: list[int] | None = None, pinned: bool = False
+) -> tuple[socket.socket, dict[str, Any]]:
     """The same, to a worker started elsewhere (one of a lease's workers that know each other,
-    as tests/torch/torch_workers.py starts them)."""
+    as tests/torch/torch_workers.py starts them); the WELCOME's facts with the socket."""
     sock = connect(parse_address(address))
-    hello = {"v": VERSION, "lease": lease, "token": token, "shm": fds is not None}
+    hello = {"v": VERSION, "lease": lease, "token": token, "shm": fds is not None,
+             "pinned": pinned}  # fmt: skip
     send_handshake(sock, [Kind.HELLO, hello], fds or [])
     reply = recv_handshake(sock)
     for fd in reply.fds:
@@ -142,7 +146,7 @@ def authenticate_to(
         sock.close()
         raise RemoteRefusal(head[2])
     assert head[0] == Kind.WELCOME, head
-    return sock
+    return sock, head[1]
 
 
 # ---- a hostile client -------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def join(client: Raw, group: str, rank: int = 0, size: int = 1, host: str = "") 
 
 
 def lease_client(worker: WorkerHandle) -> Raw:
-    return Raw(authenticate_to(worker.address, worker.lease, PAIR_TOKEN))
+    return Raw(authenticate_to(worker.address, worker.lease, PAIR_TOKEN)[0])
 
 
 @pytest.fixture

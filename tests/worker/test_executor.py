@@ -20,6 +20,7 @@ MiB = 1 << 20
 class Replies:
     client_arena: SharedArena | None = None
     worker_arena: SharedArena | None = None
+    pinned_region: SharedArena | None = None
     pinned = False
 
     def __init__(self) -> None:

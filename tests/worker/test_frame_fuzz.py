@@ -15,6 +15,7 @@ traceback or leak descriptors; both go on serving; B's client finds its tensors 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import socket
 import time
@@ -32,6 +33,7 @@ from hypothesis import strategies as st
 import gpupool.torch
 from gpupool.protocol.v1.dataplane import (
     MAX_FRAME_BYTES,
+    PINNED_REGION,
     VERSION,
     Connection,
     ConnectionClosed,
@@ -384,6 +386,19 @@ def memfd(size: int) -> int:
     return fd
 
 
+def sealed_memfd(size: int) -> int:
+    """A pinned region as a client makes it: sealed against shrinking."""
+    fd = os.memfd_create("gpupool-fuzz", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+    return fd
+
+
+def put_from_region(handle: int, offset: Any, where: list[Any] | None = None) -> list[Any]:
+    """A PUT of 16 bytes naming the client's pinned region."""
+    return [Rec.PUT, handle, "float32", [4], None, 16, offset, *(where or [PINNED_REGION])]
+
+
 @pytest.mark.timeout(300)
 def test_shared_memory_that_points_nowhere_is_refused(
     workers: tuple[Worker, Worker], victim_session: Session
@@ -402,9 +417,23 @@ def test_shared_memory_that_points_nowhere_is_refused(
         # Several descriptors where one is expected.
         ([memfd(4096), memfd(4096), memfd(4096)], [[Rec.SYNC, 1]]),
     ]
-    for fds, recs in cases:
+    # The client's pinned region (a second descriptor): one that is not sealed against
+    # shrinking (it could fault the worker mid-copy) is not used, and PUTs naming it, its
+    # bytes out of range, or another region are protocol errors.
+    pinned_cases: list[tuple[list[int], list[Any]]] = [
+        ([memfd(4096), memfd(1 << 20)], [put_from_region(1, 0)]),
+        ([memfd(4096), os.dup(read_end)], [put_from_region(1, 0)]),
+        ([memfd(4096), sealed_memfd(4096)], [put_from_region(1, 4090)]),
+        ([memfd(4096), sealed_memfd(4096)], [put_from_region(1, -4)]),
+        ([memfd(4096), sealed_memfd(4096)], [put_from_region(1, 0, where=[2])]),
+        ([memfd(4096), sealed_memfd(4096)], [put_from_region(1, "0", where=[PINNED_REGION])]),
+        ([memfd(4096)], [put_from_region(1, 0)]),
+    ]
+    for fds, recs, pinned in [(f, r, False) for f, r in cases] + [
+        (f, r, True) for f, r in pinned_cases
+    ]:
         try:
-            sock = authenticate(hostile_worker, fds)
+            sock = authenticate(hostile_worker, fds, pinned=pinned)
         except RemoteRefusal as refusal:
             assert refusal.args[0]["kind"] == ErrorKind.PROTOCOL, refusal.args
         else:

@@ -22,6 +22,7 @@ from gpupool.protocol.v1.dataplane import (
     CHUNK_BYTES,
     INLINE_PAYLOAD_BYTES,
     MAX_FRAME_BYTES,
+    PINNED_REGION,
     VERSION,
     Address,
     Connection,
@@ -45,6 +46,7 @@ from gpupool.protocol.v1.tensors import (
     host_bytes,
     tensor_bytes,
 )
+from gpupool.torch import pinned
 from gpupool.torch.tensor import Handle, cxx_device
 
 if TYPE_CHECKING:
@@ -276,6 +278,13 @@ class DeviceStream:
         self._client_arena = client_arena
         self._worker_arena = worker_arena
         self._arena_cursor = 0
+        self.sync_epoch = 0
+        """How many times a reply has said the worker's stream ran everything sent before it
+        (reads, syncs): puts from pinned memory sent earlier have been copied."""
+        self._shares_pinned = bool(welcome.get("pinned")) and client_arena is not None
+        """The worker maps this process's shared pinned region (same host, Unix socket)."""
+        self.pinned_puts = 0
+        """Puts the worker copied straight out of a pinned tensor's memory (no copy here)."""
         self.recorder: OpRecorder | None = None
         """Set while gpupool.torch.capture records a step: it sees every op, put and read."""
         self.watched: set[int] = set()
@@ -528,6 +537,18 @@ class DeviceStream:
                 self.flush()
             return
         with self.lock:
+            if non_blocking and self._shares_pinned and self.recorder is None:
+                region = pinned.shared_region()
+                offset = region.offset_of(host, nbytes) if region is not None else None
+                if region is not None and offset is not None:
+                    # The worker copies straight out of the pinned tensor's own memory.
+                    region.copied_by(host, self)
+                    self.pinned_puts += 1
+                    self.records.append(
+                        [Rec.PUT, handle.id, dtype, shape, None, nbytes, offset, PINNED_REGION]
+                    )
+                    self._flush_locked()
+                    return
             arena = self._client_arena
             if arena is not None and nbytes <= arena.size:
                 if self._arena_cursor + nbytes > arena.size:
@@ -567,7 +588,7 @@ class DeviceStream:
             self.recorder.on_wait(self, "reads a tensor's values (.item(), .cpu(), print, a bool)")
         with self.lock:
             value = self._receive_tensor(self._request_locked(Rec.READ, handle_ext))
-            self._arena_cursor = 0  # a read waits for the worker's stream: puts are done
+            self._drained()  # a read waits for the worker's stream: puts are done
             return value
 
     def call(
@@ -587,7 +608,7 @@ class DeviceStream:
             self.recorder.on_wait(self, "synchronizes with the GPU")
         with self.lock:
             stats = self._receive_result(self._request_locked(Rec.SYNC))
-            self._arena_cursor = 0
+            self._drained()
             return stats
 
     def stats(self) -> dict[str, Any]:
@@ -670,7 +691,12 @@ class DeviceStream:
 
     def _roundtrip_locked(self) -> None:
         self._receive_result(self._request_locked(Rec.SYNC))
+        self._drained()
+
+    def _drained(self) -> None:
+        """The worker's stream has run every put sent so far: their host memory is free."""
         self._arena_cursor = 0
+        self.sync_epoch += 1
 
     def _receive_head(self, req: int) -> tuple[list[Any], int]:
         try:
@@ -766,7 +792,8 @@ class DeviceStream:
         # The successor starts on its default stream and torch's default switches.
         self.worker_stream, self.flags_sent, self._flags_checked_at = 0, {}, 0.0
         self._client_arena, self._worker_arena = fresh._client_arena, fresh._worker_arena
-        self._arena_cursor = 0
+        self._shares_pinned = fresh._shares_pinned
+        self._drained()  # the predecessor ran everything before it handed over
 
     def close(self) -> None:
         if not self.open:
@@ -924,6 +951,10 @@ def _open_stream(
     except OSError as exc:
         raise AttachError(f"cannot reach the worker of lease {lease} at {address}: {exc}") from exc
     client_arena = SharedArena.create(shm_mib * MiB) if address.is_unix and shm_mib > 0 else None
+    region = pinned.shared_region() if client_arena is not None else None
+    fds = [client_arena.fd] if client_arena else []
+    if region is not None:
+        fds.append(region.fd)
     hello = {
         "v": VERSION,
         "lease": lease,
@@ -932,9 +963,10 @@ def _open_stream(
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "shm": client_arena is not None,
+        "pinned": region is not None,
     }
     try:
-        send_handshake(sock, [Kind.HELLO, hello], [client_arena.fd] if client_arena else [])
+        send_handshake(sock, [Kind.HELLO, hello], fds)
         sock.settimeout(30)
         reply = recv_handshake(sock)
         sock.settimeout(None)

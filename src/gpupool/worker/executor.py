@@ -15,6 +15,7 @@ import torch
 
 from gpupool.protocol.v1.dataplane import (
     CHUNK_BYTES,
+    PINNED_REGION,
     DataPlaneError,
     ErrorBody,
     ErrorKind,
@@ -59,7 +60,7 @@ from gpupool.worker.opchecks import (
 )
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
-from gpupool.worker.staging import PinnedStaging
+from gpupool.worker.staging import PinnedStaging, RegisteredRegion
 from gpupool.worker.streams import StreamError, Streams
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
 from gpupool.worker.transfer import Arrivals, PeerLinks, PeerNotNamed, TransferFailed
@@ -93,6 +94,8 @@ class Link(Protocol):
 
     client_arena: SharedArena | None
     worker_arena: SharedArena | None
+    pinned_region: SharedArena | None
+    """The client's pinned tensors' memory (same host), where it shared it."""
     pinned: bool
     """The arenas are registered with CUDA: copies from and to them are DMA at full speed."""
 
@@ -263,6 +266,8 @@ class Executor:
             PinnedStaging(self.memory.reserve_host) if self.device.type == "cuda" else None
         )
         """Where a CUDA worker's socket puts land (page-locked: their copies are async)."""
+        self._registered: RegisteredRegion | None = None
+        """The client's shared pinned region as registered for DMA (a CUDA worker's)."""
         self._handlers: dict[int, Callable[[list[Any], Link], None]] = {
             Rec.DEF: self._def,
             Rec.OP: self._op,
@@ -368,6 +373,9 @@ class Executor:
         self.error = None
         if self._staging is not None:
             self._staging.close()
+        if self._registered is not None:
+            self._registered.close()
+            self._registered = None
         self.memory.reset()
         self.activity.memory_held_bytes = self.memory.held_bytes()
         self.streams.reset()
@@ -527,10 +535,13 @@ class Executor:
             self.memory.release(old)
 
     def _put(self, rec: list[Any], link: Link) -> None:
-        _, handle, dtype, shape, payload, nbytes, shm_offset = rec
+        _, handle, dtype, shape, payload, nbytes, shm_offset, *where = rec
         dtype = dtype_from_name(dtype)
         target = self.tensors.get(handle)
         _check_put_size(dtype, shape, nbytes, target)
+        if where:
+            self._put_from_region(handle, dtype, shape, nbytes, shm_offset, where, link)
+            return
         if payload is None and shm_offset is None:
             # The bytes follow in PUT frames; they must be consumed even when the put is skipped.
             if target is None or self.error is not None:
@@ -571,6 +582,28 @@ class Executor:
         # From the pinned arena the copy runs on the stream; the client reuses that memory
         # only after a read or sync, which wait for the stream.
         self._copy_in(handle, payload, dtype, shape, link.pinned and shm_offset is not None)
+
+    def _put_from_region(
+        self, handle: int, dtype: torch.dtype, shape: list[int], nbytes: int, offset: Any,
+        where: list[Any], link: Link,
+    ) -> None:  # fmt: skip
+        """A put whose bytes are the client's pinned tensor itself, in the shared region: one
+        DMA copy on the stream where the region is registered (the client reuses that memory
+        only once a read or sync has shown the stream past this copy)."""
+        region = link.pinned_region
+        if where != [PINNED_REGION] or region is None:
+            raise ProtocolError("PUT from a pinned region the client did not share")
+        if not isinstance(offset, int):
+            raise ProtocolError("PUT from the pinned region without an offset")
+        payload = region.view(offset, nbytes)
+        if self.error is not None:
+            return
+        registered = False
+        if self.device.type == "cuda":
+            if self._registered is None or self._registered.region is not region:
+                self._registered = RegisteredRegion(region, self.memory.reserve_host)
+            registered = self._registered.ready(offset, nbytes)
+        self._copy_in(handle, payload, dtype, shape, non_blocking=registered)
 
     def _put_pinned(
         self, handle: int, dtype: torch.dtype, shape: list[int], nbytes: int, link: Link

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -467,9 +468,10 @@ class Worker:
         assert isinstance(body, dict)
         role = str(body.get("role", Role.CLIENT))
         if body.get("shm") and hello.fds and role == Role.CLIENT:
-            for fd in hello.fds[1:]:
-                os.close(fd)  # one arena per client; more descriptors would only leak
-            return hello.fds[:1], role  # the client's memfd arena
+            kept = 2 if body.get("pinned") else 1
+            for fd in hello.fds[kept:]:
+                os.close(fd)  # one arena and one pinned region per client; more would leak
+            return hello.fds[:kept], role  # the client's memfd arena (and pinned region)
         for fd in hello.fds:
             os.close(fd)
         return [], role
@@ -526,13 +528,17 @@ class Worker:
             try:
                 link.client_arena = SharedArena.adopt(fds[0])
             except (OSError, ValueError) as exc:
-                os.close(fds[0])
+                for fd in fds:
+                    os.close(fd)
                 return ErrorBody(ErrorKind.PROTOCOL, f"the shared memory sent is not usable: {exc}")
             link.worker_arena = SharedArena.create(self.config.read_arena_mib * MiB)
             if self.device.type == "cuda":
                 link.pin(self.device)
-        elif fds:
-            os.close(fds[0])
+            if len(fds) > 1:
+                link.pinned_region = _adopt_pinned_region(fds[1])
+        else:
+            for fd in fds:
+                os.close(fd)
         self._active = link.conn
         self.activity.client_connected, self.activity.client_peer = True, peer
         self.elastic.client_started()
@@ -589,6 +595,7 @@ class Worker:
             "memory_limit_bytes": self.memory.limit_bytes,
             "max_frame_bytes": self.config.max_frame_bytes,
             "shm": link.worker_arena is not None,
+            "pinned": link.pinned_region is not None,
             "peer_copy": True,
             "flags": FLAGS_VERSION,
             "streams": STREAMS_VERSION,
@@ -623,6 +630,7 @@ class _Link:
         self.conn = conn
         self.client_arena: SharedArena | None = None
         self.worker_arena: SharedArena | None = None
+        self.pinned_region: SharedArena | None = None
         self.pinned = False
         self._device: torch.device | None = None
 
@@ -674,9 +682,24 @@ class _Link:
                 if arena is not None:
                     with contextlib.suppress(Exception):
                         torch.cuda.cudart().cudaHostUnregister(_address(arena))
-        for arena in (self.client_arena, self.worker_arena):
+        for arena in (self.client_arena, self.worker_arena, self.pinned_region):
             if arena is not None:
                 arena.close()
+
+
+def _adopt_pinned_region(fd: int) -> SharedArena | None:
+    """The client's shared pinned region, if it is a memfd sealed against shrinking: a region
+    that could shrink would fault this worker in the middle of a copy. None: puts from pinned
+    memory come copied, as from any other host memory."""
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        if not seals & fcntl.F_SEAL_SHRINK or not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError("not a memfd sealed against shrinking")
+        return SharedArena.adopt(fd)
+    except (OSError, ValueError) as exc:
+        log.info("not using the client's pinned region: %s", exc)
+        os.close(fd)
+        return None
 
 
 def _address(arena: SharedArena) -> int:

@@ -13,15 +13,22 @@ for as long as it exists, and given back, unregistered, when the client leaves.
 from __future__ import annotations
 
 import contextlib
+import logging
 import mmap
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from gpupool.worker.memory import Reservation
+from gpupool.protocol.v1.dataplane import SharedArena
+from gpupool.worker.memory import LimitExceeded, Reservation
 
 STAGING_BUFFERS = 2
+REGISTER_GRANULE_BYTES = 64 << 20
+"""A client's shared pinned region is registered in aligned pieces of this size, each the
+first time a put names it: registrations never overlap, and untouched parts are never pinned."""
+
+log = logging.getLogger("gpupool.worker")
 
 
 @dataclass
@@ -94,3 +101,61 @@ class PinnedStaging:
         with contextlib.suppress(BufferError):
             buffer.block.close()
         buffer.reservation.release()
+
+
+class RegisteredRegion:
+    """A client's shared pinned region (its pinned tensors' own memory) as this CUDA worker
+    registers it with CUDA: copies out of it are DMA on the stream, as from local pinned
+    memory. Each granule is charged to the lease's host allowance while registered; where the
+    allowance or CUDA refuses, copies out of that memory are pageable (synchronous), never
+    refused."""
+
+    def __init__(self, region: SharedArena, reserve_host: Callable[[int, str], Reservation]):
+        self.region = region
+        self._reserve = reserve_host
+        self._base = int(torch.frombuffer(region.map, dtype=torch.uint8, count=1).data_ptr())
+        self._granules: dict[int, Reservation] = {}
+        self._refused = False
+
+    def ready(self, offset: int, nbytes: int) -> bool:
+        """Whether [offset, offset + nbytes) is registered, registering what is not yet."""
+        if self._refused or nbytes <= 0:
+            return False
+        first = offset // REGISTER_GRANULE_BYTES
+        last = (offset + nbytes - 1) // REGISTER_GRANULE_BYTES
+        for granule in range(first, last + 1):
+            if granule not in self._granules and not self._register(granule):
+                return False
+        return True
+
+    def _register(self, granule: int) -> bool:
+        start = granule * REGISTER_GRANULE_BYTES
+        length = min(REGISTER_GRANULE_BYTES, self.region.size - start)
+        try:
+            reservation = self._reserve(length, "the client's pinned memory, registered")
+        except LimitExceeded:
+            return False  # this copy is pageable; a later one may fit
+        try:
+            torch.cuda.check_error(
+                torch.cuda.cudart().cudaHostRegister(self._base + start, length, 0)
+            )
+        except Exception as exc:
+            reservation.release()
+            log.warning("copies from the client's pinned memory are pageable: %s", exc)
+            self._refused = True
+            return False
+        self._granules[granule] = reservation
+        return True
+
+    def close(self) -> None:
+        """Unregister everything (the client left): waits for copies still reading it."""
+        if self._granules:
+            with contextlib.suppress(Exception):
+                torch.cuda.synchronize()
+        for granule, reservation in self._granules.items():
+            with contextlib.suppress(Exception):
+                torch.cuda.cudart().cudaHostUnregister(
+                    self._base + granule * REGISTER_GRANULE_BYTES
+                )
+            reservation.release()
+        self._granules.clear()

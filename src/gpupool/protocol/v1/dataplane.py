@@ -40,6 +40,9 @@ CHUNK_BYTES = 8 * MiB
 """Tensor bytes above this travel as several PUT / DATA frames."""
 INLINE_PAYLOAD_BYTES = 64 * 1024
 """Host tensors up to this size ride inside the op stream; bigger ones get their own frames."""
+PINNED_REGION = 1
+"""A PUT record's eighth field: its offset is in the client's shared pinned region (the
+second descriptor of HELLO), not in the stream's arena."""
 BATCH_MAX_RECORDS = 512
 PROGRAM_VERSION = 1
 """Version of a PROGRAM record's body; a worker refuses bodies of another version."""
