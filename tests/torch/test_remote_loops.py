@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpupool.protocol.v1.dataplane import CHUNK_BYTES
+from gpupool.protocol.v1.dataplane import CHUNK_BYTES, LANE_CHUNK_BYTES
 from gpupool.torch import runtime
 from tests.timing import scaled
 
@@ -82,6 +82,32 @@ def test_a_large_tensor_crosses_tcp_in_chunks_both_ways(attach: Callable[..., An
         assert torch.equal(moved[-5:].cpu(), host[-5:])  # a view reads its own part
     strided = host.view(-1, 2)[:, 1]  # not contiguous: made so in the client, then sent
     assert torch.equal(strided.cuda().cpu(), strided)
+
+
+def test_large_puts_over_tcp_go_side_by_side_over_lanes_and_keep_their_order(
+    attach: Callable[..., Any],
+) -> None:
+    attach(2)
+    stream = runtime.stream(0)
+    assert stream.address.scheme == "tcp"
+    sizes = [LANE_CHUNK_BYTES * 5 + 4, LANE_CHUNK_BYTES * 2, LANE_CHUNK_BYTES * 9 - 12]
+    hosts = [torch.randint(-1000, 1000, (n // 4,), dtype=torch.int32) for n in sizes]
+    pinned_hosts = [h.pin_memory() for h in hosts]
+    _busy_worker(stream)
+    total = torch.zeros((), dtype=torch.int64, device="cuda")
+    moved = []
+    for host, pinned_host in zip(hosts, pinned_hosts, strict=True):
+        moved.append(pinned_host.to("cuda", non_blocking=True))  # returns at once
+        moved.append(host.to("cuda"))  # blocking: its own chunks sent when it returns
+        total = total + moved[-1].sum() + moved[-2].sum()
+    assert stream.lanes == 4, "a TCP stream's large puts go over the worker's four lanes"
+    assert total.item() == sum(int(h.sum()) * 2 for h in hosts)
+    assert not stream.sending
+    for host, back in zip([h for h in hosts for _ in (0, 1)], moved, strict=True):
+        assert torch.equal(back.cpu(), host)
+    # Over the Unix socket there are none: same-host copies need no lanes.
+    on_unix = hosts[0].to("cuda:1")
+    assert torch.equal(on_unix.cpu(), hosts[0]) and runtime.stream(1).lanes == 0
 
 
 def test_each_item_in_a_loop_is_one_round_trip_and_the_right_value(

@@ -31,7 +31,7 @@ class Replies:
         self.heads.append(head)
         self.tails.append(bytes(tail) if tail is not None else b"")
 
-    def read_put(self, handle: int, dest: memoryview) -> None:
+    def read_put(self, handle: int, dest: memoryview, lanes: bool = False) -> None:
         raise AssertionError("no large puts here")
 
 

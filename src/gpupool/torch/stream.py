@@ -23,6 +23,7 @@ from gpupool.protocol.v1.dataplane import (
     INLINE_PAYLOAD_BYTES,
     MAX_FRAME_BYTES,
     PINNED_REGION,
+    PUT_LANES,
     VERSION,
     Address,
     Connection,
@@ -47,6 +48,7 @@ from gpupool.protocol.v1.tensors import (
     tensor_bytes,
 )
 from gpupool.torch import pinned
+from gpupool.torch.lanes import LANE_PUT_MIN_BYTES, PutLanes
 from gpupool.torch.tensor import Handle, cxx_device
 
 if TYPE_CHECKING:
@@ -284,6 +286,9 @@ class DeviceStream:
         self._shares_pinned = bool(welcome.get("pinned")) and client_arena is not None
         """The worker maps this process's shared pinned region (same host, Unix socket)."""
         self.pinned_puts = 0
+        self._lanes: PutLanes | None = None
+        """Extra connections for large puts over TCP, opened at the first such put."""
+        self._lanes_tried = False
         """Puts the worker copied straight out of a pinned tensor's memory (no copy here)."""
         self.recorder: OpRecorder | None = None
         """Set while gpupool.torch.capture records a step: it sees every op, put and read."""
@@ -457,6 +462,24 @@ class DeviceStream:
         except DataPlaneError as exc:
             self._lost(exc)
 
+    def _lanes_for(self, nbytes: int) -> PutLanes | None:
+        """The lanes a put of nbytes goes over (None: the stream's own connection)."""
+        if nbytes < LANE_PUT_MIN_BYTES or self.recorder is not None:
+            return None
+        if self._lanes is None and not self._lanes_tried:
+            self._lanes_tried = True
+            self._lanes = PutLanes.open(
+                self.address, self.lease, self.token, self.welcome.get("lanes")
+            )
+        return self._lanes
+
+    def _close_lanes(self) -> None:
+        if self._lanes is not None:
+            with contextlib.suppress(DataPlaneError):
+                self._lanes.wait()
+            self._lanes.close()
+        self._lanes, self._lanes_tried = None, False
+
     def _wire_of(self) -> _Wire:
         if self._wire is None:
             self._wire = _Wire(self)
@@ -465,7 +488,13 @@ class DeviceStream:
     @property
     def sending(self) -> bool:
         """Whether non-blocking puts (and batches queued behind them) are still being sent."""
-        return self._wire is not None and self._wire.active
+        wire = self._wire is not None and self._wire.active
+        return wire or (self._lanes is not None and self._lanes.busy)
+
+    @property
+    def lanes(self) -> int:
+        """How many lanes this stream's large puts go over (0: its own connection only)."""
+        return self._lanes.count if self._lanes is not None else 0
 
     def quiet_wire(self) -> None:
         """Wait until the background sends are done (before the connection is used directly)."""
@@ -497,6 +526,9 @@ class DeviceStream:
         self._forked = True
         self.open = False
         self._wire = None  # its thread is the parent's
+        if self._lanes is not None:
+            self._lanes.forget()
+            self._lanes = None
         self.records = deque()
         self.lock = threading.RLock()
         self._first_at = 0.0
@@ -565,6 +597,19 @@ class DeviceStream:
                     into.copy_(source)
                 self.records.append([Rec.PUT, handle.id, dtype, shape, None, nbytes, offset])
                 self._flush_locked()
+                return
+            lanes = self._lanes_for(nbytes)
+            if lanes is not None:
+                self.records.append(
+                    [Rec.PUT, handle.id, dtype, shape, None, nbytes, None, PUT_LANES]
+                )
+                self._flush_locked()
+                try:
+                    job = lanes.send(handle.id, host_bytes(host), host)
+                    if not non_blocking or self.recorder is not None:
+                        lanes.wait(job)
+                except DataPlaneError as exc:
+                    self._lost(exc)
                 return
             self.records.append([Rec.PUT, handle.id, dtype, shape, None, nbytes, None])
             self._flush_locked()
@@ -697,6 +742,13 @@ class DeviceStream:
         """The worker's stream has run every put sent so far: their host memory is free."""
         self._arena_cursor = 0
         self.sync_epoch += 1
+        if self._lanes is not None:
+            # The worker has read every lane byte sent before its reply: the senders' last
+            # sends have returned, and a lane that broke says so here.
+            try:
+                self._lanes.wait()
+            except DataPlaneError as exc:
+                self._lost(exc)
 
     def _receive_head(self, req: int) -> tuple[list[Any], int]:
         try:
@@ -785,6 +837,7 @@ class DeviceStream:
         """Continue on `fresh`'s connection (a successor worker holding this stream's state):
         handles and op ids stay valid, the shared arenas are the new worker's."""
         self.quiet_wire()
+        self._close_lanes()  # the successor offers lanes of its own
         for arena in (self._client_arena, self._worker_arena):
             if arena is not None:
                 arena.close()
@@ -805,6 +858,8 @@ class DeviceStream:
                 # the connection below ends the sender's write.
                 self._wire.quiet(CLOSE_SEND_WAIT_S)
         self.open = False
+        if self._lanes is not None:
+            self._lanes.close()
         self.conn.close()
         for arena in (self._client_arena, self._worker_arena):
             if arena is not None:

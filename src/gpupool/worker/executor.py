@@ -16,6 +16,7 @@ import torch
 from gpupool.protocol.v1.dataplane import (
     CHUNK_BYTES,
     PINNED_REGION,
+    PUT_LANES,
     DataPlaneError,
     ErrorBody,
     ErrorKind,
@@ -101,10 +102,11 @@ class Link(Protocol):
 
     def reply(self, head: list[Any], tail: memoryview | None = None) -> None: ...
 
-    def read_put(self, handle: int, dest: memoryview) -> None:
-        """Fill dest from the PUT frames that follow the current batch."""
+    def read_put(self, handle: int, dest: memoryview, lanes: bool = False) -> None:
+        """Fill dest from the PUT frames that follow the current batch (`lanes`: from the
+        session's lanes, chunk by chunk side by side)."""
 
-    def skip_put(self, handle: int, nbytes: int) -> None:
+    def skip_put(self, handle: int, nbytes: int, lanes: bool = False) -> None:
         """Read and drop the PUT frames of a put that has nowhere to go."""
 
 
@@ -539,38 +541,41 @@ class Executor:
         dtype = dtype_from_name(dtype)
         target = self.tensors.get(handle)
         _check_put_size(dtype, shape, nbytes, target)
-        if where:
+        lanes = where == [PUT_LANES]
+        if where and not lanes:
             self._put_from_region(handle, dtype, shape, nbytes, shm_offset, where, link)
             return
+        if lanes and (payload is not None or shm_offset is not None):
+            raise ProtocolError("a PUT over lanes carries its bytes in no other place")
         if payload is None and shm_offset is None:
             # The bytes follow in PUT frames; they must be consumed even when the put is skipped.
             if target is None or self.error is not None:
                 # Nowhere to copy them: drop them as they come rather than hold a buffer of
                 # whatever size the record claims (a hostile one claims terabytes).
-                link.skip_put(handle, nbytes)
+                link.skip_put(handle, nbytes, lanes)
                 if self.error is None:
                     self._fail(_put_without_target(handle), "copy_ (host to device)", [], None)
                 return
             if _fills_in_place(target, dtype, shape):
                 # The bytes are the tensor's own, in its layout: read them straight into its
                 # memory, with no staging buffer to charge.
-                link.read_put(handle, host_bytes(target))
+                link.read_put(handle, host_bytes(target), lanes)
                 return
             if (
                 self._staging is not None
                 and target.is_cuda
-                and self._put_pinned(handle, dtype, shape, nbytes, link)
+                and self._put_pinned(handle, dtype, shape, nbytes, link, lanes)
             ):
                 return
             try:
                 staging = self.memory.reserve_host(nbytes, "a put's staging buffer")
             except LimitExceeded as exc:
-                link.skip_put(handle, nbytes)
+                link.skip_put(handle, nbytes, lanes)
                 self._fail(exc, "copy_ (host to device)", [], None)
                 return
             with staging:
                 buffer = bytearray(nbytes)
-                link.read_put(handle, memoryview(buffer))
+                link.read_put(handle, memoryview(buffer), lanes)
                 self._copy_in(handle, buffer, dtype, shape, non_blocking=False)
             return
         if payload is None:
@@ -606,8 +611,9 @@ class Executor:
         self._copy_in(handle, payload, dtype, shape, non_blocking=registered)
 
     def _put_pinned(
-        self, handle: int, dtype: torch.dtype, shape: list[int], nbytes: int, link: Link
-    ) -> bool:
+        self, handle: int, dtype: torch.dtype, shape: list[int], nbytes: int, link: Link,
+        lanes: bool,
+    ) -> bool:  # fmt: skip
         """A socket put through a page-locked staging buffer, its copy queued on the stream
         (the worker goes on issuing ops). False where the buffers cannot be registered (the
         pageable path still works); a lease whose host allowance cannot hold the buffer gets
@@ -616,7 +622,7 @@ class Executor:
         try:
             buffer = self._staging.take(nbytes)
         except LimitExceeded as exc:
-            link.skip_put(handle, nbytes)
+            link.skip_put(handle, nbytes, lanes)
             self._fail(exc, "copy_ (host to device)", [], None)
             return True
         except Exception as exc:  # registration refused: pageable copies still work
@@ -624,7 +630,7 @@ class Executor:
             self._staging = None
             return False
         data = host_bytes(buffer)
-        link.read_put(handle, data)
+        link.read_put(handle, data, lanes)
         self._copy_in(handle, data, dtype, shape, non_blocking=True)
         self._staging.copied()
         return True

@@ -25,6 +25,7 @@ from gpupool.protocol.v1.dataplane import (
     FLAGS_VERSION,
     HELLO_TIMEOUT_S,
     MAX_FRAME_BYTES,
+    MAX_LANES,
     STREAMS_VERSION,
     VERSION,
     WORKER_EXIT_DEVICE_BROKEN,
@@ -57,6 +58,7 @@ from gpupool.worker.collectives import Collectives
 from gpupool.worker.elastic import TICK_S, Elasticity, HandedOff, adopt
 from gpupool.worker.executor import Executor, first_line
 from gpupool.worker.handoff import PATHS, Offer, host_key, visible_gpus
+from gpupool.worker.lanes import Lanes
 from gpupool.worker.memory import MiB, memory_limit_for
 from gpupool.worker.room import ROOM_TIMEOUT_S, Room
 from gpupool.worker.swap import ClientState
@@ -64,7 +66,7 @@ from gpupool.worker.transfer import PEER_WAIT_S, PeerLinks
 
 log = logging.getLogger("gpupool.worker")
 
-ROLES = (Role.CLIENT, Role.CONTROL, Role.SUCCESSOR, Role.PEER)
+ROLES = (Role.CLIENT, Role.CONTROL, Role.SUCCESSOR, Role.PEER, Role.LANE)
 
 SPIN_US = 0
 """After a batch, the worker may poll its socket this long before it sleeps in recv
@@ -108,6 +110,9 @@ class WorkerConfig:
     max_frame_bytes: int = MAX_FRAME_BYTES
     read_arena_mib: int = 256
     """Shared memory the worker offers for reads to a client on the same host (Unix sockets)."""
+    put_lanes: int = int(os.environ.get("GPUPOOL_PUT_LANES", "4"))
+    """Connections a TCP client may open beside its own for its large puts' bytes (0: none;
+    `gpupool.worker.lanes`)."""
     spin_us: int = SPIN_US
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -231,6 +236,8 @@ class Worker:
         self._listener: socket.socket | None = None
         self._tls: ssl.SSLContext | None = None
         self._active: Connection | None = None
+        self._lanes: Lanes | None = None
+        """The current client session's lanes, which lane connections join."""
         self._threads: list[threading.Thread] = []
         self.address: Address | None = None
 
@@ -365,11 +372,16 @@ class Worker:
                     sock.close()
                 return
         try:
-            fds, role = self._authenticate(sock)
+            fds, role, hello = self._authenticate(sock)
         except (DataPlaneError, OSError) as exc:
             log.info("refused a connection from %s: %s", peer or "a local socket", exc)
             with contextlib.suppress(OSError):
                 sock.close()
+            return
+        if role == Role.LANE:
+            for fd in fds:
+                os.close(fd)
+            self._serve_lane(sock, hello)
             return
         if role != Role.CLIENT:
             for fd in fds:
@@ -400,7 +412,7 @@ class Worker:
         finally:
             # Free the worker before the client sees its connection close, so that it can
             # connect again at once.
-            self._active = None
+            self._active = self._lanes = None
             try:
                 self.elastic.client_left()
                 broken = self._reset_after_client()
@@ -435,7 +447,7 @@ class Worker:
             return first_line(exc)
         return None
 
-    def _authenticate(self, sock: socket.socket) -> tuple[list[int], str]:
+    def _authenticate(self, sock: socket.socket) -> tuple[list[int], str, dict[str, Any]]:
         sock.settimeout(HELLO_TIMEOUT_S)
         try:
             hello = recv_handshake(sock)
@@ -471,10 +483,31 @@ class Worker:
             kept = 2 if body.get("pinned") else 1
             for fd in hello.fds[kept:]:
                 os.close(fd)  # one arena and one pinned region per client; more would leak
-            return hello.fds[:kept], role  # the client's memfd arena (and pinned region)
+            return hello.fds[:kept], role, body  # the client's memfd arena (and pinned region)
         for fd in hello.fds:
             os.close(fd)
-        return [], role
+        return [], role, body
+
+    def _serve_lane(self, sock: socket.socket, hello: dict[str, Any]) -> None:
+        """One of the client's lanes: its key must be the current session's."""
+        lanes = self._lanes
+        conn = Connection(sock, self.config.max_frame_bytes)
+        index = hello.get("lane")
+        if (
+            lanes is None
+            or not lanes.admits(hello.get("key"), index)
+            or not lanes.join(int(index), conn)  # type: ignore[arg-type]
+        ):
+            self._refuse(sock, ErrorBody(ErrorKind.AUTH, "refused: not a lane of this session"))
+            return
+        try:
+            send_handshake(sock, [Kind.WELCOME, {"v": VERSION, "lease": self.config.lease_id}])
+            sock.settimeout(None)
+            lanes.serve(int(index))  # type: ignore[arg-type]
+        except (DataPlaneError, OSError) as exc:
+            log.info("lane connection ended: %s", exc)
+        finally:
+            conn.close()
 
     def _serve_side(self, sock: socket.socket, role: str) -> None:
         """The agent's control requests, a successor taking the client's state over, or another
@@ -539,6 +572,8 @@ class Worker:
         else:
             for fd in fds:
                 os.close(fd)
+        if sock.family != socket.AF_UNIX and self.config.put_lanes > 0:
+            link.lanes = self._lanes = Lanes(min(self.config.put_lanes, MAX_LANES))
         self._active = link.conn
         self.activity.client_connected, self.activity.client_peer = True, peer
         self.elastic.client_started()
@@ -596,6 +631,7 @@ class Worker:
             "max_frame_bytes": self.config.max_frame_bytes,
             "shm": link.worker_arena is not None,
             "pinned": link.pinned_region is not None,
+            "lanes": link.lanes.offer() if link.lanes is not None else None,
             "peer_copy": True,
             "flags": FLAGS_VERSION,
             "streams": STREAMS_VERSION,
@@ -631,25 +667,38 @@ class _Link:
         self.client_arena: SharedArena | None = None
         self.worker_arena: SharedArena | None = None
         self.pinned_region: SharedArena | None = None
+        self.lanes: Lanes | None = None
+        """The session's extra connections for large puts (TCP clients)."""
         self.pinned = False
         self._device: torch.device | None = None
 
     def reply(self, head: list[Any], tail: memoryview | None = None) -> None:
         self.conn.send(head, tail)
 
-    def read_put(self, handle: int, dest: memoryview) -> None:
+    def read_put(self, handle: int, dest: memoryview, lanes: bool = False) -> None:
+        if lanes:
+            self._lanes().read_put(handle, dest, len(dest))
+            return
         filled = 0
         while filled < len(dest):
             size = self._next_put(handle, filled, len(dest))
             self.conn.read_tail_into(dest[filled : filled + size])
             filled += size
 
-    def skip_put(self, handle: int, nbytes: int) -> None:
+    def skip_put(self, handle: int, nbytes: int, lanes: bool = False) -> None:
+        if lanes:
+            self._lanes().read_put(handle, None, nbytes)
+            return
         skipped = 0
         while skipped < nbytes:
             size = self._next_put(handle, skipped, nbytes)
             self.conn.skip_tail()
             skipped += size
+
+    def _lanes(self) -> Lanes:
+        if self.lanes is None:
+            raise ProtocolError("a put over lanes, but this session has none")
+        return self.lanes
 
     def _next_put(self, handle: int, offset: int, total: int) -> int:
         """The next PUT frame of tensor `handle`, checked to carry bytes from `offset` on."""
@@ -676,6 +725,8 @@ class _Link:
 
     def close(self) -> None:
         self.conn.close()
+        if self.lanes is not None:
+            self.lanes.close()
         if self.pinned:
             torch.cuda.synchronize(self._device)  # no copy may still read the arenas
             for arena in (self.client_arena, self.worker_arena):

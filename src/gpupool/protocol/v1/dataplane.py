@@ -43,6 +43,12 @@ INLINE_PAYLOAD_BYTES = 64 * 1024
 PINNED_REGION = 1
 """A PUT record's eighth field: its offset is in the client's shared pinned region (the
 second descriptor of HELLO), not in the stream's arena."""
+PUT_LANES = 2
+"""A PUT record's eighth field: its bytes come over the session's lanes, chunk i (of
+LANE_CHUNK_BYTES) on lane i modulo their number, each as a [PUT, handle, offset] frame."""
+MAX_LANES = 8
+LANE_CHUNK_BYTES = 2 * MiB
+"""Small enough that a batch of a few tens of MiB spreads evenly over the lanes."""
 BATCH_MAX_RECORDS = 512
 PROGRAM_VERSION = 1
 """Version of a PROGRAM record's body; a worker refuses bodies of another version."""
@@ -489,6 +495,9 @@ class Role:
     """a fresh worker of the same lease that takes over the client's state."""
     PEER = "peer"
     """another worker of the same lease, sending tensors for copies between its devices."""
+    LANE = "lane"
+    """one more connection of the client (its token and its session's lane key), carrying
+    a share of its large puts' bytes beside the others."""
 
 
 @dataclass(frozen=True)
@@ -509,6 +518,7 @@ class WorkerCredentials:
         """Whether `given` is the secret of `role` (constant time; unknown roles: never)."""
         expected = {
             Role.CLIENT: self.client,
+            Role.LANE: self.client,
             Role.CONTROL: self.control,
             Role.SUCCESSOR: self.peer,
             Role.PEER: self.peer,
