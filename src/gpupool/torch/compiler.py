@@ -142,23 +142,39 @@ class _WorkerRoute:
             self._watched = [module]
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not self.side_effects and runtime.attached() and self._on_the_worker(args, kwargs):
-            before = _python_state(self._watched)
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", CaptureWarning)
-                result = self.step(*args, **kwargs)
-            # A recorded call ran the Python; a replay did not, and changes nothing here.
-            self.side_effects = _python_state(self._watched) != before
-            return result
-        return self.dynamo(*args, **kwargs)
+        if self.side_effects or not runtime.attached():
+            return self.dynamo(*args, **kwargs)
+        # The module tree is walked once a call: for hooks, parameters and buffers, and the
+        # Python state before the call (and once more after it).
+        watched = self._flattened()
+        if not self._on_the_worker(args, kwargs, watched):
+            return self.dynamo(*args, **kwargs)
+        before = _python_state(watched)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", CaptureWarning)
+            result = self.step(*args, **kwargs)
+        # A recorded call ran the Python; a replay did not, and changes nothing here.
+        self.side_effects = _python_state(watched) != before
+        return result
 
-    def _on_the_worker(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    def _flattened(self) -> list[Any]:
+        """What is watched, each module replaced by itself and every submodule."""
+        out: list[Any] = []
+        for value in self._watched:
+            out.extend(value.modules() if isinstance(value, torch.nn.Module) else (value,))
+        return out
+
+    def _on_the_worker(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], watched: list[Any]
+    ) -> bool:
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        module = self.module
-        if module is not None:
-            if _hooked(module):
+        if self.module is not None:
+            modules = [m for m in watched if isinstance(m, torch.nn.Module)]
+            if _hooked(modules):
                 return False
-            tensors += [*module.parameters(), *module.buffers()]
+            for m in modules:
+                tensors += [t for t in m._parameters.values() if t is not None]
+                tensors += [t for t in m._buffers.values() if t is not None]
         if not any(isinstance(t, RemoteTensor) for t in tensors):
             return False
         return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
@@ -171,16 +187,15 @@ _TABLES = frozenset({"_parameters", "_buffers", "_modules"})
 
 def _python_state(values: list[Any]) -> list[Any]:
     """A fingerprint of the Python state a compiled call could change: for each module among
-    `values` (and its submodules) its attributes, for anything else itself; a scalar by value,
-    a list, dict or set by identity and length, anything else by identity. A counter bumped,
-    an entry added to a cache, a flag flipped: the fingerprint changes."""
+    `values` (flattened: submodules listed) its attributes, for anything else itself; a scalar
+    by value, a list, dict or set by identity and length, anything else by identity. A counter
+    bumped, an entry added to a cache, a flag flipped: the fingerprint changes."""
     state: list[Any] = []
     for value in values:
         if isinstance(value, torch.nn.Module):
-            for module in value.modules():
-                for key, item in module.__dict__.items():
-                    if key not in _TABLES:
-                        state.append((key, _fingerprint(item)))
+            for key, item in value.__dict__.items():
+                if key not in _TABLES:
+                    state.append((key, _fingerprint(item)))
         else:
             state.append(_fingerprint(value))
     return state
@@ -194,7 +209,7 @@ def _fingerprint(value: Any) -> Any:
     return id(value)
 
 
-def _hooked(module: torch.nn.Module) -> bool:
+def _hooked(modules: list[torch.nn.Module]) -> bool:
     """Whether a call runs hooks (Python at every call, which a replay would skip)."""
     hooks = torch.nn.modules.module
     if (
@@ -206,7 +221,7 @@ def _hooked(module: torch.nn.Module) -> bool:
         return True
     return any(
         m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-        for m in module.modules()
+        for m in modules
     )
 
 
