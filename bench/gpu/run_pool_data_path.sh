@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# On the GPU machine (torch 2.11 CUDA build), one device command of under 10 minutes:
+#   - bench/gpu/socket_lanes_probe.py: loopback TCP with 1, 2, 4 and 8 connections at once;
+#   - bench/remote_real.py, every loop (pinned tensors from the shared region over Unix+shm,
+#     large puts over lanes over TCP): bench/results/remote_real.json, copied to $OUT;
+#   - the data-path tests on a CUDA worker (pinned region registered for DMA, lanes,
+#     non-blocking copies), then captured steps and torch.compile compiled by Inductor there.
+#   bash bench/gpu/run_pool_data_path.sh   (carry .whl)
+set -u
+. bench/gpu/site.sh
+nvidia-smi -L
+timeout 45 python3 bench/gpu/socket_lanes_probe.py --mib 512 | tail -1
+timeout -k 5 330 python3 bench/remote_real.py --timeout 120 --label "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' _)" 2> "$OUT/remote_real.err"
+echo "remote_real rc=$?"; tail -3 "$OUT/remote_real.err"
+cp bench/results/remote_real.json "$OUT/" 2>/dev/null
+pkill -9 -f 'gpupool[.]worker'
+export GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0
+run() {
+  local name=$1; shift
+  CUDA_VISIBLE_DEVICES= timeout -k 5 "$@" > "$OUT/$name.log" 2>&1
+  echo "===== $name rc=$?"; tail -3 "$OUT/$name.log"
+  pkill -9 -f 'gpupool[.]worker'
+}
+run paths 60 python3 -m pytest -q -p no:cacheprovider tests/torch/test_remote_apis.py \
+  tests/torch/test_remote_loops.py -k "own_memory or lanes or non_blocking"
+run inductor 150 python3 -m pytest -q -p no:cacheprovider -rs tests/torch/test_capture.py \
+  tests/torch/test_remote_apis.py -k "inductor or compiled"
+exit 0
