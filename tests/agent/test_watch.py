@@ -264,7 +264,10 @@ def test_a_process_started_with_raised_mps_limits_is_reported(backend: FakeBacke
         CUDA_MPS_PINNED_DEVICE_MEM_LIMIT="0=80G",
         CUDA_VISIBLE_DEVICES=f"{uuid(backend, 0)},{uuid(backend, 1)}",
     )
-    child = spawn(env=env)
+    # Mid-exec, /proc shows no environment yet and the watch looks again next time: the
+    # child says when it runs its own code.
+    child = spawn(READY_SLEEPER, env=env)
+    assert child.stdout.readline().strip() == "ready"
     watch.attach("l-a", TOKEN, child.pid)
     backend.set_processes(0, [{"pid": child.pid, "used_memory_mib": 10}])
     (event,) = watch.poll(backend)
