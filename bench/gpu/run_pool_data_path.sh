@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (torch 2.11 CUDA build), one device command of under 10 minutes:
-#   - bench/gpu/socket_lanes_probe.py: loopback TCP with 1, 2, 4 and 8 connections at once;
+#   - bench/put_lanes.py: loopback TCP with 1, 2, 4 and 8 connections, and a 256 MiB pinned
+#     put to a CUDA worker with 0, 2 and 4 lanes;
 #   - bench/remote_real.py, every loop (pinned tensors from the shared region over Unix+shm,
 #     large puts over lanes over TCP): bench/results/remote_real.json, copied to $OUT;
 #   - the data-path tests on a CUDA worker (pinned region registered for DMA, lanes,
@@ -9,7 +10,8 @@
 set -u
 . bench/gpu/site.sh
 nvidia-smi -L
-timeout 45 python3 bench/gpu/socket_lanes_probe.py --mib 512 | tail -1
+GPUPOOL_TEST_WORKER_DEVICE=cuda:0 CUDA_VISIBLE_DEVICES= timeout 60 python3 bench/put_lanes.py \
+  --device cuda:0 --out "$OUT/put_lanes_gpu.json" | tail -1
 timeout -k 5 330 python3 bench/remote_real.py --timeout 120 --label "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' _)" 2> "$OUT/remote_real.err"
 echo "remote_real rc=$?"; tail -3 "$OUT/remote_real.err"
 cp bench/results/remote_real.json "$OUT/" 2>/dev/null
