@@ -10,7 +10,7 @@
 set -u
 . bench/gpu/site.sh
 nvidia-smi -L
-GPUPOOL_TEST_WORKER_DEVICE=cuda:0 CUDA_VISIBLE_DEVICES= timeout 60 python3 bench/put_lanes.py \
+GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0 CUDA_VISIBLE_DEVICES= timeout 60 python3 bench/put_lanes.py \
   --device cuda:0 --out "$OUT/put_lanes_gpu.json" | tail -1
 timeout -k 5 330 python3 bench/remote_real.py --timeout 120 --label "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr ' ' _)" 2> "$OUT/remote_real.err"
 echo "remote_real rc=$?"; tail -3 "$OUT/remote_real.err"
