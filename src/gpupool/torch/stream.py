@@ -286,10 +286,10 @@ class DeviceStream:
         self._shares_pinned = bool(welcome.get("pinned")) and client_arena is not None
         """The worker maps this process's shared pinned region (same host, Unix socket)."""
         self.pinned_puts = 0
+        """Puts the worker copied straight out of a pinned tensor's memory (no copy here)."""
         self._lanes: PutLanes | None = None
         """Extra connections for large puts over TCP, opened at the first such put."""
         self._lanes_tried = False
-        """Puts the worker copied straight out of a pinned tensor's memory (no copy here)."""
         self.recorder: OpRecorder | None = None
         """Set while gpupool.torch.capture records a step: it sees every op, put and read."""
         self.watched: set[int] = set()
