@@ -439,15 +439,33 @@ WARMUP = {"resnet50": 3, "gpt2_finetune": 3, "gpt2_generate": 1, "bert_infer": 3
 # ---- measurements inside the child process ---------------------------------------------
 
 
-def client_counters() -> dict[str, int]:
-    """The client's shape-inference and round-trip counters (zeros when not attached)."""
+_COUNTER_SYNCS = 0
+"""The round trips client_counters made itself (not the loop's)."""
+
+
+def client_counters() -> dict[str, float]:
+    """The client's shape-inference and round-trip counters (zeros when not attached), and the
+    worker's busy time while attached (read at a sync, so the step's ops are counted)."""
     if "gpupool.torch" not in sys.modules:
         return {"plan_misses": 0, "rule_plans": 0, "round_trips": 0}
     from gpupool.torch import runtime, shapes
 
-    trips = runtime.stream(0).round_trips if runtime.attached() else 0
+    if not runtime.attached():
+        return {"plan_misses": 0, "rule_plans": 0, "round_trips": 0}
+    # The worker's own time (decoding, ops, launches) and, of it, its CPU time: where the
+    # worker's time per step nears the step's, the worker, not the client, bounds the loop.
+    # The sync comes first, so its own round trip is not one of the step's.
+    global _COUNTER_SYNCS
+    stats = runtime.stream(0).sync()
+    _COUNTER_SYNCS += 1
     counts = shapes.inference_counts()
-    return {"plan_misses": counts["meta"], "rule_plans": counts["rules"], "round_trips": trips}
+    return {
+        "plan_misses": counts["meta"],
+        "rule_plans": counts["rules"],
+        "round_trips": runtime.stream(0).round_trips - _COUNTER_SYNCS,
+        "worker_busy_ms": stats.get("busy_s", 0.0) * 1e3,
+        "worker_busy_cpu_ms": stats.get("busy_cpu_s", 0.0) * 1e3,
+    }
 
 
 def time_loop(name: str, device: str, tiny: bool, steps: int) -> dict[str, Any]:
