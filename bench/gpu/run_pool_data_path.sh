@@ -4,8 +4,11 @@
 #     put to a CUDA worker with 0, 2 and 4 lanes;
 #   - bench/remote_real.py, every loop (pinned tensors from the shared region over Unix+shm,
 #     large puts over lanes over TCP): bench/results/remote_real.json, copied to $OUT;
+#   - bench/gpu/profile_worker.py: where a CUDA worker's time goes while it serves GPT-2
+#     decoding (py-spy, when .whl carries it: `pip download py-spy` into .whl and a `py-spy`
+#     line in .whl/requirements.txt);
 #   - the data-path tests on a CUDA worker (pinned region registered for DMA, lanes,
-#     non-blocking copies), then captured steps and torch.compile compiled by Inductor there.
+#     non-blocking copies). Inductor on a CUDA worker is in run_issue21_cuda_worker.sh.
 #   bash bench/gpu/run_pool_data_path.sh   (carry .whl)
 set -u
 . bench/gpu/site.sh
@@ -16,6 +19,10 @@ timeout -k 5 330 python3 bench/remote_real.py --timeout 120 --label "$(nvidia-sm
 echo "remote_real rc=$?"; tail -3 "$OUT/remote_real.err"
 cp bench/results/remote_real.json "$OUT/" 2>/dev/null
 pkill -9 -f 'gpupool[.]worker'
+PATH=/tmp/site/bin:$PATH timeout -k 5 60 python3 bench/gpu/profile_worker.py --loop gpt2_generate \
+  --seconds 12 --out "$OUT/profile_worker_generate.json" > "$OUT/profile_worker.log" 2>&1
+echo "profile_worker rc=$?"; head -c 6000 "$OUT/profile_worker.log"
+pkill -9 -f 'gpupool[.]worker'
 export GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0
 run() {
   local name=$1; shift
@@ -25,6 +32,4 @@ run() {
 }
 run paths 60 python3 -m pytest -q -p no:cacheprovider tests/torch/test_remote_apis.py \
   tests/torch/test_remote_loops.py -k "own_memory or lanes or non_blocking"
-run inductor 150 python3 -m pytest -q -p no:cacheprovider -rs tests/torch/test_capture.py \
-  tests/torch/test_remote_apis.py -k "inductor or compiled"
 exit 0
