@@ -86,6 +86,41 @@ def test_large_pinned_tensors_reach_a_same_host_worker_from_their_own_memory(
     assert runtime.stream(0).pinned_puts == 0
 
 
+def test_pinned_tensors_across_the_workers_registration_granules_arrive_whole(
+    attach: Callable[..., Any],
+) -> None:
+    # A CUDA worker registers the region in 64 MiB granules, and CUDA copies out of registered
+    # memory only within one registration: a put across a boundary failed with "invalid
+    # argument" (a ResNet-50 batch of 38.5 MB, every few steps). On a CPU worker this checks
+    # the values only; on a CUDA worker (GPUPOOL_TEST_WORKER_DEVICE) the piecewise copies.
+    from gpupool.worker.staging import REGISTER_GRANULE_BYTES
+
+    attach(2)
+    region = pinned.shared_region()
+    assert region is not None
+    nbytes = 40 << 20
+    kept, crossing = [], None
+    for i in range(4):  # two 40 MiB blocks in a row always have one across a boundary
+        host = torch.arange(nbytes // 4, dtype=torch.float32).add_(i).pin_memory()
+        kept.append(host)
+        start = region.offset_of(host, nbytes)
+        assert start is not None
+        if start // REGISTER_GRANULE_BYTES != (start + nbytes - 1) // REGISTER_GRANULE_BYTES:
+            crossing = host
+            break
+    assert crossing is not None, "no block across a granule boundary"
+    moved = crossing.to("cuda:1", non_blocking=True)
+    assert torch.equal(moved.cpu(), crossing)
+    # Into a tensor that already exists and into one of another layout (a column slice).
+    target = torch.zeros(nbytes // 4, device="cuda:1")
+    target.copy_(crossing, non_blocking=True)
+    assert torch.equal(target.cpu(), crossing)
+    wide = torch.zeros(nbytes // 4 // 1024, 2048, device="cuda:1")
+    wide[:, ::2].copy_(crossing.view(-1, 1024), non_blocking=True)
+    assert torch.equal(wide[:, ::2].cpu(), crossing.view(-1, 1024))
+    assert wide[:, 1::2].abs().sum().item() == 0
+
+
 def test_the_shared_pinned_region_is_sealed_and_never_shared_by_a_forked_child() -> None:
     import fcntl
 

@@ -61,7 +61,7 @@ from gpupool.worker.opchecks import (
 )
 from gpupool.worker.oppolicy import Decision, ruling
 from gpupool.worker.program import Programs
-from gpupool.worker.staging import PinnedStaging, RegisteredRegion
+from gpupool.worker.staging import PinnedStaging, RegisteredRegion, granule_pieces
 from gpupool.worker.streams import StreamError, Streams
 from gpupool.worker.swap import ClientState, restore, snapshot, to_host
 from gpupool.worker.transfer import Arrivals, PeerLinks, PeerNotNamed, TransferFailed
@@ -608,7 +608,43 @@ class Executor:
             if self._registered is None or self._registered.region is not region:
                 self._registered = RegisteredRegion(region, self.memory.reserve_host)
             registered = self._registered.ready(offset, nbytes)
+            pieces = granule_pieces(offset, nbytes)
+            if len(pieces) > 1 and (registered or self._registered.touches(offset, nbytes)):
+                self._copy_in_pieces(handle, payload, dtype, shape, pieces, registered)
+                return
         self._copy_in(handle, payload, dtype, shape, non_blocking=registered)
+
+    def _copy_in_pieces(
+        self, handle: int, payload: memoryview, dtype: torch.dtype, shape: list[int],
+        pieces: list[tuple[int, int]], non_blocking: bool,
+    ) -> None:  # fmt: skip
+        """A put whose bytes span registered granules: one copy per granule (`granule_pieces`),
+        into the target's own bytes where they are the put's layout, else into a device buffer
+        the target then copies from (on the stream: the buffer is freed behind it)."""
+        try:
+            source = tensor_from_bytes(payload, dtype, shape).reshape(-1).view(torch.uint8)
+            target = self.tensors.get(handle)
+            if target is None:
+                raise RuntimeError(f"copy into tensor {handle}, which the worker does not hold")
+            direct = (
+                target.dtype == dtype
+                and list(target.shape) == list(shape)
+                and target.is_contiguous()
+                and target.numel() > 0
+            )
+            into = (
+                target.reshape(-1).view(torch.uint8)
+                if direct
+                else torch.empty(source.numel(), dtype=torch.uint8, device=target.device)
+            )
+            for start, length in pieces:
+                into[start : start + length].copy_(
+                    source[start : start + length], non_blocking=non_blocking
+                )
+            if not direct:
+                target.copy_(into.view(dtype).reshape(shape))
+        except Exception as exc:
+            self._fail(exc, "copy_ (host to device)", [], None)
 
     def _put_pinned(
         self, handle: int, dtype: torch.dtype, shape: list[int], nbytes: int, link: Link,

@@ -103,6 +103,21 @@ class PinnedStaging:
         buffer.reservation.release()
 
 
+def granule_pieces(offset: int, nbytes: int) -> list[tuple[int, int]]:
+    """[offset, offset + nbytes) cut at the registration granules' boundaries, as (start,
+    length) pairs relative to offset. CUDA takes a copy out of registered host memory only
+    within one registration (a range across two fails with cudaErrorInvalidValue, pageable
+    copies included), so a put that spans granules is copied piece by piece."""
+    pieces = []
+    at = offset
+    end = offset + nbytes
+    while at < end:
+        cut = min(end, (at // REGISTER_GRANULE_BYTES + 1) * REGISTER_GRANULE_BYTES)
+        pieces.append((at - offset, cut - at))
+        at = cut
+    return pieces
+
+
 class RegisteredRegion:
     """A client's shared pinned region (its pinned tensors' own memory) as this CUDA worker
     registers it with CUDA: copies out of it are DMA on the stream, as from local pinned
@@ -116,6 +131,15 @@ class RegisteredRegion:
         self._base = int(torch.frombuffer(region.map, dtype=torch.uint8, count=1).data_ptr())
         self._granules: dict[int, Reservation] = {}
         self._refused = False
+
+    def touches(self, offset: int, nbytes: int) -> bool:
+        """Whether any granule of [offset, offset + nbytes) is registered: then a copy out of
+        the range must keep within one granule at a time (`granule_pieces`)."""
+        if not self._granules or nbytes <= 0:
+            return False
+        first = offset // REGISTER_GRANULE_BYTES
+        last = (offset + nbytes - 1) // REGISTER_GRANULE_BYTES
+        return any(g in self._granules for g in range(first, last + 1))
 
     def ready(self, offset: int, nbytes: int) -> bool:
         """Whether [offset, offset + nbytes) is registered, registering what is not yet."""
