@@ -22,6 +22,17 @@ def _sparse() -> torch.Tensor:
     return torch.sparse_coo_tensor(indices, values, (3, 3))  # uncoalesced: (0, 2) twice
 
 
+def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """Bit for bit against local CPU on a CPU worker (the same kernels); on a CUDA worker to
+    float32 rounding, since its sparse products are cuSPARSE's, which sum in another order
+    (an H100 worker's addmm and sparse.mm gradient differed from the CPU's in the last bits)."""
+    from gpupool.torch import runtime
+
+    if not runtime.stream(0).is_cuda_worker:
+        return torch.equal(got, want)
+    return got.shape == want.shape and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _computed(s: torch.Tensor, d: torch.Tensor) -> dict[str, Any]:
     on = lambda t: t.cpu()  # noqa: E731
     return {
@@ -59,7 +70,7 @@ def test_a_sparse_tensor_moves_both_ways_and_computes_as_locally(
     got = _computed(remote, d.to("cuda"))
     for key, want in local.items():
         if isinstance(want, torch.Tensor):
-            assert torch.equal(got[key], want), key
+            assert _same(got[key], want), key
         else:
             assert got[key] == want, key
     made = torch.sparse_coo_tensor(s._indices().to("cuda"), s._values().to("cuda"), (3, 3))
@@ -85,14 +96,14 @@ def test_gradients_flow_through_sparse_products_and_sparse_embedding_gradients_t
     attach()
     remote_weight = weight.detach().to("cuda").requires_grad_()
     torch.sparse.mm(s.to("cuda"), remote_weight).square().sum().backward()
-    assert remote_weight.grad is not None and torch.equal(remote_weight.grad.cpu(), weight.grad)
+    assert remote_weight.grad is not None and _same(remote_weight.grad.cpu(), weight.grad)
     remote_embedding = remote_embedding.to("cuda")
     remote_embedding(tokens.to("cuda")).square().sum().backward()
     grad = remote_embedding.weight.grad
     assert grad is not None and grad.is_sparse and grad.device == torch.device("cuda:0")
-    assert torch.equal(grad.cpu().to_dense(), local_grad.to_dense())
+    assert _same(grad.cpu().to_dense(), local_grad.to_dense())
     torch.optim.SGD(remote_embedding.parameters(), lr=0.1).step()
-    assert torch.equal(remote_embedding.weight.detach().cpu(), embedding.weight.detach())
+    assert _same(remote_embedding.weight.detach().cpu(), embedding.weight.detach())
 
 
 def test_a_forged_sparse_tensor_is_refused_at_its_op_and_the_session_lives_on(
