@@ -18,6 +18,10 @@ EAGER step of the same run; rows have mode "captured" and say how the worker rep
 (`remote_worker_modes`: graph or ops) and any capture warnings. `--mode compiled`: captured
 as above with `compile=True`, so the worker compiles each step's program with Inductor
 (Triton on a GPU worker, then a CUDA graph; C++ on a CPU worker); rows have mode "compiled".
+`--mode torch-compile`: both sides train the model under `torch.compile` in float32, the loss
+differentiated outside the compiled call (locally Inductor on the GPU; remotely the forward
+and backward graphs compiled on the worker, gpupool.torch.joint); rows also give the local
+float32 eager step (`local_eager_ms`) and how the worker ran each graph (`remote_graphs`).
 `--worker-device cpu` runs
 the whole comparison on the CPU (a CPU worker against plain CPU PyTorch), for the small
 workloads (mlp, cnn, gpt_tiny) on a machine without a GPU.
@@ -28,6 +32,8 @@ workloads (mlp, cnn, gpt_tiny) on a machine without a GPU.
     python bench/remote_overhead.py --mode captured --worker-device cpu --only mlp,cnn,gpt_tiny
     python bench/remote_overhead.py --mode compiled --worker-device cpu \\
         --out bench/results/remote_compiled_cpu.json
+    python bench/remote_overhead.py --mode torch-compile --worker-device cpu \\
+        --out bench/results/remote_torch_compile_cpu.json
 
 torchvision and transformers are imported only inside the workloads that need them.
 """
@@ -55,7 +61,9 @@ LEASE = "bench-lease"
 # ---- workloads: each builds its state once and returns a step function ------------------
 
 
-def resnet50_step(batch: int, device: str = "cuda") -> Any:
+def resnet50_step(batch: int, device: str = "cuda", compiled: bool = False) -> Any:
+    """compiled: the model under torch.compile, in float32 (a compiled module's training
+    calls are compiled on the worker only without autocast)."""
     import torch
     import torch.nn.functional as F
     import torchvision
@@ -65,40 +73,47 @@ def resnet50_step(batch: int, device: str = "cuda") -> Any:
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-4)
     images = torch.randn(batch, 3, 224, 224, device=device)
     labels = torch.randint(0, 1000, (batch,), device=device)
+    call = torch.compile(model) if compiled else model
 
     def step() -> None:
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            loss = F.cross_entropy(model(images), labels)
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=not compiled):
+            loss = F.cross_entropy(call(images), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
+    step.compiled = call  # type: ignore[attr-defined]
     return step
 
 
-def gpt2_step(batch: int, sequence: int = 512, device: str = "cuda") -> Any:
+def gpt2_step(batch: int, sequence: int = 512, device: str = "cuda", compiled: bool = False) -> Any:
+    """compiled: as resnet50_step's, and without the KV cache a training step never reads."""
     import torch
     import transformers
 
     torch.manual_seed(0)
     config = transformers.GPT2Config(n_positions=1024, n_embd=768, n_layer=12, n_head=12)
     config._attn_implementation = "sdpa"
+    if compiled:
+        config.use_cache = False
     model = transformers.GPT2LMHeadModel(config).to(device)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, config.vocab_size, (batch, sequence), device=device)
+    call = torch.compile(model) if compiled else model
 
     def step() -> None:
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
-            loss = model(input_ids=tokens, labels=tokens).loss
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=not compiled):
+            loss = call(input_ids=tokens, labels=tokens).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
+    step.compiled = call  # type: ignore[attr-defined]
     return step
 
 
-def small_step(workload: str, batch: int, device: str) -> Any:
+def small_step(workload: str, batch: int, device: str, compiled: bool = False) -> Any:
     """Small models for a machine without a GPU (CPU worker against CPU PyTorch): an MLP with
     SGD, a conv net with batch norm and Adam, a 2-layer causal transformer with AdamW."""
     import torch
@@ -128,14 +143,16 @@ def small_step(workload: str, batch: int, device: str) -> Any:
         x = torch.randint(0, 128, (batch, 32))
     model.to(device)
     x, y = x.to(device), torch.randint(0, 10, (batch,), device=device)
+    call = torch.compile(model) if compiled else model
 
     def step() -> None:
-        out = model(x)
+        out = call(x)
         loss = F.cross_entropy(out if out.dim() == 2 else out.mean(1), y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
+    step.compiled = call  # type: ignore[attr-defined]
     return step
 
 
@@ -204,6 +221,16 @@ Inductor compile comes at the second RUN and pushes the capture one RUN later)."
 
 def time_step(spec: dict[str, Any], step: Any, warmup: int, device: str) -> dict[str, Any]:
     """Time a workload's step, captured when the spec says so."""
+    if spec.get("torch_compile"):
+        # The trace comes at the second call, each graph's program after two recordings, and
+        # the worker's compile at its second RUN (and a CUDA graph after that).
+        timed: dict[str, Any] = time_steps(step, spec["steps"], max(warmup, 10), device)
+        graphs = getattr(step.compiled.forward, "training", None)
+        if hasattr(graphs, "steps"):  # remote: how the worker ran the forward and backward graphs
+            timed["graphs"] = [s.worker_programs() for s in graphs.steps()]
+            timed["not_compiled"] = [s.not_compiled() for s in graphs.steps()]
+            timed["declined"] = graphs.declined()
+        return timed
     if not spec.get("capture"):
         return time_steps(step, spec["steps"], warmup, device)
     import warnings
@@ -341,12 +368,13 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     device = "cpu" if spec["mode"] == "local" and spec.get("worker_device") == "cpu" else "cuda"
     if spec.get("worker_device") == "cpu":
         torch.set_num_threads(1)  # as the worker: one core each, on a host that has few
+    compiled = bool(spec.get("torch_compile"))
     if workload == "resnet50":
-        return time_step(spec, resnet50_step(batch, device=device), 5, device)
+        return time_step(spec, resnet50_step(batch, device=device, compiled=compiled), 5, device)
     if workload == "gpt2":
-        return time_step(spec, gpt2_step(batch, device=device), 3, device)
+        return time_step(spec, gpt2_step(batch, device=device, compiled=compiled), 3, device)
     if workload in SMALL:
-        return time_step(spec, small_step(workload, batch, device), 5, device)
+        return time_step(spec, small_step(workload, batch, device, compiled), 5, device)
     if workload == "op_throughput":
         return op_throughput()
     if workload == "round_trip":
@@ -498,7 +526,9 @@ def main() -> int:
         default=None,
         help="worker and client poll the socket this long before sleeping (default: off)",
     )
-    parser.add_argument("--mode", choices=["eager", "captured", "compiled"], default="eager")
+    parser.add_argument(
+        "--mode", choices=["eager", "captured", "compiled", "torch-compile"], default="eager"
+    )
     parser.add_argument(
         "--no-graph",
         action="store_true",
@@ -535,7 +565,9 @@ def main() -> int:
         for w, b in base
         if not wanted or w in wanted or w.split("_")[0] in wanted or f"{w}:{b}" in wanted
     ]
-    extra: dict[str, Any] = {"capture": args.mode != "eager", "graph": not args.no_graph,
+    torch_compile = args.mode == "torch-compile"
+    extra: dict[str, Any] = {"capture": args.mode in ("captured", "compiled"),
+                             "torch_compile": torch_compile, "graph": not args.no_graph,
                              "compile": args.mode == "compiled",
                              "worker_device": "cpu" if on_cpu else "cuda"}  # fmt: skip
     worker_cpus: str | None = None
@@ -572,6 +604,12 @@ def main() -> int:
                         timeout_s=args.timeout,
                         extra_env=spin_env,
                     )
+                    if torch_compile:  # the same float32 step without torch.compile
+                        local["eager_ms"] = run_child(
+                            {**spec, "mode": "local", "torch_compile": False},
+                            gpu_visible=not on_cpu,
+                            timeout_s=args.timeout,
+                        ).get("ms")
                     runs.append((local, remote))
                 ratios = sorted(
                     (r["ms"] / lo["ms"], i)

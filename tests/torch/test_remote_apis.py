@@ -4,6 +4,7 @@ torch.compile and DLPack. Real CPU workers on loopback (see conftest.py)."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import multiprocessing
 import os
@@ -665,6 +666,160 @@ def test_compiled_calls_that_change_python_state_keep_doing_so(
         assert model.calls == 6 and len(seen) == 6
         model.linear = nn.Linear(4, 4).cuda()  # what the function names, replaced
         torch.testing.assert_close(logged(x).cpu(), (model.linear(x) * 2).cpu())
+
+
+def _compiled_training(
+    model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int
+) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for _ in range(steps):
+        loss = (model(x) - y).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _norm_mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.BatchNorm1d(32), nn.LayerNorm(32), nn.Linear(32, 4)
+    ).cuda()
+
+
+def test_compiled_training_runs_forward_and_backward_graphs_compiled_on_the_worker(
+    attach: Callable[..., Any],
+) -> None:
+    """A compiled module's training calls (the loss differentiated outside the call) become
+    AOTAutograd's forward and backward graphs, each a program the worker compiles with
+    Inductor: losses, batch-norm statistics and weights follow eager training to float
+    rounding, and the outputs carry autograd history."""
+    attach()
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
+    eager = _norm_mlp()
+    expected = _compiled_training(eager, x, y, 10)
+    model = _norm_mlp()
+    compiled = torch.compile(model)
+    got = _compiled_training(compiled, x, y, 10)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    graphs = compiled.forward.training
+    assert graphs.declined() == []
+    modes = [[m[:8] for m, runs in step.worker_programs() if runs > 1] for step in graphs.steps()]
+    assert modes == [["inductor"], ["inductor"]], (
+        modes,
+        [s.not_compiled() for s in graphs.steps()],
+    )
+    torch.testing.assert_close(model[2].running_mean.cpu(), eager[2].running_mean.cpu())
+    torch.testing.assert_close(model[4].weight.cpu(), eager[4].weight.cpu(), rtol=1e-5, atol=1e-6)
+    out = compiled(x)
+    assert out.requires_grad and out.grad_fn is not None
+    eager(x)  # the same batch-statistics update on both
+    # eval() is another signature, traced for itself: no batch statistics, running ones used.
+    model.eval()
+    eager.eval()
+    torch.testing.assert_close(compiled(x).cpu(), eager(x).cpu(), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_training_follows_the_module_where_its_graphs_cannot(
+    attach: Callable[..., Any],
+) -> None:
+    """What the traced graphs cannot stand for runs the module itself: a replaced layer is
+    traced again, a forward that reads a value runs eagerly (the reason kept), and a forward
+    that counts its calls counts every one."""
+    attach()
+    torch._dynamo.reset()
+    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
+    model = _norm_mlp()
+    compiled = torch.compile(model)
+    _compiled_training(compiled, x, y, 3)
+    model[4] = nn.Linear(32, 4).cuda()
+    eager = copy.deepcopy(model)
+    torch.testing.assert_close(
+        _compiled_training(compiled, x, y, 3),
+        _compiled_training(eager, x, y, 3),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 4)
+            self.calls = 0
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            out = self.linear(t)
+            return out * 2 if out.sum() > 0 else out  # a value read: no graph stands for it
+
+    torch.manual_seed(2)
+    branchy = Branchy().cuda()
+    twin = copy.deepcopy(branchy)
+    compiled_branchy = torch.compile(branchy)
+    losses = _compiled_training(compiled_branchy, x, y, 4)
+    assert losses == _compiled_training(twin, x, y, 4)
+    assert branchy.calls == 4
+
+    class Plain(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 4)
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            out = self.linear(t)
+            return out * 2 if out.sum() > 0 else out
+
+    plain = Plain().cuda()
+    compiled_plain = torch.compile(plain)
+    _compiled_training(compiled_plain, x, y, 3)
+    assert any("DataDependent" in why for why in compiled_plain.forward.training.declined())
+
+
+def test_a_compiled_transformers_model_trains_with_its_forward_compiled_on_the_worker(
+    attach: Callable[..., Any],
+) -> None:
+    """Hugging Face GPT-2 (built from a config) under torch.compile, trained as a script would:
+    labels passed as the same tensor as the inputs, tied embeddings, transformers' masks. Its
+    forward graph is compiled on the worker, its backward replayed there op by op (the
+    embedding backward's index check keeps it from Inductor), and the losses are eager's."""
+    from tests.torch.real_programs import transformers_module
+
+    transformers = transformers_module()
+    if transformers is None:
+        pytest.skip("transformers is not installed")
+    attach()
+    torch._dynamo.reset()
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32, use_cache=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    ids = torch.randint(0, 100, (2, 16)).cuda()
+
+    def train(model: Any) -> list[float]:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(6):
+            loss = model(input_ids=ids, labels=ids).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        return losses
+
+    torch.manual_seed(0)
+    expected = train(transformers.GPT2LMHeadModel(config).cuda().train())
+    torch.manual_seed(0)
+    compiled = torch.compile(transformers.GPT2LMHeadModel(config).cuda().train())
+    torch.testing.assert_close(train(compiled), expected, rtol=1e-5, atol=1e-6)
+    graphs = compiled.forward.training
+    assert graphs.declined() == []
+    forward, backward = graphs.steps()[:2]
+    assert [m[:8] for m, runs in forward.worker_programs() if runs > 1] == ["inductor"]
+    assert any(runs > 1 for _, runs in backward.worker_programs())
 
 
 # ---- 10. DLPack -----------------------------------------------------------------------------------

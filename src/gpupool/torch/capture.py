@@ -508,10 +508,21 @@ class _Entry:
 class CapturedStep:
     """A step function that the worker replays; see the module's docstring."""
 
-    def __init__(self, fn: Callable[..., Any], graph: bool = True, compile: bool = False) -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        graph: bool = True,
+        compile: bool = False,
+        aten_graph: bool = False,
+    ) -> None:
         self.fn = fn
         self.graph = graph
         self.compile = compile
+        self.aten_graph = aten_graph
+        """fn runs a fixed graph of aten ops (AOTAutograd's, gpupool.torch.joint) without
+        autograd: whether its inputs require grad changes none of its ops, so it is not part
+        of the signature (a parameter passed through the forward graph comes back from a
+        replay as a tensor that does not)."""
         self._entries: dict[Any, _Entry] = {}
         self._warned: set[str] = set()
         functools.update_wrapper(self, fn)
@@ -606,7 +617,9 @@ class CapturedStep:
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, RemoteTensor):
                 inputs.append(leaf)
-                parts.append((leaf._sig, leaf._gp.stream.index, leaf.requires_grad))
+                parts.append(
+                    (leaf._sig, leaf._gp.stream.index, leaf.requires_grad and not self.aten_graph)
+                )
             elif isinstance(leaf, torch.Tensor):
                 return (
                     None,

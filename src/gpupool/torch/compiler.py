@@ -18,13 +18,17 @@ run eagerly, each a remote op streamed to the worker. gpupool's own frames are n
 (they would be retraced as user code). A graph that does reach the backend with remote (or
 their C++ meta) inputs runs as the FX graph itself: Inductor would write kernels for a device
 this process does not have. Graphs of host tensors go to the backend that was asked for.
-Calls that need gradients (a training forward whose loss is differentiated outside the call)
-take this path: capture's outputs carry no autograd history.
+A compiled module's calls that need gradients (a training forward whose loss is
+differentiated outside the call) get their forward and backward graphs from AOTAutograd, each
+compiled on the worker (gpupool.torch.joint); a compiled function's such calls take Dynamo's
+path, as does any call the trace cannot stand for. `GPUPOOL_COMPILED_TRAINING=0` keeps every
+training call on Dynamo's path.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +38,7 @@ from torch.utils._pytree import tree_leaves
 
 from gpupool.torch import runtime
 from gpupool.torch.capture import CapturedStep, CaptureWarning, closure_values
+from gpupool.torch.joint import TrainingGraphs
 from gpupool.torch.tensor import RemoteTensor
 
 _ORIGINAL: Any = None
@@ -140,6 +145,12 @@ class _WorkerRoute:
 
             self.step = CapturedStep(call, compile=True)
             self._watched = [module]
+        self.training: TrainingGraphs | None = (
+            TrainingGraphs(module)
+            if module is not None and os.environ.get("GPUPOOL_COMPILED_TRAINING", "1") != "0"
+            else None
+        )
+        """A module's calls that need gradients; a function's stay on Dynamo's path."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.side_effects or not runtime.attached():
@@ -147,12 +158,21 @@ class _WorkerRoute:
         # The module tree is walked once a call: for hooks, parameters and buffers, and the
         # Python state before the call (and once more after it).
         watched = self._flattened()
-        if not self._on_the_worker(args, kwargs, watched):
+        route = self._route(args, kwargs, watched)
+        if route is None:
             return self.dynamo(*args, **kwargs)
         before = _python_state(watched)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", CaptureWarning)
-            result = self.step(*args, **kwargs)
+        if route == "training":
+            modules = [m for m in watched if isinstance(m, torch.nn.Module)]
+            assert self.training is not None and self.module is not None
+            # Where the graphs cannot stand for the call the module runs eagerly: Dynamo would
+            # break its graph at every remote op anyway, and on a client without CUDA its fake
+            # cuda tensors (a mask made with torch.arange(device=...)) fail in autograd.
+            result = self.training(args, kwargs, modules, before, self.module)
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CaptureWarning)
+                result = self.step(*args, **kwargs)
         # A recorded call ran the Python; a replay did not, and changes nothing here.
         self.side_effects = _python_state(watched) != before
         return result
@@ -164,20 +184,24 @@ class _WorkerRoute:
             out.extend(value.modules() if isinstance(value, torch.nn.Module) else (value,))
         return out
 
-    def _on_the_worker(
+    def _route(
         self, args: tuple[Any, ...], kwargs: dict[str, Any], watched: list[Any]
-    ) -> bool:
+    ) -> str | None:
+        """Where the call goes: "inference" (a captured step), "training" (the module's traced
+        forward and backward graphs) or None (Dynamo's path)."""
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if self.module is not None:
             modules = [m for m in watched if isinstance(m, torch.nn.Module)]
             if _hooked(modules):
-                return False
+                return None
             for m in modules:
                 tensors += [t for t in m._parameters.values() if t is not None]
                 tensors += [t for t in m._buffers.values() if t is not None]
         if not any(isinstance(t, RemoteTensor) for t in tensors):
-            return False
-        return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+            return None
+        if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
+            return "inference"
+        return "training" if self.training is not None else None
 
 
 _SCALARS = (int, float, bool, str, bytes, type(None))

@@ -198,6 +198,16 @@ class RemoteTensor(torch.Tensor):
     def is_cuda(self) -> bool:  # type: ignore[override]
         return True
 
+    def __coerce_same_metadata_as_tangent__(
+        self, expected_metadata: Any, expected_type: type | None = None
+    ) -> RemoteTensor | None:
+        """AOTAutograd's compiled backward asks this of a gradient whose type is not the one
+        it traced. gpupool.torch.joint traces remote tensors as plain fake ones on their C++
+        device, so a remote gradient is what the backward graph expects; nothing else is."""
+        if expected_type is None or expected_type is torch.Tensor:
+            return self
+        return None
+
     @property
     def is_meta(self) -> bool:  # type: ignore[override]
         return False

@@ -1,0 +1,271 @@
+"""Training calls of a torch.compile'd module: forward and backward graphs compiled on the worker.
+
+A local `torch.compile` of a training forward hands Dynamo's graph to AOTAutograd, which traces
+forward and backward together on fake tensors, splits them into a forward graph (which also
+returns what the backward needs) and a backward graph, and has Inductor compile each. Dynamo
+does not trace remote tensors (gpupool.torch.compiler), so here AOTAutograd traces the module
+itself, per call signature, on fake stand-ins of its remote parameters, buffers and inputs.
+Each of the two graphs becomes a captured step (`gpupool.torch.capture`, compile=True): its
+first calls run op by op, then the worker replays it as one program and compiles it with
+Inductor (Triton and a CUDA graph on a CUDA worker, C++ on a CPU one). AOTAutograd's own
+runtime ties the two together with an autograd Function, so the call's outputs carry autograd
+history like any compiled module's, and `loss.backward()` outside the call runs the backward
+graph: one RUN record each way instead of an op per aten op.
+
+The stand-ins live on the tensors' C++ device (`gpupool:N`): a fake `cuda` tensor aborts in
+autograd on a CPU-only torch (no CUDA device guard), and factory calls in the graphs then name
+the remote tensors' own C++ device, which gpupool's kernels take.
+
+What the trace cannot stand for runs the module eagerly (remote ops one by one, correct):
+bf16/fp16 autocast (gpupool's autocast acts on remote tensors, not on fakes), a forward that
+reads a value or holds a tensor that is not a parameter, buffer or argument, host tensors
+among the arguments, results that are not tensors and plain constants, and more than
+`MAX_SIGNATURES` signatures. The reason is kept per signature (`declined()`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from gpupool.torch import autocast
+from gpupool.torch.capture import CapturedStep, CaptureWarning
+from gpupool.torch.tensor import RemoteTensor
+
+MAX_SIGNATURES = 8
+"""Traced signatures per module (each its own pair of programs); others run eagerly."""
+
+_CONSTANTS = (int, float, bool, str, type(None))
+"""Result leaves a graph may leave out and the call puts back as they were traced."""
+
+_DEVICE_LOCK = threading.Lock()
+_OUTPUT = object()
+"""Marks a tensor output's place among a result's traced leaves."""
+
+
+class Declined(Exception):
+    """The trace cannot stand for this call; the message says why."""
+
+
+@contextlib.contextmanager
+def _tracing() -> Iterator[None]:
+    """While AOTAutograd traces: remote tensors report their C++ device (their fake stand-ins
+    are made on it), and `torch.compiler.is_compiling()` is True, as under Dynamo, so that
+    libraries skip the value checks they skip for torch.compile (transformers' masks do).
+
+    Both are swapped, not checked per access: `device` is read on every remote op, and a trace
+    happens once per signature. Another thread meanwhile would see them swapped too; the lock
+    keeps two traces from restoring each other's."""
+    with _DEVICE_LOCK:
+        device = RemoteTensor.__dict__["device"]
+        is_compiling = torch.compiler.is_compiling
+        RemoteTensor.device = property(  # type: ignore[assignment,method-assign]
+            lambda self: self._gp.stream.cxx_device
+        )
+        torch.compiler.is_compiling = lambda: True
+        try:
+            yield
+        finally:
+            RemoteTensor.device = device  # type: ignore[method-assign]
+            torch.compiler.is_compiling = is_compiling
+
+
+class _Flat(torch.nn.Module):
+    """The module as AOTAutograd wants it: tensors in, a tuple of tensors out. The call's other
+    leaves (scalars, None, strings) are fixed for the signature, and so are the result's."""
+
+    def __init__(self, module: torch.nn.Module, leaves: list[Any], spec: Any) -> None:
+        super().__init__()
+        self.module = module
+        self._leaves = leaves
+        self._spec = spec
+        self._positions = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+        self.result_spec: Any = None
+        self.result_leaves: list[Any] = []
+
+    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        leaves = list(self._leaves)
+        for position, tensor in zip(self._positions, tensors, strict=True):
+            leaves[position] = tensor
+        args, kwargs = tree_unflatten(leaves, self._spec)
+        result = self.module(*args, **kwargs)
+        out, self.result_spec = tree_flatten(result)
+        for leaf in out:
+            if not isinstance(leaf, (torch.Tensor, *_CONSTANTS)):
+                raise Declined(f"the forward returns a {type(leaf).__name__}")
+        self.result_leaves = [_OUTPUT if isinstance(leaf, torch.Tensor) else leaf for leaf in out]
+        return tuple(leaf for leaf in out if isinstance(leaf, torch.Tensor))
+
+
+@dataclass
+class _Traced:
+    call: Callable[..., Any]
+    flat: _Flat
+    steps: list[CapturedStep]
+    calls: int = 0
+
+
+def _graph_compiler(steps: list[CapturedStep]) -> Callable[..., Any]:
+    """AOTAutograd's forward or backward compiler: the graph becomes a captured step that the
+    worker compiles (boxed calling convention: AOTAutograd passes one list of arguments)."""
+
+    def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        for node in gm.graph.nodes:
+            held = getattr(gm, str(node.target), None) if node.op == "get_attr" else None
+            if isinstance(held, torch.Tensor):
+                raise Declined("the forward makes a tensor constant")
+
+        def expanded(order: tuple[int, ...], *unique: Any) -> Any:
+            return gm(*[unique[i] for i in order])
+
+        step = CapturedStep(expanded, compile=True, aten_graph=True)
+        steps.append(step)
+
+        def run(args: list[Any]) -> Any:
+            # A captured step takes each tensor once: a tensor passed twice (labels=input_ids)
+            # goes once, with where it goes as part of the step's signature.
+            unique: list[Any] = []
+            order: list[int] = []
+            seen: dict[int, int] = {}
+            for value in args:
+                at = seen.get(id(value)) if isinstance(value, torch.Tensor) else None
+                if at is None:
+                    at = len(unique)
+                    unique.append(value)
+                    if isinstance(value, torch.Tensor):
+                        seen[id(value)] = at
+                order.append(at)
+            args.clear()  # the boxed convention: the graph's inputs may be freed as it runs
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", CaptureWarning)
+                return step(tuple(order), *unique)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+    return compile_graph
+
+
+class TrainingGraphs:
+    """One compiled module's training calls, traced per signature (see the module docstring)."""
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self._traced: dict[Any, _Traced] = {}
+        self._declined: dict[Any, str] = {}
+        self._seen: set[Any] = set()
+
+    def declined(self) -> list[str]:
+        """Why calls of some signatures run eagerly."""
+        return list(self._declined.values())
+
+    def steps(self) -> list[CapturedStep]:
+        """The captured forward and backward graphs of every traced signature."""
+        return [step for traced in self._traced.values() for step in traced.steps]
+
+    def __call__(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        modules: list[torch.nn.Module],
+        state: list[Any],
+        fallback: Callable[..., Any],
+    ) -> Any:
+        """The call through the traced graphs, or through `fallback` (the module, eagerly)
+        where they cannot stand for it. A signature's first call takes the fallback: it runs the
+        module's Python for real, so the caller sees whether it changes Python state before
+        a trace that would run it on fakes."""
+        leaves, spec = tree_flatten((args, kwargs))
+        key, why = self._key(leaves, spec, modules, state)
+        if why is not None:
+            return fallback(*args, **kwargs)
+        traced = self._traced.get(key)
+        if traced is None:
+            if key in self._declined:
+                return fallback(*args, **kwargs)
+            if key not in self._seen:
+                self._seen.add(key)
+                return fallback(*args, **kwargs)
+            if len(self._traced) >= MAX_SIGNATURES:
+                self._declined[key] = f"more than {MAX_SIGNATURES} signatures"
+                return fallback(*args, **kwargs)
+            try:
+                traced = self._trace(leaves, spec)
+            except Exception as error:  # the trace stands for nothing: eager calls
+                self._declined[key] = f"{type(error).__name__}: {error}"
+                return fallback(*args, **kwargs)
+            self._traced[key] = traced
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        if traced.calls == 0:
+            # The graph's first call runs its ops one by one in this process: an op the
+            # remote runtime refuses there leaves nothing changed (the graph is functional;
+            # AOTAutograd writes input mutations back after it), so the eager call takes over.
+            try:
+                outputs = traced.call(*tensors)
+            except Exception as error:
+                self._declined[key] = f"{type(error).__name__}: {error}"
+                del self._traced[key]
+                return fallback(*args, **kwargs)
+        else:
+            outputs = traced.call(*tensors)
+        traced.calls += 1
+        it = iter(outputs)
+        result = [next(it) if leaf is _OUTPUT else leaf for leaf in traced.flat.result_leaves]
+        return tree_unflatten(result, traced.flat.result_spec)
+
+    def _key(
+        self, leaves: list[Any], spec: Any, modules: list[torch.nn.Module], state: list[Any]
+    ) -> tuple[Any, str | None]:
+        if autocast._enabled()[0]:
+            return None, "autocast"
+        parts: list[Any] = [spec]
+        for leaf in leaves:
+            if isinstance(leaf, RemoteTensor):
+                parts.append((leaf._sig, leaf._gp.stream.index, leaf.requires_grad))
+            elif isinstance(leaf, torch.Tensor):
+                return None, "a host tensor argument"
+            elif isinstance(leaf, _CONSTANTS):
+                parts.append((type(leaf), leaf))
+            else:
+                return None, f"a {type(leaf).__name__} argument"
+        for module in modules:
+            parts.append(module.training)
+            for table in (module._parameters, module._buffers):
+                for name, tensor in table.items():
+                    if tensor is None:
+                        parts.append((name, None))
+                    elif isinstance(tensor, RemoteTensor):
+                        parts.append((name, id(tensor), tensor._sig, tensor.requires_grad))
+                    else:
+                        return None, f"{name} is a {tensor.device} tensor"
+        try:
+            key = (tuple(parts), tuple(state))
+            hash(key)
+        except TypeError:
+            return None, "unhashable Python state"
+        return key, None
+
+    def _trace(self, leaves: list[Any], spec: Any) -> _Traced:
+        from torch._functorch.aot_autograd import aot_module_simplified
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        flat = _Flat(self.module, leaves, spec)
+        steps: list[CapturedStep] = []
+        compiler = _graph_compiler(steps)
+        tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+        with _tracing():
+            call = aot_module_simplified(
+                flat,  # type: ignore[arg-type]  # typed for Dynamo's graphs; takes any module
+                tensors,
+                fw_compiler=compiler,
+                bw_compiler=compiler,
+                partition_fn=min_cut_rematerialization_partition,
+            )
+        return _Traced(call, flat, steps)
