@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# On the GPU machine (torch 2.11 CUDA build): a compiled module's training calls with a CUDA
+# worker (gpupool.torch.joint), a client without a GPU against its worker on GPU 0:
+#   bash bench/gpu/run_compiled_training.sh tests   # the compiled tests of test_remote_apis.py
+#   bash bench/gpu/run_compiled_training.sh bench [WORKLOADS]   # --mode torch-compile rows
+# (carry .whl, made by `../shared/tools/device-wheels controller agent k8s programs`).
+# WORKLOADS defaults to resnet50:32; gpt2:8 is the other. stdout: summaries; $OUT: logs, json.
+set -u
+. bench/gpu/site.sh
+nvidia-smi -L
+python3 -c 'import torch, triton; print("torch", torch.__version__, "triton", triton.__version__)'
+part=${1:-tests}
+if [ "$part" = tests ]; then
+  GPUPOOL_TEST_WORKER_DEVICE=cuda:0 GPUPOOL_TEST_WORKER_GPUS=0 CUDA_VISIBLE_DEVICES= \
+    timeout -k 5 300 python3 -m pytest -q -p no:cacheprovider -rs -p no:logging \
+    tests/torch/test_remote_apis.py -k "compiled" > "$OUT/compiled_tests.log" 2>&1
+  echo "===== compiled tests rc=$?"; tail -15 "$OUT/compiled_tests.log"
+else
+  only=${2:-resnet50:32}
+  timeout -k 5 540 python3 bench/remote_overhead.py --mode torch-compile --only "$only" \
+    --steps 20 --timeout 400 --out "$OUT/remote_torch_compile.json" > "$OUT/bench.log" 2>&1
+  echo "===== torch-compile bench rc=$?"; grep '^{' "$OUT/bench.log" | cut -c1-1500
+  tail -5 "$OUT/bench.log"
+fi
+pkill -9 -f 'gpupool[.]worker' 2>/dev/null
+exit 0
