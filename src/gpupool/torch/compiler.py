@@ -205,30 +205,44 @@ class _WorkerRoute:
 
 
 _SCALARS = (int, float, bool, str, bytes, type(None))
-_TABLES = frozenset({"_parameters", "_buffers", "_modules"})
-"""What capture's guards already follow (tensors and children replaced)."""
+_TABLES = frozenset(
+    {"_parameters", "_buffers", "_modules"} | (set(torch.nn.Module().__dict__) - {"training"})
+)
+"""What capture's guards already follow (tensors and children replaced), and nn.Module's own
+bookkeeping: its hook tables (_hooked() looks at those that run in a call) and state-dict
+hooks, which no forward reads."""
 
 
 def _python_state(values: list[Any]) -> list[Any]:
     """A fingerprint of the Python state a compiled call could change: for each module among
     `values` (flattened: submodules listed) its attributes, for anything else itself; a scalar
     by value, a list, dict or set by identity and length, anything else by identity. A counter
-    bumped, an entry added to a cache, a flag flipped: the fingerprint changes."""
+    bumped, an entry added to a cache, a flag flipped: the fingerprint changes. Taken twice a
+    call over every module of the model, so written as comprehensions (no call per item)."""
     state: list[Any] = []
     for value in values:
         if isinstance(value, torch.nn.Module):
-            for key, item in value.__dict__.items():
-                if key not in _TABLES:
-                    state.append((key, _fingerprint(item)))
+            state.extend(
+                (key, item)
+                if isinstance(item, _SCALARS)
+                else (key, id(item), len(item))
+                if isinstance(item, _SIZED)
+                else (key, id(item))
+                for key, item in value.__dict__.items()
+                if key not in _TABLES
+            )
         else:
             state.append(_fingerprint(value))
     return state
 
 
+_SIZED = (list, dict, set)
+
+
 def _fingerprint(value: Any) -> Any:
     if isinstance(value, _SCALARS):
         return value
-    if isinstance(value, list | dict | set):
+    if isinstance(value, _SIZED):
         return (id(value), len(value))
     return id(value)
 

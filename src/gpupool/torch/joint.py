@@ -122,35 +122,53 @@ def _graph_compiler(steps: list[CapturedStep]) -> Callable[..., Any]:
             if isinstance(held, torch.Tensor):
                 raise Declined("the forward makes a tensor constant")
 
-        def expanded(order: tuple[int, ...], *unique: Any) -> Any:
-            return gm(*[unique[i] for i in order])
+        orders: list[tuple[int, ...] | None] = [None]
+        """How a call's distinct arguments fill the graph's inputs; 0 (None): one to one."""
+        known: dict[tuple[int, ...], int] = {}
+
+        def expanded(order: int, *unique: Any) -> Any:
+            places = orders[order]
+            return gm(*unique) if places is None else gm(*[unique[i] for i in places])
 
         step = CapturedStep(expanded, compile=True, aten_graph=True)
         steps.append(step)
 
         def run(args: list[Any]) -> Any:
-            # A captured step takes each tensor once: a tensor passed twice (labels=input_ids)
-            # goes once, with where it goes as part of the step's signature.
-            unique: list[Any] = []
-            order: list[int] = []
-            seen: dict[int, int] = {}
-            for value in args:
-                at = seen.get(id(value)) if isinstance(value, torch.Tensor) else None
-                if at is None:
-                    at = len(unique)
-                    unique.append(value)
-                    if isinstance(value, torch.Tensor):
-                        seen[id(value)] = at
-                order.append(at)
+            values = list(args)
             args.clear()  # the boxed convention: the graph's inputs may be freed as it runs
+            order = 0
+            if len({id(value) for value in values}) != len(values):
+                # A captured step takes each tensor once: a tensor passed twice (labels given
+                # as input_ids) goes once, and where it goes is part of the step's signature.
+                values, places = _distinct_tensors(values)
+                order = known.get(places, 0)
+                if order == 0:
+                    order = known[places] = len(orders)
+                    orders.append(places)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CaptureWarning)
-                return step(tuple(order), *unique)
+                return step(order, *values)
 
         run._boxed_call = True  # type: ignore[attr-defined]
         return run
 
     return compile_graph
+
+
+def _distinct_tensors(values: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
+    """Each tensor once (other values as they come), and where each value went."""
+    unique: list[Any] = []
+    places: list[int] = []
+    seen: dict[int, int] = {}
+    for value in values:
+        at = seen.get(id(value)) if isinstance(value, torch.Tensor) else None
+        if at is None:
+            at = len(unique)
+            unique.append(value)
+            if isinstance(value, torch.Tensor):
+                seen[id(value)] = at
+        places.append(at)
+    return unique, tuple(places)
 
 
 class TrainingGraphs:
@@ -267,5 +285,9 @@ class TrainingGraphs:
                 fw_compiler=compiler,
                 bw_compiler=compiler,
                 partition_fn=min_cut_rematerialization_partition,
+                # Updates autograd does not see (batch norm's running statistics) stay in the
+                # forward graph, as torch.compile keeps them: AOTAutograd would otherwise
+                # write each buffer back with its own copy_ after the graph, an op apiece.
+                keep_inference_input_mutations=True,
             )
         return _Traced(call, flat, steps)
