@@ -223,8 +223,8 @@ class TrainingGraphs:
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
         if traced.calls == 0:
             # The graph's first call runs its ops one by one in this process: an op the
-            # remote runtime refuses there leaves nothing changed (the graph is functional;
-            # AOTAutograd writes input mutations back after it), so the eager call takes over.
+            # remote runtime refuses there leaves nothing changed (the graph is functional,
+            # its writes into buffers come last), so the eager call takes over.
             try:
                 outputs = traced.call(*tensors)
             except Exception as error:
