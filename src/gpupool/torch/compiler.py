@@ -20,9 +20,9 @@ their C++ meta) inputs runs as the FX graph itself: Inductor would write kernels
 this process does not have. Graphs of host tensors go to the backend that was asked for.
 A compiled module's calls that need gradients (a training forward whose loss is
 differentiated outside the call) get their forward and backward graphs from AOTAutograd, each
-compiled on the worker (gpupool.torch.joint); a compiled function's such calls take Dynamo's
-path, as does any call the trace cannot stand for. `GPUPOOL_COMPILED_TRAINING=0` keeps every
-training call on Dynamo's path.
+compiled on the worker (gpupool.torch.joint), and a call those graphs cannot stand for runs
+the module eagerly; a compiled function's such calls take Dynamo's path.
+`GPUPOOL_COMPILED_TRAINING=0` keeps every training call on Dynamo's path.
 """
 
 from __future__ import annotations
@@ -158,12 +158,12 @@ class _WorkerRoute:
         # The module tree is walked once a call: for hooks, parameters and buffers, and the
         # Python state before the call (and once more after it).
         watched = self._flattened()
-        route = self._route(args, kwargs, watched)
+        modules = [m for m in watched if isinstance(m, torch.nn.Module)]
+        route = self._route(args, kwargs, modules)
         if route is None:
             return self.dynamo(*args, **kwargs)
         before = _python_state(watched)
         if route == "training":
-            modules = [m for m in watched if isinstance(m, torch.nn.Module)]
             assert self.training is not None and self.module is not None
             # Where the graphs cannot stand for the call the module runs eagerly: Dynamo would
             # break its graph at every remote op anyway, and on a client without CUDA its fake
@@ -185,13 +185,12 @@ class _WorkerRoute:
         return out
 
     def _route(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], watched: list[Any]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[torch.nn.Module]
     ) -> str | None:
         """Where the call goes: "inference" (a captured step), "training" (the module's traced
-        forward and backward graphs) or None (Dynamo's path)."""
+        forward and backward graphs) or None (Dynamo's path). `modules`: the watched ones."""
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         if self.module is not None:
-            modules = [m for m in watched if isinstance(m, torch.nn.Module)]
             if _hooked(modules):
                 return None
             for m in modules:
@@ -217,17 +216,12 @@ def _python_state(values: list[Any]) -> list[Any]:
     """A fingerprint of the Python state a compiled call could change: for each module among
     `values` (flattened: submodules listed) its attributes, for anything else itself; a scalar
     by value, a list, dict or set by identity and length, anything else by identity. A counter
-    bumped, an entry added to a cache, a flag flipped: the fingerprint changes. Taken twice a
-    call over every module of the model, so written as comprehensions (no call per item)."""
+    bumped, an entry added to a cache, a flag flipped: the fingerprint changes."""
     state: list[Any] = []
     for value in values:
         if isinstance(value, torch.nn.Module):
             state.extend(
-                (key, item)
-                if isinstance(item, _SCALARS)
-                else (key, id(item), len(item))
-                if isinstance(item, _SIZED)
-                else (key, id(item))
+                (key, _fingerprint(item))
                 for key, item in value.__dict__.items()
                 if key not in _TABLES
             )

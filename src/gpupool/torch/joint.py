@@ -45,7 +45,8 @@ MAX_SIGNATURES = 8
 _CONSTANTS = (int, float, bool, str, type(None))
 """Result leaves a graph may leave out and the call puts back as they were traced."""
 
-_DEVICE_LOCK = threading.Lock()
+_TRACE_LOCK = threading.Lock()
+"""One trace at a time: each swaps and restores what _tracing() swaps."""
 _OUTPUT = object()
 """Marks a tensor output's place among a result's traced leaves."""
 
@@ -63,7 +64,7 @@ def _tracing() -> Iterator[None]:
     Both are swapped, not checked per access: `device` is read on every remote op, and a trace
     happens once per signature. Another thread meanwhile would see them swapped too; the lock
     keeps two traces from restoring each other's."""
-    with _DEVICE_LOCK:
+    with _TRACE_LOCK:
         device = RemoteTensor.__dict__["device"]
         is_compiling = torch.compiler.is_compiling
         RemoteTensor.device = property(  # type: ignore[assignment,method-assign]
