@@ -602,6 +602,12 @@ class LeaseKeeper:
     With `expire_after_s` (the lease's ttl), a controller that has not answered for that long
     ends the lease here too: cut off from this holder, the controller released it by now and
     may grant its GPUs again, so the holder must stop using them (a fence, as with any lease).
+
+    Heartbeats go at a fixed rate, each `interval_s` after the previous one was sent, not after
+    it was answered; a heartbeat that failed is tried again after `retry_s`. A slow controller
+    (a loaded server answering in seconds) then costs one late heartbeat, not the whole of an
+    interval on top of the wait, which with three heartbeats a ttl let two slow answers in a row
+    expire a lease whose holder was alive.
     """
 
     def __init__(
@@ -614,9 +620,11 @@ class LeaseKeeper:
         on_error: Callable[[Exception], None] | None = None,
         token: str | None = None,
         expire_after_s: float | None = None,
+        retry_s: float | None = None,
     ) -> None:
         self.lease_id = lease_id
         self.interval_s = interval_s
+        self.retry_s = min(interval_s, 1.0) if retry_s is None else retry_s
         self.expire_after_s = expire_after_s
         self._client = PoolClient(
             url, actor=actor, timeout=max(1.0, min(10.0, interval_s)), token=token
@@ -638,12 +646,13 @@ class LeaseKeeper:
         on_error: Callable[[Exception], None] | None = None,
         token: str | None = None,
     ) -> LeaseKeeper:
-        """A keeper for a lease its holder must fence: three heartbeats per ttl, and the lease
-        ends here once the controller has not answered for a whole ttl."""
+        """A keeper for a lease its holder must fence: four heartbeats per ttl (as the kubelet
+        renews its node lease), and the lease ends here once the controller has not answered
+        for a whole ttl."""
         return cls(
             url,
             lease.id,
-            interval_s=max(lease.ttl_s / 3, 0.2),
+            interval_s=max(lease.ttl_s / 4, 0.2),
             actor=actor,
             on_end=on_end,
             on_error=on_error,
@@ -663,7 +672,9 @@ class LeaseKeeper:
 
     def _run(self) -> None:
         answered_at = time.monotonic()
-        while not self._stop.wait(self.interval_s):
+        next_at = answered_at + self.interval_s
+        while not self._stop.wait(max(0.0, next_at - time.monotonic())):
+            sent_at = time.monotonic()
             try:
                 lease = self._client.heartbeat_lease(self.lease_id)
             except ApiError as exc:
@@ -671,9 +682,11 @@ class LeaseKeeper:
                     self._end(None, f"lease {self.lease_id} is unknown to the controller")
                     return
                 self._report(exc)
+                next_at = self._retry_at(sent_at)
                 continue
             except ControllerUnreachable as exc:
                 self._report(exc)
+                next_at = self._retry_at(sent_at)
                 silent_s = time.monotonic() - answered_at
                 if self.expire_after_s is not None and silent_s > self.expire_after_s:
                     self._end(
@@ -685,10 +698,14 @@ class LeaseKeeper:
                     return
                 continue
             answered_at = time.monotonic()
+            next_at = sent_at + self.interval_s
             if lease.state in ("released", "preempted"):
                 reason = lease.release_reason or lease.state
                 self._end(lease, reason)
                 return
+
+    def _retry_at(self, sent_at: float) -> float:
+        return min(sent_at + self.interval_s, time.monotonic() + self.retry_s)
 
     def _end(self, lease: LeaseOut | None, reason: str) -> None:
         self.ended = lease
