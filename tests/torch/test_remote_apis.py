@@ -724,6 +724,56 @@ def test_compiled_training_runs_forward_and_backward_graphs_compiled_on_the_work
     torch.testing.assert_close(compiled(x).cpu(), eager(x).cpu(), rtol=1e-5, atol=1e-6)
 
 
+def _autocast_training(model: nn.Module, x: torch.Tensor, y: torch.Tensor, steps: int) -> Any:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, dtypes = [], set()
+    for _ in range(steps):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(x)
+            loss = (out.float() - y).square().mean()
+        dtypes.add(out.dtype)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, dtypes
+
+
+def test_compiled_training_under_autocast_has_the_casts_in_its_graphs(
+    attach: Callable[..., Any],
+) -> None:
+    """Under bf16 autocast the trace holds autocast's casts, above autograd as a local
+    torch.compile puts them: both graphs are compiled on the worker, the outputs are bf16 as
+    eagerly, float32 weights get float32 gradients, and the losses follow eager autocast
+    training to bf16 rounding. The signature holds the autocast dtype: a call without
+    autocast is traced as its own."""
+    attach()
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
+    eager = _norm_mlp()
+    expected, eager_dtypes = _autocast_training(eager, x, y, 8)
+    model = _norm_mlp()
+    compiled = torch.compile(model)
+    got, dtypes = _autocast_training(compiled, x, y, 8)
+    assert dtypes == eager_dtypes == {torch.bfloat16}
+    torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-3)
+    graphs = compiled.forward.training
+    assert graphs.declined() == []
+    modes = [[m[:8] for m, runs in step.worker_programs() if runs > 1] for step in graphs.steps()]
+    assert modes == [["inductor"], ["inductor"]], (
+        modes,
+        [s.not_compiled() for s in graphs.steps()],
+    )
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(model[4].weight.cpu(), eager[4].weight.cpu(), rtol=3e-2, atol=3e-3)
+    twin = copy.deepcopy(model)
+    plain = _compiled_training(compiled, x, y, 3)  # no autocast: another signature
+    assert len(graphs.steps()) == 4 and graphs.declined() == []
+    torch.testing.assert_close(plain, _compiled_training(twin, x, y, 3), rtol=1e-5, atol=1e-6)
+    assert compiled(x).dtype == torch.float32
+
+
 def test_compiled_training_follows_the_module_where_its_graphs_cannot(
     attach: Callable[..., Any],
 ) -> None:

@@ -276,6 +276,37 @@ def test_a_program_compiles_only_after_a_run_op_by_op_passed_on_that_geometry() 
     assert executor.stats()["programs"][0][1] == "ops"
 
 
+def test_a_compiled_program_returns_its_outputs_in_the_dtypes_the_ops_gave_them() -> None:
+    """Batch norm of a bf16 input with float32 weights (a model under autocast) saves its
+    mean in float32 by ATen's CPU kernel, which is what the client inferred and holds, but in
+    bf16 under fake tensors and Inductor: the compiled program's output is cast to the dtype
+    of the op-by-op run's, so the next program that takes it (the backward) finds it so."""
+    from gpupool.protocol.v1.tensors import DTYPE_EXT, REMOTE_DEVICE_EXT
+
+    executor = make()
+    run(executor, [[Rec.DEF, 20, "aten::_native_batch_norm_legit_functional"]])
+    bf16 = {"dtype": DTYPE_EXT[torch.bfloat16], "device": REMOTE_DEVICE_EXT}
+    records: list[Any] = [
+        [Rec.OP, 1, [[8, 4]], bf16, [9]],
+        [Rec.OP, 2, [handle_ext(9), 2.0], None, None],
+    ]
+    for handle, value in ((10, 1.0), (11, 0.0), (12, 0.0), (13, 1.0)):
+        records += [empty(handle, 4), [Rec.OP, 2, [handle_ext(handle), value], None, None]]
+    run(executor, records)
+    norm = ["op", 20, [slot(0), slot(1), slot(2), slot(3), slot(4), True, 0.1, 1e-5], None,
+            [5, 6, 7, 8, 9]]  # fmt: skip
+    define(executor, {
+        "v": PROGRAM_VERSION, "inputs": [["bfloat16", [8, 4], [4, 1]]], "slots": 10,
+        "externals": [[1, 10], [2, 11], [3, 12], [4, 13]], "steps": [norm],
+        "outputs": [5, 6, 7], "escapes": [], "graph": False, "compile": "inductor",
+    })  # fmt: skip
+    for i in range(3):
+        run(executor, [[Rec.RUN, 5, [handle_ext(9)], [30 + 3 * i, 31 + 3 * i, 32 + 3 * i]]])
+        outputs = [executor.tensors.get(30 + 3 * i + k) for k in range(3)]
+        assert [t.dtype for t in outputs] == [torch.bfloat16, torch.float32, torch.float32], i
+    assert executor.stats()["programs"][0][1] == "inductor"
+
+
 def test_the_checks_inductor_may_skip_are_checks_of_the_op_policy() -> None:
     from gpupool.worker.inductor import GEOMETRY_CHECKS
     from gpupool.worker.opchecks import CHECKS

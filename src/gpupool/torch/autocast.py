@@ -11,9 +11,10 @@ input's dtype, as it does after a real autocast region.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -337,3 +338,133 @@ def _widest(args: tuple[Any, ...]) -> torch.dtype | None:
     if len(dtypes) < 2:
         return None
     return torch.float32 if torch.float32 in dtypes else torch.bfloat16
+
+
+# ---- autocast inside a trace (torch.compile'd training calls, gpupool.torch.joint) ---------
+#
+# AOTAutograd traces a compiled module on fake tensors of the remote tensors' C++ device
+# (`gpupool:N`, PyTorch's PrivateUse1), which none of the above sees. There the casts must be
+# in the graph, as a local torch.compile puts them: above autograd, so that the backward
+# graph casts each gradient back to its input's dtype. PyTorch keeps no op lists for
+# PrivateUse1's autocast key, so the same lists as above are registered there, with the same
+# decisions; the key only takes part while autocast is on for that device type, which
+# `traced_autocast` turns on for the length of a trace.
+
+_TRACE_KEY = torch._C.DispatchKey.AutocastPrivateUse1  # type: ignore[attr-defined]
+_TRACE_LIBRARY: list[Any] = []
+"""The torch.library registrations (kept alive: dropping the Library drops its kernels)."""
+
+
+def _backend() -> str:
+    """PrivateUse1's name (gpupool's, once a remote device is attached): only its tensors
+    are autocast's to cast, as CUDA autocast casts CUDA tensors only (not CPU scalars)."""
+    return torch._C._get_privateuse1_backend_name()
+
+
+def _trace_cast(value: Any, dtype: torch.dtype, sources: tuple[torch.dtype, ...]) -> Any:
+    if isinstance(value, torch.Tensor):
+        if value.dtype in sources and value.dtype != dtype and value.device.type == _backend():
+            return value.to(dtype)
+        return value
+    if isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
+        return type(value)(_trace_cast(v, dtype, sources) for v in value)
+    return value
+
+
+def _trace_dtypes(values: Any) -> set[torch.dtype]:
+    found: set[torch.dtype] = set()
+    for value in values:
+        if isinstance(value, torch.Tensor) and value.device.type == _backend():
+            if value.dtype in _ELIGIBLE:
+                found.add(value.dtype)
+        elif isinstance(value, list | tuple) and value and isinstance(value[0], torch.Tensor):
+            found |= _trace_dtypes(value)
+    return found
+
+
+def _trace_kernel(op: Any, name: str) -> Callable[..., Any]:
+    """adjust()'s decisions for one op at PrivateUse1's autocast key (casts on the fakes)."""
+    takes_dtype = any(argument.name == "dtype" for argument in op._schema.arguments)
+    exclude = torch._C.DispatchKeySet(_TRACE_KEY)
+
+    def kernel(*args: Any, **kwargs: Any) -> Any:
+        target = torch.get_autocast_dtype(_backend())
+        cast: tuple[torch.dtype, tuple[torch.dtype, ...]] | None = None
+        if name in LOWER_PRECISION:
+            cast = target, (torch.float32,)
+        elif (
+            name in FLOAT32_BY_DTYPE_ARG
+            and takes_dtype
+            and kwargs.get("dtype") is None
+            and _trace_dtypes(args).intersection(_SIXTEEN)
+        ):
+            kwargs = {**kwargs, "dtype": torch.float32}
+        elif name in FLOAT32:
+            cast = torch.float32, _SIXTEEN
+        elif name in PROMOTE:
+            dtypes = _trace_dtypes((*args, *kwargs.values()))
+            if len(dtypes) >= 2:
+                widest = torch.float32 if torch.float32 in dtypes else torch.bfloat16
+                cast = widest, _ELIGIBLE
+        with torch._C._ExcludeDispatchKeyGuard(exclude):
+            if cast is not None:
+                args = tuple(_trace_cast(a, *cast) for a in args)
+                kwargs = {k: _trace_cast(v, *cast) for k, v in kwargs.items()}
+            return op(*args, **kwargs)
+
+    return kernel
+
+
+def _register_trace_kernels() -> None:
+    if _TRACE_LIBRARY:
+        return
+    if not torch._C._dispatch_has_backend_fallback(_TRACE_KEY):
+        # Every other op passes the key by, as CUDA's autocast key lets them pass.
+        fallback = torch.library.Library("_", "IMPL")
+        fallback.fallback(torch.library.fallthrough_kernel, _TRACE_KEY.name)
+        _TRACE_LIBRARY.append(fallback)
+    library = torch.library.Library("aten", "IMPL")
+    for name in sorted(LOWER_PRECISION | FLOAT32 | FLOAT32_BY_DTYPE_ARG | PROMOTE):
+        packet = getattr(torch.ops.aten, name, None)
+        if packet is None:  # not in this torch version
+            continue
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            qualified = name if overload == "default" else f"{name}.{overload}"
+            if not any("Tensor" in str(argument.type) for argument in op._schema.arguments):
+                continue
+            try:
+                if not torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), _TRACE_KEY):
+                    library.impl(qualified, _trace_kernel(op, name), _TRACE_KEY.name)
+            except RuntimeError:  # an overload Python names but the dispatcher does not have
+                continue
+    _TRACE_LIBRARY.append(library)
+
+
+@contextlib.contextmanager
+def traced_autocast(dtype: torch.dtype) -> Iterator[None]:
+    """Autocast to `dtype` for fake tensors of gpupool's C++ device, while a trace runs."""
+    _register_trace_kernels()
+    device_type = _backend()
+    was = torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+    set_enabled = _ORIGINALS.get("set_autocast_enabled", torch.set_autocast_enabled)
+    set_dtype = _ORIGINALS.get("set_autocast_dtype", torch.set_autocast_dtype)
+    set_enabled(device_type, True)
+    set_dtype(device_type, dtype)
+    try:
+        yield
+    finally:
+        set_enabled(device_type, was[0])
+        set_dtype(device_type, was[1])
+
+
+@contextlib.contextmanager
+def suspended() -> Iterator[None]:
+    """This thread's autocast("cuda") off: for the ops of a graph traced under autocast,
+    whose casts are in it (cast again here, a decomposition's op could change dtype)."""
+    was = getattr(_state, "enabled", False)
+    _state.enabled = False
+    try:
+        yield
+    finally:
+        _state.enabled = was

@@ -16,11 +16,13 @@ The stand-ins live on the tensors' C++ device (`gpupool:N`): a fake `cuda` tenso
 autograd on a CPU-only torch (no CUDA device guard), and factory calls in the graphs then name
 the remote tensors' own C++ device, which gpupool's kernels take.
 
-What the trace cannot stand for runs the module eagerly (remote ops one by one, correct):
-bf16/fp16 autocast (gpupool's autocast acts on remote tensors, not on fakes), a forward that
-reads a value or holds a tensor that is not a parameter, buffer or argument, host tensors
-among the arguments, results that are not tensors and plain constants, and more than
-`MAX_SIGNATURES` signatures. The reason is kept per signature (`declined()`).
+Under bf16/fp16 autocast the trace runs with autocast on for the fakes' device, so the
+graphs hold its casts (gpupool.torch.autocast.traced_autocast), and the signature holds the
+autocast dtype. What the trace cannot stand for runs the module eagerly (remote ops one by
+one, correct): a forward that reads a value or holds a tensor that is not a parameter,
+buffer or argument, host tensors among the arguments, results that are not tensors and
+plain constants, and more than `MAX_SIGNATURES` signatures. The reason is kept per signature
+(`declined()`).
 """
 
 from __future__ import annotations
@@ -146,7 +148,8 @@ def _graph_compiler(steps: list[CapturedStep]) -> Callable[..., Any]:
                 if order == 0:
                     order = known[places] = len(orders)
                     orders.append(places)
-            with warnings.catch_warnings():
+            with warnings.catch_warnings(), autocast.suspended():
+                # The graph holds autocast's casts: its ops are not cast again.
                 warnings.simplefilter("ignore", CaptureWarning)
                 return step(order, *values)
 
@@ -242,9 +245,8 @@ class TrainingGraphs:
     def _key(
         self, leaves: list[Any], spec: Any, modules: list[torch.nn.Module], state: list[Any]
     ) -> tuple[Any, str | None]:
-        if autocast._enabled()[0]:
-            return None, "autocast"
-        parts: list[Any] = [spec]
+        enabled, dtype = autocast._enabled()
+        parts: list[Any] = [spec, dtype if enabled else None]
         for leaf in leaves:
             if isinstance(leaf, RemoteTensor):
                 parts.append((leaf._sig, leaf._gp.stream.index, leaf.requires_grad))
@@ -279,7 +281,11 @@ class TrainingGraphs:
         steps: list[CapturedStep] = []
         compiler = _graph_compiler(steps)
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
-        with _tracing():
+        enabled, dtype = autocast._enabled()
+        # Under autocast("cuda") the casts are traced into the graphs, as a local
+        # torch.compile traces them (gpupool.torch.autocast.traced_autocast).
+        casts = autocast.traced_autocast(dtype) if enabled else contextlib.nullcontext()
+        with _tracing(), casts:
             call = aot_module_simplified(
                 flat,  # type: ignore[arg-type]  # typed for Dynamo's graphs; takes any module
                 tensors,

@@ -109,9 +109,12 @@ def geometry(tensor: torch.Tensor) -> tuple[Any, ...]:
     )  # fmt: skip
 
 
-def compile_steps(run: Traced, examples: Sequence[torch.Tensor]) -> Traced:
+def compile_steps(
+    run: Traced, examples: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype | None]
+) -> Traced:
     """Inductor's compiled form of `run(*tensors) -> list of tensors` (the program's steps on
-    its inputs and externals), for tensors laid out as `examples` are. Raises NotCompilable
+    its inputs and externals), for tensors laid out as `examples` are, returning tensors of
+    `dtypes` (what `run` returned, op by op, on tensors laid out so). Raises NotCompilable
     with Inductor's own reason when it cannot compile them."""
     with _lock:  # one compile at a time: Inductor's global state is not per thread
         _configure()
@@ -129,4 +132,35 @@ def compile_steps(run: Traced, examples: Sequence[torch.Tensor]) -> Traced:
             ) from None
     if not callable(compiled):
         raise NotCompilable(f"Inductor returned {type(compiled).__name__}, not a callable")
-    return compiled
+    return _in_dtypes(compiled, list(dtypes))
+
+
+def _in_dtypes(compiled: Traced, dtypes: list[torch.dtype | None]) -> Traced:
+    """The compiled call, its outputs in the dtypes the ops gave them.
+
+    Fake tensors and Inductor's decompositions may give another dtype than the kernel: batch
+    norm of a CPU bf16 input with float32 weights saves its mean and inverse deviation in
+    bf16 under both, where ATen's kernel (and the client, which inferred the program's
+    outputs from it) says float32. A local torch.compile never sees the difference, since it
+    traced its graphs on fake tensors too; here the outputs are what the client holds, so an
+    output of another dtype is cast to its own. The first call finds which outputs need it;
+    later calls cast those only (a program's inputs keep their geometry, so its outputs
+    keep theirs)."""
+    casts: list[tuple[int, torch.dtype]] | None = None
+
+    def call(*tensors: torch.Tensor) -> Any:
+        nonlocal casts
+        values = compiled(*tensors)
+        if casts is None:
+            casts = [
+                (i, dtype)
+                for i, (value, dtype) in enumerate(zip(values, dtypes, strict=True))
+                if dtype is not None and isinstance(value, torch.Tensor) and value.dtype != dtype
+            ]
+        if casts:
+            values = list(values)
+            for i, dtype in casts:
+                values[i] = values[i].to(dtype)
+        return values
+
+    return call

@@ -180,6 +180,10 @@ class _PutStep:
         slots[self.slot].copy_(self.source)
 
 
+def _dtype(value: Any) -> torch.dtype | None:
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
 class _CompiledStep:
     """The whole program as one call of its Inductor-compiled form."""
 
@@ -248,6 +252,8 @@ class Program:
             self.compile_problem = "the worker's operator turned compiling off (GPUPOOL_INDUCTOR=0)"
         self._compile_pending = asked == "inductor" and self.compile_problem is None
         self._passed: Any = None
+        self._passed_dtypes: list[torch.dtype | None] = []
+        """The dtypes of the results (`_results`) of the op-by-op run that set `_passed`."""
         """The geometry of the tensors in the last RUN that went op by op without an error:
         the program compiles only at a RUN whose tensors have just that geometry, so every
         guard the compiled call skips has passed for what it computes."""
@@ -398,7 +404,14 @@ class Program:
         slots = self._run(inputs, executor)
         if before is not None:
             self._passed = before  # only once the run op by op succeeded
+            self._passed_dtypes = [_dtype(slots[slot]) for slot in self._results()]
         return slots
+
+    def _results(self) -> list[int]:
+        """The slots a compiled call returns: outputs and escapes it does not take in."""
+        fixed = set(range(len(self.input_specs))) | {slot for slot, _ in self.externals}
+        wanted = dict.fromkeys([*self.outputs, *(slot for slot, _ in self.escapes)])
+        return [slot for slot in wanted if slot not in fixed]
 
     def _geometry(self, inputs: list[torch.Tensor], executor: ExecutorView) -> Any:
         """The geometry of the tensors a compiled call would take, or None if one is missing."""
@@ -433,9 +446,7 @@ class Program:
         self._compile_pending = False
         n_inputs = len(self.input_specs)
         external = [slot for slot, _ in self.externals]
-        fixed = set(range(n_inputs)) | set(external)
-        wanted = dict.fromkeys([*self.outputs, *(slot for slot, _ in self.escapes)])
-        results = [slot for slot in wanted if slot not in fixed]
+        results = self._results()
         steps = list(self.steps)
 
         def run(*tensors: torch.Tensor) -> list[Any]:
@@ -453,7 +464,7 @@ class Program:
         slots = self._slots(inputs, executor)
         examples = [*slots[:n_inputs], *(slots[slot] for slot in external)]
         try:
-            compiled = inductor.compile_steps(run, examples)
+            compiled = inductor.compile_steps(run, examples, self._passed_dtypes)
         except NotCompilable as exc:
             self.compile_problem = f"Inductor could not compile it: {exc}"
             log.warning("program %d replays op by op: %s", self.id, self.compile_problem)
