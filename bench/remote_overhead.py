@@ -18,7 +18,8 @@ EAGER step of the same run; rows have mode "captured" and say how the worker rep
 (`remote_worker_modes`: graph or ops) and any capture warnings. `--mode compiled`: captured
 as above with `compile=True`, so the worker compiles each step's program with Inductor
 (Triton on a GPU worker, then a CUDA graph; C++ on a CPU worker); rows have mode "compiled".
-`--mode torch-compile`: both sides train the model under `torch.compile` in float32, the loss
+`--mode torch-compile`: both sides train the model under `torch.compile` in float32 (bf16
+autocast with `--amp`), the loss
 differentiated outside the compiled call (locally Inductor on the GPU; remotely the forward
 and backward graphs compiled on the worker, gpupool.torch.joint); rows also give the local
 float32 eager step (`local_eager_ms`) and how the worker ran each graph (`remote_graphs`).
@@ -61,9 +62,10 @@ LEASE = "bench-lease"
 # ---- workloads: each builds its state once and returns a step function ------------------
 
 
-def resnet50_step(batch: int, device: str = "cuda", compiled: bool = False) -> Any:
-    """compiled: the model under torch.compile, in float32 (a compiled module's training
-    calls are compiled on the worker only without autocast)."""
+def resnet50_step(
+    batch: int, device: str = "cuda", compiled: bool = False, amp: bool = False
+) -> Any:
+    """compiled: the model under torch.compile, in float32 unless `amp` (bf16 autocast)."""
     import torch
     import torch.nn.functional as F
     import torchvision
@@ -76,7 +78,9 @@ def resnet50_step(batch: int, device: str = "cuda", compiled: bool = False) -> A
     call = torch.compile(model) if compiled else model
 
     def step() -> None:
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=not compiled):
+        with torch.autocast(
+            torch.device(device).type, dtype=torch.bfloat16, enabled=amp or not compiled
+        ):
             loss = F.cross_entropy(call(images), labels)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -86,7 +90,9 @@ def resnet50_step(batch: int, device: str = "cuda", compiled: bool = False) -> A
     return step
 
 
-def gpt2_step(batch: int, sequence: int = 512, device: str = "cuda", compiled: bool = False) -> Any:
+def gpt2_step(
+    batch: int, sequence: int = 512, device: str = "cuda", compiled: bool = False, amp: bool = False
+) -> Any:
     """compiled: as resnet50_step's, and without the KV cache a training step never reads."""
     import torch
     import transformers
@@ -103,7 +109,9 @@ def gpt2_step(batch: int, sequence: int = 512, device: str = "cuda", compiled: b
     call = torch.compile(model) if compiled else model
 
     def step() -> None:
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=not compiled):
+        with torch.autocast(
+            torch.device(device).type, dtype=torch.bfloat16, enabled=amp or not compiled
+        ):
             loss = call(input_ids=tokens, labels=tokens).loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -368,11 +376,14 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
     device = "cpu" if spec["mode"] == "local" and spec.get("worker_device") == "cpu" else "cuda"
     if spec.get("worker_device") == "cpu":
         torch.set_num_threads(1)  # as the worker: one core each, on a host that has few
-    compiled = bool(spec.get("torch_compile"))
+    compiled, amp = bool(spec.get("torch_compile")), bool(spec.get("amp"))
     if workload == "resnet50":
-        return time_step(spec, resnet50_step(batch, device=device, compiled=compiled), 5, device)
+        step = resnet50_step(batch, device=device, compiled=compiled, amp=amp)
+        return time_step(spec, step, 5, device)
     if workload == "gpt2":
-        return time_step(spec, gpt2_step(batch, device=device, compiled=compiled), 3, device)
+        return time_step(
+            spec, gpt2_step(batch, device=device, compiled=compiled, amp=amp), 3, device
+        )
     if workload in SMALL:
         return time_step(spec, small_step(workload, batch, device, compiled), 5, device)
     if workload == "op_throughput":
@@ -544,6 +555,11 @@ def main() -> int:
         action="store_true",
         help="worker on one physical core, the program (local and remote alike) on another",
     )
+    parser.add_argument(
+        "--amp",
+        action="store_true",
+        help="--mode torch-compile under bf16 autocast (both sides) instead of float32",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -568,7 +584,7 @@ def main() -> int:
     torch_compile = args.mode == "torch-compile"
     extra: dict[str, Any] = {"capture": args.mode in ("captured", "compiled"),
                              "torch_compile": torch_compile, "graph": not args.no_graph,
-                             "compile": args.mode == "compiled",
+                             "compile": args.mode == "compiled", "amp": args.amp,
                              "worker_device": "cpu" if on_cpu else "cuda"}  # fmt: skip
     worker_cpus: str | None = None
     if args.pin:
@@ -621,6 +637,7 @@ def main() -> int:
                     "workload": workload,
                     "batch": batch,
                     "mode": args.mode,
+                    "amp": args.amp,
                     "local_ms": local.get("ms"),
                     "remote_ms": remote.get("ms"),
                     "ratio": (remote["ms"] / local["ms"])

@@ -3,6 +3,7 @@
 # worker (gpupool.torch.joint), a client without a GPU against its worker on GPU 0:
 #   bash bench/gpu/run_compiled_training.sh tests   # the compiled tests of test_remote_apis.py
 #   bash bench/gpu/run_compiled_training.sh bench [WORKLOADS]   # --mode torch-compile rows
+#   bash bench/gpu/run_compiled_training.sh bench-amp [WORKLOADS]   # the same under bf16 autocast
 # (carry .whl, made by `../shared/tools/device-wheels controller agent k8s programs`).
 # WORKLOADS defaults to resnet50:32; gpt2:8 is the other. stdout: summaries; $OUT: logs, json.
 set -u
@@ -17,8 +18,9 @@ if [ "$part" = tests ]; then
   echo "===== compiled tests rc=$?"; tail -15 "$OUT/compiled_tests.log"
 else
   only=${2:-resnet50:32}
-  timeout -k 5 540 python3 bench/remote_overhead.py --mode torch-compile --only "$only" \
-    --steps 20 --timeout 400 --out "$OUT/remote_torch_compile.json" > "$OUT/bench.log" 2>&1
+  amp=; [ "$part" = bench-amp ] && amp=--amp
+  timeout -k 5 540 python3 bench/remote_overhead.py --mode torch-compile $amp --only "$only" \
+    --steps 20 --timeout 400 --out "$OUT/remote_torch_compile$amp.json" > "$OUT/bench.log" 2>&1
   echo "===== torch-compile bench rc=$?"; grep '^{' "$OUT/bench.log" | cut -c1-1500
   tail -5 "$OUT/bench.log"
 fi
