@@ -689,6 +689,16 @@ def _norm_mlp() -> nn.Module:
     ).cuda()
 
 
+def _assert_both_graphs_compiled(graphs: Any) -> None:
+    """Nothing declined, and the forward and the backward graph each an Inductor program."""
+    assert graphs.declined() == []
+    modes = [[m[:8] for m, runs in step.worker_programs() if runs > 1] for step in graphs.steps()]
+    assert modes == [["inductor"], ["inductor"]], (
+        modes,
+        [s.not_compiled() for s in graphs.steps()],
+    )
+
+
 def test_compiled_training_runs_forward_and_backward_graphs_compiled_on_the_worker(
     attach: Callable[..., Any],
 ) -> None:
@@ -707,12 +717,7 @@ def test_compiled_training_runs_forward_and_backward_graphs_compiled_on_the_work
     got = _compiled_training(compiled, x, y, 10)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     graphs = compiled.forward.training
-    assert graphs.declined() == []
-    modes = [[m[:8] for m, runs in step.worker_programs() if runs > 1] for step in graphs.steps()]
-    assert modes == [["inductor"], ["inductor"]], (
-        modes,
-        [s.not_compiled() for s in graphs.steps()],
-    )
+    _assert_both_graphs_compiled(graphs)
     torch.testing.assert_close(model[2].running_mean.cpu(), eager[2].running_mean.cpu())
     torch.testing.assert_close(model[4].weight.cpu(), eager[4].weight.cpu(), rtol=1e-5, atol=1e-6)
     out = compiled(x)
@@ -759,12 +764,7 @@ def test_compiled_training_under_autocast_has_the_casts_in_its_graphs(
     assert dtypes == eager_dtypes == {torch.bfloat16}
     torch.testing.assert_close(got, expected, rtol=3e-2, atol=3e-3)
     graphs = compiled.forward.training
-    assert graphs.declined() == []
-    modes = [[m[:8] for m, runs in step.worker_programs() if runs > 1] for step in graphs.steps()]
-    assert modes == [["inductor"], ["inductor"]], (
-        modes,
-        [s.not_compiled() for s in graphs.steps()],
-    )
+    _assert_both_graphs_compiled(graphs)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in model.parameters())
     torch.testing.assert_close(model[4].weight.cpu(), eager[4].weight.cpu(), rtol=3e-2, atol=3e-3)
     twin = copy.deepcopy(model)
