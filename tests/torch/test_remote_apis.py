@@ -774,6 +774,41 @@ def test_compiled_training_under_autocast_has_the_casts_in_its_graphs(
     assert compiled(x).dtype == torch.float32
 
 
+def test_a_backward_graph_the_trace_cannot_stand_for_declines_before_any_backward(
+    attach: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backward graph is made a captured step when the signature is traced, not at the
+    first backward: one it cannot stand for (a tensor constant) declines the signature, and
+    the caller's loss.backward() never sees the refusal."""
+    from gpupool.torch import joint
+
+    made = joint._graph_compiler
+
+    def refusing_backwards(steps: list[Any]) -> Any:
+        compile_graph = made(steps)
+
+        def compile_or_refuse(gm: Any, example_inputs: list[Any]) -> Any:
+            if steps:  # the forward graph is in: this is the backward
+                raise joint.Declined("the backward makes a tensor constant")
+            return compile_graph(gm, example_inputs)
+
+        return compile_or_refuse
+
+    monkeypatch.setattr(joint, "_graph_compiler", refusing_backwards)
+    attach()
+    torch._dynamo.reset()
+    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
+    compiled = torch.compile(_norm_mlp())
+    torch.testing.assert_close(
+        _compiled_training(compiled, x, y, 4),
+        _compiled_training(_norm_mlp(), x, y, 4),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    declined = compiled.forward.training.declined()
+    assert declined == ["Declined: the backward makes a tensor constant"], declined
+
+
 def test_compiled_training_follows_the_module_where_its_graphs_cannot(
     attach: Callable[..., Any],
 ) -> None:

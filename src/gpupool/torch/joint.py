@@ -274,6 +274,7 @@ class TrainingGraphs:
         return key, None
 
     def _trace(self, leaves: list[Any], spec: Any) -> _Traced:
+        from torch._functorch import config as functorch_config
         from torch._functorch.aot_autograd import aot_module_simplified
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -285,7 +286,15 @@ class TrainingGraphs:
         # Under autocast("cuda") the casts are traced into the graphs, as a local
         # torch.compile traces them (gpupool.torch.autocast.traced_autocast).
         casts = autocast.traced_autocast(dtype) if enabled else contextlib.nullcontext()
-        with _tracing(), casts:
+        # The backward graph is compiled (made a captured step) now, not at the first
+        # backward: what it cannot stand for declines the signature here, where the module
+        # can still run eagerly, rather than failing inside the caller's loss.backward().
+        eager_backward = (
+            functorch_config.patch(force_non_lazy_backward_lowering=True)
+            if hasattr(functorch_config, "force_non_lazy_backward_lowering")
+            else contextlib.nullcontext()
+        )
+        with _tracing(), casts, eager_backward:
             call = aot_module_simplified(
                 flat,  # type: ignore[arg-type]  # typed for Dynamo's graphs; takes any module
                 tensors,
