@@ -334,7 +334,11 @@ def _any_of(args: tuple[Any, ...], dtypes: tuple[torch.dtype, ...]) -> bool:
 
 
 def _widest(args: tuple[Any, ...]) -> torch.dtype | None:
-    dtypes = _float_dtypes(args)
+    return _widest_of(_float_dtypes(args))
+
+
+def _widest_of(dtypes: set[torch.dtype]) -> torch.dtype | None:
+    """What a promote-list op casts its float tensors to: None unless their dtypes differ."""
     if len(dtypes) < 2:
         return None
     return torch.float32 if torch.float32 in dtypes else torch.bfloat16
@@ -402,9 +406,8 @@ def _trace_kernel(op: Any, name: str) -> Callable[..., Any]:
         elif name in FLOAT32:
             cast = torch.float32, _SIXTEEN
         elif name in PROMOTE:
-            dtypes = _trace_dtypes((*args, *kwargs.values()))
-            if len(dtypes) >= 2:
-                widest = torch.float32 if torch.float32 in dtypes else torch.bfloat16
+            widest = _widest_of(_trace_dtypes(args))  # positional tensors, as adjust() reads
+            if widest is not None:
                 cast = widest, _ELIGIBLE
         with torch._C._ExcludeDispatchKeyGuard(exclude):
             if cast is not None:
