@@ -260,6 +260,50 @@ def test_gpu_actions_wait_for_the_gpu_state(pool: LivePool, page: Page) -> None:
     expect(page.locator("[data-action=clear]")).to_be_disabled()  # not isolated
 
 
+def test_a_page_left_while_it_loaded_does_not_draw_over_the_next(
+    pool: LivePool, page: Page
+) -> None:
+    # Seen as a flaky test: sign-in routes twice (the hash change, then boot once the chrome
+    # loads). The first GPU view's late answer enabled the second view's buttons before that
+    # view had its GPU, so a click on them did nothing.
+    first, second = pool.gpus()[:2]
+    held: list[Any] = []
+    first_url = f"**/api/v1/dashboard/gpus/{first['uuid']}"
+    page.route(first_url, lambda route: held.append(route))
+    page.goto(f"{pool.url}/#/gpus/{first['uuid']}")
+    for _ in range(100):  # the handler runs while Playwright waits: at most 5 s
+        if held:
+            break
+        page.wait_for_timeout(50)
+    assert len(held) == 1, "the first page asked for its GPU's state"
+    page.goto(f"{pool.url}/#/gpus/{second['uuid']}")
+    name = page.locator("#gpu-name")
+    expect(name).to_contain_text(f"{second['node']}/{second['index']}")
+    # Every text the page writes into the name from now on is kept.
+    page.evaluate(
+        """() => { window.names = [];
+          const el = document.querySelector("#gpu-name");
+          new MutationObserver(() => window.names.push(el.textContent))
+            .observe(el, {childList: true, subtree: true, characterData: true}); }"""
+    )
+    with page.expect_response(
+        lambda r: first["uuid"] in r.url and "/dashboard/gpus/" in r.url
+    ) as late:
+        held[0].continue_()
+    late.value.finished()
+    page.unroute(first_url)
+    # The page shown refreshes itself (every 3 s) after the late answer came: its scripts
+    # have run past that answer by the time this refresh's answer is in.
+    with page.expect_response(lambda r: second["uuid"] in r.url and "/dashboard/gpus/" in r.url):
+        pass
+    written = page.evaluate("() => window.names")
+    assert written and not [w for w in written if f"{first['node']}/{first['index']} " in w], (
+        written
+    )
+    expect(name).to_contain_text(f"{second['node']}/{second['index']}")
+    expect(page.locator("#gpu-model")).to_contain_text(second["uuid"])
+
+
 def test_switching_a_gpu_mode_asks_first_and_records_the_operator(
     pool: LivePool, page: Page
 ) -> None:

@@ -520,6 +520,7 @@
       },
       async refresh() {
         const [o, nodes] = await Promise.all([api("/dashboard/overview"), api("/nodes")]);
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         last = o;
         down = new Set(nodes.filter((n) => n.state !== "up").map((n) => n.name));
         const m = o.gpus_by_mode;
@@ -619,6 +620,7 @@
       },
       async refresh() {
         const all = await api("/dashboard/servers");
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         const q = $("#f-name").value.trim().toLowerCase();
         const st = $("#f-state").value;
         const shown = all.filter((s) => (!q || s.name.toLowerCase().includes(q)) && (!st || (st === "up") === s.up));
@@ -651,6 +653,7 @@
       },
       async refresh() {
         const all = await api("/dashboard/servers");
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         const s = all.find((x) => x.name === name);
         $("#server").innerHTML = s ? serverCard(s) : `<div class="notice bad">No server named ${esc(name)}.</div>`;
         await drawCharts(charts);
@@ -674,6 +677,7 @@
       },
       async refresh() {
         const o = await api("/dashboard/overview");
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         const mode = $("#f-mode").value;
         const q = $("#f-q").value.trim().toLowerCase();
         const shown = o.gpus.filter((g) => (!mode || g.mode === mode) && (!q || `${g.node} ${g.model}`.toLowerCase().includes(q)));
@@ -753,6 +757,7 @@
           $("#gpu-notice").innerHTML = `<div class="notice bad">${esc(err.message)}</div>`;
           return;
         }
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         current = d;
         const g = d.gpu;
         this.crumbs = `<a href="#/servers">Servers</a> / <a href="#/servers/${enc(g.node)}">${esc(g.node)}</a>`;
@@ -867,6 +872,7 @@
         const q = new URLSearchParams({ limit: String(LIMIT) });
         for (const k of ["tenant", "state", "node", "gpu"]) { const v = $(`#f-${k}`).value.trim(); if (v) q.set(k, v); }
         leases = await api(`/leases?${q}`);
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         $("#count").textContent = `${leases.length}${leases.length === LIMIT ? "+" : ""} lease(s), newest first`;
         $("#leases").innerHTML = leaseTable(leases);
       },
@@ -886,6 +892,7 @@
       },
       async refresh() {
         const q = await api("/queue");
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         entries = q.map((e) => ({ ...e.lease, queue_position: e.position }));
         const oldest = entries.reduce((a, l) => Math.max(a, (Date.now() - Date.parse(l.created_at)) / 1000), 0);
         const tenants = new Set(entries.map((l) => l.tenant));
@@ -921,6 +928,7 @@
       },
       async refresh() {
         tenants = await api("/tenants");
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         const pct = (v) => `${fmt.int(v)}%`;
         $("#tenants").innerHTML = `<table><thead><tr><th>Tenant</th><th class="num">Weight</th><th>Compute</th><th>Memory</th><th>Whole GPUs</th><th>Leases</th><th class="num">Waiting</th><th class="num">Max priority</th><th></th></tr></thead><tbody>
           ${tenants.map((t) => `<tr data-testid="tenant-row"><td><span class="swatch" style="background:${tenantColor(t.name)}"></span><a href="#/leases?tenant=${enc(t.name)}">${esc(t.name)}</a></td>
@@ -977,6 +985,7 @@
         const newest = events.length ? events[0].id : null;
         if (newest != null) { q.set("since_id", String(newest)); q.set("limit", "500"); } else q.set("limit", String(KEEP));
         const got = await api(`/events?${q}`);
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         events = [...got.reverse(), ...events].slice(0, KEEP);
         $("#events").innerHTML = eventTable(events);
       },
@@ -998,6 +1007,7 @@
       },
       async refresh() {
         const a = await api("/alerts");
+        if (state.view !== this) return; // a page left while this loaded: not ours to draw
         $("#evaluated").textContent = a.evaluated_at ? `evaluated ${fmt.ago(a.evaluated_at)}` : "not evaluated yet";
         $("#firing").innerHTML = alertRows(a.firing);
         $("#pending").innerHTML = alertRows(a.pending, "Nothing pending.");
