@@ -321,7 +321,7 @@ def test_inductor_never_compiles_what_the_op_path_guards(
     and the log says which; so does a compile that fails."""
     executor = prepared()
     run(executor, [[Rec.DEF, 6, "aten::_batch_norm_no_update"], [Rec.DEF, 9, "aten::gelu"],
-                   [Rec.DEF, 11, "aten::embedding_dense_backward"]])  # fmt: skip
+                   [Rec.DEF, 11, "aten::repeat_interleave.Tensor"]])  # fmt: skip
     bn = ["op", 6, [slot(0), slot(1), None, slot(1), slot(1), 0.1, 0.0], None, [2] + [None] * 3]
     cases = {
         "runs through the worker's own implementation": [bn],
@@ -329,7 +329,7 @@ def test_inductor_never_compiles_what_the_op_path_guards(
             ["op", 9, [slot(0)], {"approximate": "tanh'); import os; ('"}, [2]]
         ],
         "runs behind a check of its tensors' values": [
-            ["op", 11, [slot(0), slot(1), 3, -1, False], None, [2]]
+            ["op", 11, [slot(1)], {"output_size": 3}, [2]]
         ],
     }
     for program_id, (reason, steps) in enumerate(cases.items(), start=40):
@@ -353,6 +353,79 @@ def test_inductor_never_compiles_what_the_op_path_guards(
     assert executor.stats()["programs"] == [
         [5, "ops", 3, "Inductor could not compile it: RuntimeError: no C++ compiler"]
     ]
+
+
+def _embedding_backward_worker() -> Any:
+    """A worker holding a gradient [4, 2] of 1.0 (handle 20) and indices [4] of 1 (21)."""
+    from gpupool.protocol.v1.tensors import DTYPE_EXT, REMOTE_DEVICE_EXT
+
+    executor = make()
+    long = {"dtype": DTYPE_EXT[torch.int64], "device": REMOTE_DEVICE_EXT}
+    f32 = {"dtype": DTYPE_EXT[torch.float32], "device": REMOTE_DEVICE_EXT}
+    run(executor, [[Rec.DEF, 11, "aten::embedding_dense_backward"], [Rec.DEF, 12, "aten::clone"],
+                   [Rec.DEF, 13, "aten::add_.Tensor"],
+                   [Rec.OP, 1, [[4, 2]], f32, [20]], [Rec.OP, 2, [handle_ext(20), 1.0], None, None],
+                   [Rec.OP, 1, [[4]], long, [21]], [Rec.OP, 2, [handle_ext(21), 1], None, None]])  # fmt: skip
+    return executor
+
+
+def _embedding_backward(steps: list[Any], slots: int = 3) -> dict[str, Any]:
+    return {
+        "v": PROGRAM_VERSION, "inputs": [["float32", [4, 2], [2, 1]], ["int64", [4], [1]]],
+        "slots": slots, "externals": [], "steps": steps, "outputs": [slots - 1], "escapes": [],
+        "graph": False, "compile": "inductor",
+    }  # fmt: skip
+
+
+def test_a_compiled_backward_checks_its_embedding_indices_before_every_call() -> None:
+    """An embedding's gradient (a training step's backward has one) is compiled: its check
+    reads only the range of the indices, which the program takes in and never writes, so the
+    worker checks that range before each compiled call. Indices out of range are refused at
+    that call, as op by op, and the next call is served."""
+    executor = _embedding_backward_worker()
+    program = _embedding_backward([["op", 11, [slot(0), slot(1), 3, -1, False], None, [2]]])
+    define(executor, program)
+    assert executor.programs.get(5).compile_problem is None
+    for i in range(3):
+        run(executor, [[Rec.RUN, 5, [handle_ext(20), handle_ext(21)], [30 + i]]])
+        assert read(executor, 30 + i) == [[0.0, 0.0], [4.0, 4.0], [0.0, 0.0]], i
+    assert executor.stats()["programs"] == [[5, "inductor", 3, None]]
+    run(executor, [[Rec.OP, 2, [handle_ext(21), 7], None, None],
+                   [Rec.RUN, 5, [handle_ext(20), handle_ext(21)], [40]]])  # fmt: skip
+    error = read(executor, 40)
+    assert error["kind"] == ErrorKind.OP, error
+    assert (
+        "aten::embedding_dense_backward refused: indices holds values in [7, 7], outside [0, 3)"
+        in (error["message"])
+    )
+    assert "op 1 of 1 (aten::embedding_dense_backward)" in error["message"]
+    run(executor, [[Rec.OP, 2, [handle_ext(21), 2], None, None],
+                   [Rec.RUN, 5, [handle_ext(20), handle_ext(21)], [41]]])  # fmt: skip
+    assert read(executor, 41) == [[0.0, 0.0], [0.0, 0.0], [4.0, 4.0]]
+    assert executor.stats()["programs"] == [[5, "inductor", 5, None]]
+
+
+@pytest.mark.parametrize("how", ["made", "written"])
+def test_indices_the_program_makes_or_writes_keep_it_op_by_op(how: str) -> None:
+    """The range check before a compiled call can only see the tensors the call takes in:
+    indices the program computes, or writes before the op, keep it op by op, checked there."""
+    executor = _embedding_backward_worker()
+    first = (
+        ["op", 12, [slot(1)], None, [2]] if how == "made"
+        else ["op", 13, [slot(1), slot(1)], None, [2]]
+    )  # fmt: skip
+    index = slot(2) if how == "made" else slot(1)
+    program = _embedding_backward(
+        [first, ["op", 11, [slot(0), index, 3, -1, False], None, [3]]], slots=4
+    )
+    define(executor, program)
+    run(executor, [[Rec.OP, 2, [handle_ext(21), 0], None, None]])  # 0 + 0 stays in range
+    for i in range(3):
+        run(executor, [[Rec.RUN, 5, [handle_ext(20), handle_ext(21)], [30 + i]]])
+        assert read(executor, 30 + i) == [[4.0, 4.0], [0.0, 0.0], [0.0, 0.0]], i
+    [[_, mode, runs, problem]] = executor.stats()["programs"]
+    assert (mode, runs) == ("ops", 3)
+    assert "aten::embedding_dense_backward's indices is made or written by the program" in problem
 
 
 def _three_runs_fresh() -> list[Any]:

@@ -14,7 +14,11 @@ What is never compiled, so that a tenant cannot reach past what the op-by-op pat
     the arguments and the tensors' geometry (GEOMETRY_CHECKS) passed in the op-by-op run and
     hold for every later one: the arguments are the program's constants, and each compiled
     call first checks that its tensors still have the geometry they were compiled for
-    (sizes, strides, storage offset and size), which is what those checks read;
+    (sizes, strides, storage offset and size), which is what those checks read. The checks
+    whose only value reading is an index tensor's range (`opchecks.INDEX_RANGES`: embedding
+    and max-pool backward, which a training step's backward has) are compiled where that
+    tensor is one the program takes in and never writes: the program checks its range before
+    every compiled call and CUDA graph replay, so the kernels only ever see indices in range;
   - an op the worker runs through a shim of its own (not a bare aten overload);
   - an argument other than numbers, bools, None, dtypes, devices, layouts, memory formats,
     short identifier-like strings ("sum", "tanh") and lists of those: nothing a tenant sends
@@ -125,6 +129,8 @@ def compile_steps(
             with torch.no_grad():
                 graph = make_fx(run, tracing_mode="fake")(*examples)
                 compiled = compile_fx(graph, list(examples))
+        except NotCompilable:
+            raise
         except Exception as exc:
             text = str(exc).strip().splitlines()
             raise NotCompilable(

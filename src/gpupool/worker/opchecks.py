@@ -1399,7 +1399,11 @@ def _cudnn_rnn_made(a: Args, result: Any) -> Any:
     reserve, buffer = result[3], result[4]
     state = DROPOUT_STATES.get(buffer)
     _CUDNN_BUFFERS[buffer] = (
-        _cudnn_stack(a), bool(a["train"]), buffer.numel(), reserve.numel(), state
+        _cudnn_stack(a),
+        bool(a["train"]),
+        buffer.numel(),
+        reserve.numel(),
+        state,
     )
     return result
 
@@ -1569,3 +1573,44 @@ CHECKS: dict[str, Check] = {
     ),
 }
 """Every check the policy table may name, by name."""
+
+
+# ---- index ranges a compiled program checks before it runs ----------------------------------
+
+IndexRange = tuple[str, int, int]
+"""(argument, low, high): every value of that index tensor must lie in [low, high)."""
+
+
+def _embedding_range(a: Args) -> list[IndexRange]:
+    return [("indices", 0, _int(a["num_weights"], "num_weights"))]
+
+
+def _pool_range(a: Args, spatial: int) -> list[IndexRange]:
+    inp = _tensor(a["self"], "self")
+    return [("indices", 0, max(math.prod(inp.shape[-spatial:]), 1))]
+
+
+INDEX_RANGES: dict[str, Callable[[Args], list[IndexRange]]] = {
+    "embedding_backward": _embedding_range,
+    "pool2d_backward": partial(_pool_range, spatial=2),
+    "pool3d_backward": partial(_pool_range, spatial=3),
+}
+"""The checks (of CHECKS) whose only reading of tensor values is the range of index tensors,
+with bounds that follow from constants and sizes: everything else they check is arguments and
+geometry. A training step's backward has them (an embedding's and a max-pool's gradients), so
+an Inductor-compiled program may hold such an op where the index tensor is one the program
+takes in and never writes: the worker checks the range on that tensor before each compiled
+call (`gpupool.worker.program`), the rest held in the op-by-op run on the same geometry, and a
+kernel given indices in range stays inside its tensors whatever code Inductor wrote for it.
+Each function takes the bound arguments (sizes real, values possibly fake) and returns the
+ranges."""
+
+
+def bind(fn: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> Args:
+    """An op's arguments by name, as its check sees them (`Check.pre`)."""
+    return _Binder(fn._schema).bind(args, kwargs)
+
+
+def check_range(tensor: Any, low: int, high: int, what: str) -> None:
+    """Raise OpRefused unless `tensor` is an integer tensor with every value in [low, high)."""
+    _in_range(_tensor(tensor, what), low, high, what)

@@ -25,6 +25,7 @@ from gpupool.protocol.v1.dataplane import PROGRAM_VERSION, Ext, ProtocolError
 from gpupool.protocol.v1.tensors import dtype_from_name, tensor_from_bytes
 from gpupool.worker import inductor
 from gpupool.worker.inductor import GEOMETRY_CHECKS, NotCompilable, constant_problem, geometry
+from gpupool.worker.opchecks import INDEX_RANGES, IndexRange, OpRefused, bind, check_range
 
 log = logging.getLogger("gpupool.worker")
 
@@ -123,6 +124,7 @@ def _flatten(value: Any) -> Iterator[Any]:
 class _OpStep:
     __slots__ = (
         "args", "bare", "bind_args", "bind_kwargs", "fn", "kwargs", "name", "outs", "problem",
+        "ranges",
     )  # fmt: skip
 
     def __init__(
@@ -134,14 +136,33 @@ class _OpStep:
         kwargs: dict[str, Any] | None,
         outs: list[int | None] | None,
         bare: Any = None,
+        ranges: Callable[[dict[str, Any]], list[IndexRange]] | None = None,
     ) -> None:
         self.name, self.fn, self.problem, self.bare = name, fn, problem, bare
         self.args, self.kwargs, self.outs = args, kwargs or {}, outs
+        self.ranges = ranges
+        """The index ranges its check bounds (`opchecks.INDEX_RANGES`), where the program is
+        to be compiled: checked on the program's tensors before each compiled call."""
         self.bind_args = _binder(args)
         self.bind_kwargs = {k: b for k, v in self.kwargs.items() if (b := _binder(v)) is not None}
 
     def run(self, slots: list[Any]) -> None:
         self.apply(self.fn, slots)
+
+    def index_ranges(self, slots: list[Any]) -> list[tuple[Any, int, int, str]]:
+        """(the index argument as recorded, a Slot where it is a tensor, low, high, its name)
+        of each range the op's check bounds, its bounds from the tensors in `slots` (fake ones
+        while Inductor traces: only their sizes are read)."""
+        assert self.ranges is not None and self.bare is not None
+        args = self.bind_args(slots) if self.bind_args is not None else self.args
+        kwargs = dict(self.kwargs)
+        for name, bind_value in self.bind_kwargs.items():
+            kwargs[name] = bind_value(slots)
+        recorded = bind(self.bare, self.args, self.kwargs)
+        return [
+            (recorded.get(name), low, high, name)
+            for name, low, high in self.ranges(bind(self.bare, args, kwargs))
+        ]
 
     def apply(self, fn: Any, slots: list[Any]) -> None:
         """Run with `fn`: the guarded call (`run`), or the bare overload Inductor traces."""
@@ -243,6 +264,12 @@ class Program:
             raise ProtocolError("program steps must be a list of bounded length")
         self.steps: list[_OpStep | _PutStep | _CompiledStep] = []
         self.mutated_inputs: set[int] = set()
+        self._written: set[int] = set()
+        """Every slot a step writes in place (outputs aside): an index tensor a compiled call
+        checks beforehand must not be one."""
+        self._ranges: list[tuple[int, int, int, str, str]] = []
+        """(slot, low, high, argument, op) of the index tensors the compiled call checks first: the
+        ranges the checks of its compiled-away ops bound (`_OpStep.index_ranges`)."""
         asked = body.get("compile")
         if asked not in (None, "inductor"):
             raise ProtocolError(f"program compile must be 'inductor' or absent, not {asked!r:.40}")
@@ -310,6 +337,7 @@ class Program:
                 source = source.to(self.device)  # a device copy: capturable in a CUDA graph
             if slot < n_inputs:
                 self.mutated_inputs.add(slot)
+            self._written.add(slot)
             return _PutStep(slot, source)
         if step[0] != "op" or len(step) != 5:
             raise ProtocolError(f"unknown program step {step[0]!r}")
@@ -334,20 +362,25 @@ class Program:
                 if defined[slot]:
                     raise ProtocolError(f"program op {op.name} writes slot {slot} twice")
                 defined[slot] = True
+        ranges = None
         if self._compile_pending:
-            self._note_compilable(op, args, kwargs or {})
+            ranges = self._note_compilable(op, args, kwargs or {})
         # op.call, not op.fn: a checked op runs behind its check, and where the lease counts
         # storages each step is charged before it runs.
         call = op.call if op.fn is not None else None
-        return _OpStep(op.name, call, op.problem, args, kwargs, outs, op.fn)
+        return _OpStep(op.name, call, op.problem, args, kwargs, outs, op.fn, ranges)
 
-    def _note_compilable(self, op: DefinedOp, args: list[Any], kwargs: dict[str, Any]) -> None:
+    def _note_compilable(
+        self, op: DefinedOp, args: list[Any], kwargs: dict[str, Any]
+    ) -> Callable[[dict[str, Any]], list[IndexRange]] | None:
         """Whether this op may be part of an Inductor graph (`gpupool.worker.inductor` says
-        what never is); the first one that may not keeps the program op by op."""
+        what never is); the first one that may not keeps the program op by op. Returns the
+        index ranges of an op whose check reads values only so (`opchecks.INDEX_RANGES`)."""
         problem = None
+        ranges = INDEX_RANGES.get(op.check) if op.check is not None else None
         if op.fn is None or not isinstance(op.fn, torch._ops.OpOverload):
             problem = f"{op.name} runs through the worker's own implementation"
-        elif op.check is not None and op.check not in GEOMETRY_CHECKS:
+        elif op.check is not None and op.check not in GEOMETRY_CHECKS and ranges is None:
             problem = f"{op.name} runs behind a check of its tensors' values each time"
         else:
             found = constant_problem([args, list(kwargs.values())], lambda v: type(v) is Slot)
@@ -355,6 +388,8 @@ class Program:
                 problem = f"{op.name} takes {found}"
         if problem is not None:
             self.compile_problem, self._compile_pending = problem, False
+            return None
+        return ranges
 
     def _note_mutations(
         self, fn: Any, args: list[Any], kwargs: dict[str, Any], n_inputs: int
@@ -368,6 +403,7 @@ class Program:
                 continue
             value = kwargs.get(arg.name) if arg.kwarg_only else (args[i] if i < len(args) else None)
             for index in _slots_in(value):
+                self._written.add(index)
                 if index < n_inputs:
                     self.mutated_inputs.add(index)
 
@@ -393,7 +429,11 @@ class Program:
         """Run once; returns the slots (outputs and escapes are read from them)."""
         self.runs += 1
         self.failed_step = None
+        n_inputs = len(self.input_specs)
         if self._graph is not None:
+            if self._ranges:
+                held = self._graph.slots  # the externals it was captured with
+                self._check_ranges(lambda i: inputs[i] if i < n_inputs else held[i])
             return self._replay(inputs)
         before = None
         if self._compile_pending:
@@ -401,6 +441,11 @@ class Program:
             if before is not None and before == self._passed:
                 self._compile_now(inputs, executor, before)
                 before = None
+        if self._ranges:
+            handles = dict(self.externals)
+            self._check_ranges(
+                lambda i: inputs[i] if i < n_inputs else executor.tensors.get(handles[i])
+            )
         slots = self._run(inputs, executor)
         if before is not None:
             self._passed = before  # only once the run op by op succeeded
@@ -448,14 +493,19 @@ class Program:
         external = [slot for slot, _ in self.externals]
         results = self._results()
         steps = list(self.steps)
+        taken = {*range(n_inputs), *external}
+        ranges: list[tuple[int, int, int, str, str]] = []
 
         def run(*tensors: torch.Tensor) -> list[Any]:
             slots: list[Any] = [None] * self.n_slots
             slots[:n_inputs] = tensors[:n_inputs]
             for slot, tensor in zip(external, tensors[n_inputs:], strict=True):
                 slots[slot] = tensor
-            for step in steps:
+            ranges.clear()
+            for index, step in enumerate(steps):
                 if isinstance(step, _OpStep):
+                    if step.ranges is not None:
+                        ranges.extend(self._hoisted(index, step, slots, taken))
                     step.apply(step.bare, slots)
                 else:
                     step.run(slots)
@@ -470,9 +520,39 @@ class Program:
             log.warning("program %d replays op by op: %s", self.id, self.compile_problem)
             return
         self.steps = [_CompiledStep(compiled, [*range(n_inputs), *external], results, shapes)]
+        self._ranges = list(ranges)
         self.mode = "inductor"
         self._graph_from_run = self.runs + GRAPH_AFTER_RUNS
         log.info("program %d compiled by Inductor (%d ops)", self.id, len(steps))
+
+    def _hoisted(
+        self, index: int, step: _OpStep, slots: list[Any], taken: set[int]
+    ) -> list[tuple[int, int, int, str, str]]:
+        """The ranges of `step`'s index tensors for the compiled call to check first; raises
+        (so the program is not compiled) where such a tensor is one the program computes or
+        writes: its values are known only inside the compiled call."""
+        found = []
+        for recorded, low, high, name in step.index_ranges(slots):
+            slot = recorded.index if type(recorded) is Slot else None
+            if slot is None or slot not in taken or slot in self._written:
+                raise NotCompilable(
+                    f"{step.name}'s {name} is made or written by the program, so its values "
+                    "cannot be checked before a compiled call"
+                )
+            found.append(
+                (slot, low, high, name, f"op {index + 1} of {len(self.steps)} ({step.name})")
+            )
+        return found
+
+    def _check_ranges(self, tensor: Callable[[int], Any]) -> None:
+        """The index checks the compiled call's ops had op by op, on the tensors it takes
+        (`tensor(slot)`), before it runs."""
+        for slot, low, high, name, op in self._ranges:
+            try:
+                check_range(tensor(slot), low, high, name)
+            except OpRefused as exc:
+                self.failed_step, self._step_error = op, _one_line(exc)
+                raise OpRefused(f"{op.split('(', 1)[1].rstrip(')')} refused: {exc}") from None
 
     def _run_steps(self, slots: list[Any]) -> None:
         """Every step in order; a failing one is named in `failed_step`, for the client's error
