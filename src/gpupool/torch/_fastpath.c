@@ -979,7 +979,7 @@ fast_adjust(long bits, PyObject *args, PyObject *kwargs, PyObject **out)
         else if (bits & S.bit_float32)
             rc = cast_args(args, kwargs, S.float32, 1, out);
         else if (bits & S.bit_promote) {
-            /* _widest: inputs of one float dtype (a KV cache's cat) need nothing; mixed
+            /* _widest_of: inputs of one float dtype (a KV cache's cat) need nothing; mixed
              * ones are promoted by the Python adjust. */
             int found = 0;
             rc = float_dtypes(args, &found);

@@ -166,6 +166,37 @@ _ELIGIBLE = (torch.float32, torch.float16, torch.bfloat16)
 _current_node = torch._C._current_autograd_node
 
 
+Cast = tuple[torch.dtype, tuple[torch.dtype, ...]]
+FLOAT32_DTYPE = "dtype=float32"
+"""forward_rule's answer for an op of FLOAT32_BY_DTYPE_ARG: pass dtype=torch.float32."""
+
+
+def forward_rule(
+    name: str,
+    target: torch.dtype,
+    dtypes: Callable[[], set[torch.dtype]],
+    dtype_given: bool,
+    takes_dtype: bool = True,
+) -> Cast | str | None:
+    """What autocast does to a forward op under autocast to `target`: (dtype, the dtypes of
+    tensors cast to it), FLOAT32_DTYPE, or None (nothing). `dtypes()` gives the float dtypes
+    of the op's positional device tensors (asked only where the lists need it). The one
+    decision eager autocast (`adjust`) and the trace's kernels (`_trace_kernel`) both make;
+    the client's compiled path (`_fastpath.c`, "autocast") makes it for plain tensors."""
+    if name in LOWER_PRECISION:
+        return target, (torch.float32,)
+    if name in FLOAT32_BY_DTYPE_ARG:
+        if takes_dtype and not dtype_given and dtypes().intersection(_SIXTEEN):
+            return FLOAT32_DTYPE
+        return (torch.float32, _SIXTEEN) if name in FLOAT32 else None
+    if name in FLOAT32:
+        return torch.float32, _SIXTEEN
+    if name in PROMOTE:
+        widest = _widest_of(dtypes())
+        return None if widest is None else (widest, _ELIGIBLE)
+    return None
+
+
 def adjust(
     info: OpInfo, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -173,17 +204,15 @@ def adjust(
     name = info.short_name
     enabled, target = _enabled()
     if enabled:
-        if name in LOWER_PRECISION:
-            return _cast(args, target, (torch.float32,)), _cast_kw(kwargs, target, (torch.float32,))
-        if name in FLOAT32_BY_DTYPE_ARG and kwargs.get("dtype") is None and _any_of(args, _SIXTEEN):
+        rule = forward_rule(
+            name, target, lambda: _float_dtypes(args), kwargs.get("dtype") is not None
+        )
+        if rule is None:
+            return args, kwargs
+        if isinstance(rule, str):  # FLOAT32_DTYPE
             return args, {**kwargs, "dtype": torch.float32}
-        if name in FLOAT32:
-            return _cast(args, torch.float32, _SIXTEEN), _cast_kw(kwargs, torch.float32, _SIXTEEN)
-        if name in PROMOTE:
-            widest = _widest(args)
-            if widest is not None:
-                return _cast(args, widest, _ELIGIBLE), _cast_kw(kwargs, widest, _ELIGIBLE)
-        return args, kwargs
+        dtype, sources = rule
+        return _cast(args, dtype, sources), _cast_kw(kwargs, dtype, sources)
     if name in SOFTMAX_BACKWARD and _float32_output_of_16bit_input(args):
         # The forward ran in float32 (autocast), but autograd recorded the 16-bit input
         # dtype: compute the gradient in float32; autograd casts it back to the input's dtype.
@@ -329,14 +358,6 @@ def _float_dtypes(args: tuple[Any, ...]) -> set[torch.dtype]:
     return found
 
 
-def _any_of(args: tuple[Any, ...], dtypes: tuple[torch.dtype, ...]) -> bool:
-    return any(isinstance(a, RemoteTensor) and a.dtype in dtypes for a in args)
-
-
-def _widest(args: tuple[Any, ...]) -> torch.dtype | None:
-    return _widest_of(_float_dtypes(args))
-
-
 def _widest_of(dtypes: set[torch.dtype]) -> torch.dtype | None:
     """What a promote-list op casts its float tensors to: None unless their dtypes differ."""
     if len(dtypes) < 2:
@@ -393,22 +414,14 @@ def _trace_kernel(op: Any, name: str) -> Callable[..., Any]:
 
     def kernel(*args: Any, **kwargs: Any) -> Any:
         target = torch.get_autocast_dtype(_backend())
-        cast: tuple[torch.dtype, tuple[torch.dtype, ...]] | None = None
-        if name in LOWER_PRECISION:
-            cast = target, (torch.float32,)
-        elif (
-            name in FLOAT32_BY_DTYPE_ARG
-            and takes_dtype
-            and kwargs.get("dtype") is None
-            and _trace_dtypes(args).intersection(_SIXTEEN)
-        ):
+        rule = forward_rule(
+            name, target, lambda: _trace_dtypes(args), kwargs.get("dtype") is not None, takes_dtype
+        )
+        cast = None
+        if isinstance(rule, str):  # FLOAT32_DTYPE
             kwargs = {**kwargs, "dtype": torch.float32}
-        elif name in FLOAT32:
-            cast = torch.float32, _SIXTEEN
-        elif name in PROMOTE:
-            widest = _widest_of(_trace_dtypes(args))  # positional tensors, as adjust() reads
-            if widest is not None:
-                cast = widest, _ELIGIBLE
+        else:
+            cast = rule
         with torch._C._ExcludeDispatchKeyGuard(exclude):
             if cast is not None:
                 args = tuple(_trace_cast(a, *cast) for a in args)
