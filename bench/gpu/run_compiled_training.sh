@@ -19,7 +19,7 @@ if [ "$part" = tests ] || [ "$part" = both ]; then
     -p no:cacheprovider -rs -p no:logging tests/torch/test_remote_apis.py \
     -k "compiled or max_pooling" > "$OUT/compiled_tests.log" 2>&1
   echo "===== compiled tests rc=$?"; tail -15 "$OUT/compiled_tests.log"
-  bench_s=360
+  bench_s=300
 fi
 if [ "$part" != tests ]; then
   only=${2:-resnet50:32}
