@@ -154,26 +154,28 @@ class _OpStep:
         of each range the op's check bounds, its bounds from the tensors in `slots` (fake ones
         while Inductor traces: only their sizes are read)."""
         assert self.ranges is not None and self.bare is not None
-        args = self.bind_args(slots) if self.bind_args is not None else self.args
-        kwargs = dict(self.kwargs)
-        for name, bind_value in self.bind_kwargs.items():
-            kwargs[name] = bind_value(slots)
+        args, kwargs = self._arguments(slots)
         recorded = bind(self.bare, self.args, self.kwargs)
         return [
             (recorded.get(name), low, high, name)
             for name, low, high in self.ranges(bind(self.bare, args, kwargs))
         ]
 
-    def apply(self, fn: Any, slots: list[Any]) -> None:
-        """Run with `fn`: the guarded call (`run`), or the bare overload Inductor traces."""
-        if fn is None:
-            raise ProgramError(self.problem or f"{self.name} cannot run on this worker")
+    def _arguments(self, slots: list[Any]) -> tuple[Any, dict[str, Any]]:
+        """The recorded arguments with the tensors in `slots` in place of their slots."""
         args = self.bind_args(slots) if self.bind_args is not None else self.args
         kwargs = self.kwargs
         if self.bind_kwargs:
             kwargs = dict(kwargs)
-            for name, bind in self.bind_kwargs.items():
-                kwargs[name] = bind(slots)
+            for name, bind_value in self.bind_kwargs.items():
+                kwargs[name] = bind_value(slots)
+        return args, kwargs
+
+    def apply(self, fn: Any, slots: list[Any]) -> None:
+        """Run with `fn`: the guarded call (`run`), or the bare overload Inductor traces."""
+        if fn is None:
+            raise ProgramError(self.problem or f"{self.name} cannot run on this worker")
+        args, kwargs = self._arguments(slots)
         result = fn(*args, **kwargs)
         outs = self.outs
         if outs:
@@ -267,9 +269,10 @@ class Program:
         self._written: set[int] = set()
         """Every slot a step writes in place (outputs aside): an index tensor a compiled call
         checks beforehand must not be one."""
-        self._ranges: list[tuple[int, int, int, str, str]] = []
-        """(slot, low, high, argument, op) of the index tensors the compiled call checks first: the
-        ranges the checks of its compiled-away ops bound (`_OpStep.index_ranges`)."""
+        self._ranges: list[tuple[int, int, int, str, str, str]] = []
+        """(slot, low, high, argument, op name, where in the program) of the index tensors the
+        compiled call checks first: the ranges the checks of its compiled-away ops bound
+        (`_OpStep.index_ranges`)."""
         asked = body.get("compile")
         if asked not in (None, "inductor"):
             raise ProtocolError(f"program compile must be 'inductor' or absent, not {asked!r:.40}")
@@ -494,7 +497,7 @@ class Program:
         results = self._results()
         steps = list(self.steps)
         taken = {*range(n_inputs), *external}
-        ranges: list[tuple[int, int, int, str, str]] = []
+        ranges: list[tuple[int, int, int, str, str, str]] = []
 
         def run(*tensors: torch.Tensor) -> list[Any]:
             slots: list[Any] = [None] * self.n_slots
@@ -527,7 +530,7 @@ class Program:
 
     def _hoisted(
         self, index: int, step: _OpStep, slots: list[Any], taken: set[int]
-    ) -> list[tuple[int, int, int, str, str]]:
+    ) -> list[tuple[int, int, int, str, str, str]]:
         """The ranges of `step`'s index tensors for the compiled call to check first; raises
         (so the program is not compiled) where such a tensor is one the program computes or
         writes: its values are known only inside the compiled call."""
@@ -539,20 +542,19 @@ class Program:
                     f"{step.name}'s {name} is made or written by the program, so its values "
                     "cannot be checked before a compiled call"
                 )
-            found.append(
-                (slot, low, high, name, f"op {index + 1} of {len(self.steps)} ({step.name})")
-            )
+            where = f"op {index + 1} of {len(self.steps)} ({step.name})"
+            found.append((slot, low, high, name, step.name, where))
         return found
 
     def _check_ranges(self, tensor: Callable[[int], Any]) -> None:
         """The index checks the compiled call's ops had op by op, on the tensors it takes
         (`tensor(slot)`), before it runs."""
-        for slot, low, high, name, op in self._ranges:
+        for slot, low, high, name, op, where in self._ranges:
             try:
                 check_range(tensor(slot), low, high, name)
             except OpRefused as exc:
-                self.failed_step, self._step_error = op, _one_line(exc)
-                raise OpRefused(f"{op.split('(', 1)[1].rstrip(')')} refused: {exc}") from None
+                self.failed_step, self._step_error = where, _one_line(exc)
+                raise OpRefused(f"{op} refused: {exc}") from None
 
     def _run_steps(self, slots: list[Any]) -> None:
         """Every step in order; a failing one is named in `failed_step`, for the client's error
