@@ -35,6 +35,8 @@ workloads (mlp, cnn, gpt_tiny) on a machine without a GPU.
         --out bench/results/remote_compiled_cpu.json
     python bench/remote_overhead.py --mode torch-compile --worker-device cpu \\
         --out bench/results/remote_torch_compile_cpu.json
+    python bench/remote_overhead.py --mode torch-compile --compile-target function \\
+        --worker-device cpu --out bench/results/remote_torch_compile_function_cpu.json
 
 torchvision and transformers are imported only inside the workloads that need them.
 """
@@ -121,9 +123,13 @@ def gpt2_step(
     return step
 
 
-def small_step(workload: str, batch: int, device: str, compiled: bool = False) -> Any:
+def small_step(
+    workload: str, batch: int, device: str, compiled: bool = False, target: str = "module"
+) -> Any:
     """Small models for a machine without a GPU (CPU worker against CPU PyTorch): an MLP with
-    SGD, a conv net with batch norm and Adam, a 2-layer causal transformer with AdamW."""
+    SGD, a conv net with batch norm and Adam, a 2-layer causal transformer with AdamW.
+    compiled with target "function": torch.compile of the loss function, which names the
+    model, instead of the model."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -151,16 +157,21 @@ def small_step(workload: str, batch: int, device: str, compiled: bool = False) -
         x = torch.randint(0, 128, (batch, 32))
     model.to(device)
     x, y = x.to(device), torch.randint(0, 10, (batch,), device=device)
-    call = torch.compile(model) if compiled else model
+    call = torch.compile(model) if compiled and target == "module" else model
+
+    def loss_of(inputs: Any, labels: Any) -> Any:
+        out = call(inputs)
+        return F.cross_entropy(out if out.dim() == 2 else out.mean(1), labels)
+
+    compiled_loss = torch.compile(loss_of) if compiled and target == "function" else loss_of
 
     def step() -> None:
-        out = call(x)
-        loss = F.cross_entropy(out if out.dim() == 2 else out.mean(1), y)
+        loss = compiled_loss(x, y)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
 
-    step.compiled = call  # type: ignore[attr-defined]
+    step.compiled = call if target == "module" else compiled_loss  # type: ignore[attr-defined]
     return step
 
 
@@ -233,7 +244,7 @@ def time_step(spec: dict[str, Any], step: Any, warmup: int, device: str) -> dict
         # The trace comes at the second call, each graph's program after two recordings, and
         # the worker's compile at its second RUN (and a CUDA graph after that).
         timed: dict[str, Any] = time_steps(step, spec["steps"], max(warmup, 10), device)
-        graphs = getattr(step.compiled.forward, "training", None)
+        graphs = getattr(getattr(step.compiled, "forward", step.compiled), "training", None)
         if hasattr(graphs, "steps"):  # remote: how the worker ran the forward and backward graphs
             timed["graphs"] = [s.worker_programs() for s in graphs.steps()]
             timed["not_compiled"] = [s.not_compiled() for s in graphs.steps()]
@@ -385,7 +396,8 @@ def _measure(spec: dict[str, Any]) -> dict[str, Any]:
             spec, gpt2_step(batch, device=device, compiled=compiled, amp=amp), 3, device
         )
     if workload in SMALL:
-        return time_step(spec, small_step(workload, batch, device, compiled), 5, device)
+        step = small_step(workload, batch, device, compiled, spec.get("compile_target", "module"))
+        return time_step(spec, step, 5, device)
     if workload == "op_throughput":
         return op_throughput()
     if workload == "round_trip":
@@ -502,7 +514,7 @@ CPU_PLAN = [("mlp", 32), ("cnn", 32), ("gpt_tiny", 16)]
 
 def _row_key(row: dict[str, Any]) -> tuple[Any, ...]:
     return (row.get("workload"), row.get("batch"), row.get("mode"), row.get("spin_us", 0),
-            bool(row.get("pinned")))  # fmt: skip
+            bool(row.get("pinned")), row.get("compile_target") or "module")  # fmt: skip
 
 
 def merged(path: Path, results: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -560,6 +572,13 @@ def main() -> int:
         action="store_true",
         help="--mode torch-compile under bf16 autocast (both sides) instead of float32",
     )
+    parser.add_argument(
+        "--compile-target",
+        choices=["module", "function"],
+        default="module",
+        help="--mode torch-compile on a CPU worker: compile the model, or the loss function "
+        "that names it",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -585,6 +604,7 @@ def main() -> int:
     extra: dict[str, Any] = {"capture": args.mode in ("captured", "compiled"),
                              "torch_compile": torch_compile, "graph": not args.no_graph,
                              "compile": args.mode == "compiled", "amp": args.amp,
+                             "compile_target": args.compile_target,
                              "worker_device": "cpu" if on_cpu else "cuda"}  # fmt: skip
     worker_cpus: str | None = None
     if args.pin:
@@ -638,6 +658,7 @@ def main() -> int:
                     "batch": batch,
                     "mode": args.mode,
                     "amp": args.amp,
+                    "compile_target": args.compile_target if torch_compile else None,
                     "local_ms": local.get("ms"),
                     "remote_ms": remote.get("ms"),
                     "ratio": (remote["ms"] / local["ms"])

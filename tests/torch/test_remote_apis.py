@@ -890,6 +890,123 @@ def test_compiled_training_follows_the_module_where_its_graphs_cannot(
     assert any("DataDependent" in why for why in compiled_plain.forward.training.declined())
 
 
+def test_a_compiled_function_trains_with_its_graphs_compiled_on_the_worker(
+    attach: Callable[..., Any],
+) -> None:
+    """A compiled loss function that names its model (a closure here; a global or a bound
+    method's self alike) is traced as a module whose children are the modules it names: the
+    model's parameters are the graphs' inputs, the backward graph fills their gradients, and
+    both graphs are Inductor programs on the worker. Rebinding the name to another model traces
+    that one (its own signature), and the losses stay eager's."""
+    attach()
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
+    model = _norm_mlp()
+
+    @torch.compile
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return (model(inputs) - targets).square().mean()
+
+    def train(loss: Callable[..., torch.Tensor], params: Any, steps: int) -> list[float]:
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+        losses = []
+        for _ in range(steps):
+            value = loss(x, y)
+            opt.zero_grad()
+            value.backward()
+            opt.step()
+            losses.append(value.item())
+        return losses
+
+    eager = _norm_mlp()
+    expected = train(lambda a, b: (eager(a) - b).square().mean(), eager.parameters(), 8)
+    got = train(loss_of, model.parameters(), 8)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    _assert_both_graphs_compiled(loss_of.training)
+    torch.testing.assert_close(model[4].weight.cpu(), eager[4].weight.cpu(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model[2].running_var.cpu(), eager[2].running_var.cpu())
+
+    model = _norm_mlp()  # the name the function reads, rebound
+    again = _norm_mlp()
+    torch.testing.assert_close(
+        train(loss_of, model.parameters(), 3),
+        train(lambda a, b: (again(a) - b).square().mean(), again.parameters(), 3),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+
+
+def test_a_compiled_whole_training_step_runs_eagerly_with_the_reason_kept(
+    attach: Callable[..., Any],
+) -> None:
+    """A compiled function that runs backward() and the optimizer inside the call, or closes
+    over a tensor that needs a gradient, has no pair of graphs that stands for it (their effects
+    on .grad and on the weights would be left out): it runs eagerly, as eager training does,
+    and the reason is kept."""
+    attach()
+    torch._dynamo.reset()
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
+
+    def stepper(model: nn.Module) -> Callable[..., torch.Tensor]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+        def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            opt.zero_grad()
+            loss = (model(inputs) - targets).square().mean()
+            loss.backward()
+            opt.step()
+            return loss.detach()
+
+        return step
+
+    eager_step = stepper(_norm_mlp())
+    expected = [eager_step(x, y).item() for _ in range(5)]
+    compiled_step = torch.compile(stepper(_norm_mlp()))
+    assert [compiled_step(x, y).item() for _ in range(5)] == expected
+    assert compiled_step.training.declined() == ["Declined: the call runs backward() inside it"]
+
+    model = _norm_mlp()
+
+    @torch.compile
+    def penalized(inputs: torch.Tensor) -> torch.Tensor:
+        inputs = inputs.detach().requires_grad_()
+        out = model(inputs).square().sum()
+        (grad,) = torch.autograd.grad(out, inputs, create_graph=True)
+        return out + grad.square().sum()
+
+    for _ in range(3):
+        penalized(x).backward()
+    twin = _norm_mlp()
+    for _ in range(3):
+        inputs = x.detach().requires_grad_()
+        out = twin(inputs).square().sum()
+        (grad,) = torch.autograd.grad(out, inputs, create_graph=True)
+        (out + grad.square().sum()).backward()
+    torch.testing.assert_close(model[0].weight.grad.cpu(), twin[0].weight.grad.cpu())
+    assert penalized.training.declined() == [
+        "Declined: the call runs torch.autograd.grad inside it"
+    ]
+
+    torch.manual_seed(2)
+    w = torch.randn(16, 4, device="cuda", requires_grad=True)
+    w_eager = w.detach().clone().requires_grad_()
+
+    @torch.compile
+    def scaled(inputs: torch.Tensor) -> torch.Tensor:
+        return (inputs @ w).square().mean()
+
+    for _ in range(3):
+        scaled(x).backward()
+        (x @ w_eager).square().mean().backward()
+    assert w.grad is not None and w_eager.grad is not None
+    assert torch.equal(w.grad.cpu(), w_eager.grad.cpu())
+    assert scaled.training.declined() == [
+        "the function closes over a tensor (the graphs would hold it as a constant)"
+    ]
+
+
 @pytest.mark.parametrize("amp", [False, True], ids=["float32", "bf16-autocast"])
 def test_a_compiled_transformers_model_trains_with_its_forward_compiled_on_the_worker(
     attach: Callable[..., Any], amp: bool

@@ -18,11 +18,11 @@ run eagerly, each a remote op streamed to the worker. gpupool's own frames are n
 (they would be retraced as user code). A graph that does reach the backend with remote (or
 their C++ meta) inputs runs as the FX graph itself: Inductor would write kernels for a device
 this process does not have. Graphs of host tensors go to the backend that was asked for.
-A compiled module's calls that need gradients (a training forward whose loss is
+A compiled module's or function's calls that need gradients (a training forward whose loss is
 differentiated outside the call) get their forward and backward graphs from AOTAutograd, each
 compiled on the worker (gpupool.torch.joint), and a call those graphs cannot stand for runs
-the module eagerly; a compiled function's such calls take Dynamo's path.
-`GPUPOOL_COMPILED_TRAINING=0` keeps every training call on Dynamo's path.
+the module or function eagerly. `GPUPOOL_COMPILED_TRAINING=0` keeps every training call on
+Dynamo's path.
 """
 
 from __future__ import annotations
@@ -126,49 +126,57 @@ class _WorkerRoute:
     """One compiled model or function: each call goes to the worker's Inductor (a captured
     step) or to Dynamo's compiled callable, as the module's docstring says."""
 
-    def __init__(
-        self, target: Callable[..., Any], dynamo: Callable[..., Any], module: Any
-    ) -> None:
+    def __init__(self, target: Callable[..., Any], dynamo: Callable[..., Any], module: Any) -> None:
         self.dynamo = dynamo
         self.module: torch.nn.Module | None = module
         self.side_effects = False
         """Set once a call was seen changing Python state: replays would not, so from then on
         every call takes Dynamo's path."""
+        self.target = target
+        self._getters: list[Callable[[], Any]] = []
+        """A function's: what it closes over and the globals it names, read at each call (a
+        global rebound to another model is what the next call uses)."""
         if module is None:
             # The function itself: capture guards what it closes over and the globals it names.
             self.step = CapturedStep(target, compile=True)
-            self._watched: list[Any] = [value for _, value in closure_values(target)]
+            self._getters = [getter for getter, _ in closure_values(target)]
         else:
 
             def call(*args: Any, **kwargs: Any) -> Any:
                 return target(*args, **kwargs)
 
             self.step = CapturedStep(call, compile=True)
-            self._watched = [module]
         self.training: TrainingGraphs | None = (
-            TrainingGraphs(module)
-            if module is not None and os.environ.get("GPUPOOL_COMPILED_TRAINING", "1") != "0"
+            TrainingGraphs(module if module is not None else target)
+            if os.environ.get("GPUPOOL_COMPILED_TRAINING", "1") != "0"
             else None
         )
-        """A module's calls that need gradients; a function's stay on Dynamo's path."""
+        """The calls that need gradients (None: they take Dynamo's path)."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.side_effects or not runtime.attached():
             return self.dynamo(*args, **kwargs)
         # The module tree is walked once a call: for hooks, parameters and buffers, and the
         # Python state before the call (and once more after it).
-        watched = self._flattened()
+        named = self._named()
+        watched = self._flattened(named)
         modules = [m for m in watched if isinstance(m, torch.nn.Module)]
-        route = self._route(args, kwargs, modules)
+        route = self._route(args, kwargs, watched)
         if route is None:
             return self.dynamo(*args, **kwargs)
         before = _python_state(watched)
         if route == "training":
-            assert self.training is not None and self.module is not None
-            # Where the graphs cannot stand for the call the module runs eagerly: Dynamo would
-            # break its graph at every remote op anyway, and on a client without CUDA its fake
-            # cuda tensors (a mask made with torch.arange(device=...)) fail in autograd.
-            result = self.training(args, kwargs, modules, before, self.module)
+            assert self.training is not None
+            # Where the graphs cannot stand for the call the module or function runs eagerly:
+            # Dynamo would break its graph at every remote op anyway, and on a client without
+            # CUDA its fake cuda tensors (a mask made with torch.arange(device=...)) fail in
+            # autograd.
+            if self.module is None:
+                result = self.training(
+                    args, kwargs, modules, before, self.target, _distinct_modules(named), named
+                )
+            else:
+                result = self.training(args, kwargs, modules, before, self.module)
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", CaptureWarning)
@@ -177,30 +185,50 @@ class _WorkerRoute:
         self.side_effects = _python_state(watched) != before
         return result
 
-    def _flattened(self) -> list[Any]:
+    def _named(self) -> list[Any]:
+        """What the call may use beyond its arguments: the module, or what the function names
+        now."""
+        if self.module is not None:
+            return [self.module]
+        return [getter() for getter in self._getters]
+
+    @staticmethod
+    def _flattened(named: list[Any]) -> list[Any]:
         """What is watched, each module replaced by itself and every submodule."""
         out: list[Any] = []
-        for value in self._watched:
+        for value in named:
             out.extend(value.modules() if isinstance(value, torch.nn.Module) else (value,))
         return out
 
     def _route(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], modules: list[torch.nn.Module]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], watched: list[Any]
     ) -> str | None:
-        """Where the call goes: "inference" (a captured step), "training" (the module's traced
-        forward and backward graphs) or None (Dynamo's path). `modules`: the watched ones."""
+        """Where the call goes: "inference" (a captured step), "training" (the traced forward
+        and backward graphs) or None (Dynamo's path). `watched`: _flattened()'s list."""
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        if self.module is not None:
-            if _hooked(modules):
-                return None
-            for m in modules:
-                tensors += [t for t in m._parameters.values() if t is not None]
-                tensors += [t for t in m._buffers.values() if t is not None]
+        tensors += [t for t in watched if isinstance(t, torch.Tensor)]  # a function's closure
+        modules = [m for m in watched if isinstance(m, torch.nn.Module)]
+        if _hooked(modules):  # the module's, or those the function names
+            return None
+        for m in modules:
+            tensors += [t for t in m._parameters.values() if t is not None]
+            tensors += [t for t in m._buffers.values() if t is not None]
         if not any(isinstance(t, RemoteTensor) for t in tensors):
             return None
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
             return "inference"
         return "training" if self.training is not None else None
+
+
+def _distinct_modules(values: list[Any]) -> list[torch.nn.Module]:
+    """The modules among `values`, each once."""
+    seen: set[int] = set()
+    out: list[torch.nn.Module] = []
+    for value in values:
+        if isinstance(value, torch.nn.Module) and id(value) not in seen:
+            seen.add(id(value))
+            out.append(value)
+    return out
 
 
 _SCALARS = (int, float, bool, str, bytes, type(None))

@@ -1,4 +1,5 @@
-"""Training calls of a torch.compile'd module: forward and backward graphs compiled on the worker.
+"""Training calls of a torch.compile'd module or function: forward and backward graphs compiled
+on the worker.
 
 A local `torch.compile` of a training forward hands Dynamo's graph to AOTAutograd, which traces
 forward and backward together on fake tensors, splits them into a forward graph (which also
@@ -16,6 +17,14 @@ The stand-ins live on the tensors' C++ device (`gpupool:N`): a fake `cuda` tenso
 autograd on a CPU-only torch (no CUDA device guard), and factory calls in the graphs then name
 the remote tensors' own C++ device, which gpupool's kernels take.
 
+A compiled function is traced the same way, as a module whose children are the modules it
+names (its closure cells, the globals it reads, a bound method's `self`), so their parameters
+and buffers are the graph's inputs as a module's own are (`_Calls`). A tensor it closes over
+directly is not lifted: the trace sees it as a constant and declines. A function that calls
+`backward()`, `torch.autograd.grad` or an optimizer's `step()` inside the call (a whole
+training step compiled) declines too: the graphs would leave out those effects on `.grad` and
+on the weights, so it runs eagerly.
+
 Under bf16/fp16 autocast the trace runs with autocast on for the fakes' device, so the
 graphs hold its casts (gpupool.torch.autocast.traced_autocast), and the signature holds the
 autocast dtype. What the trace cannot stand for runs the module eagerly (remote ops one by
@@ -28,6 +37,7 @@ plain constants, and more than `MAX_SIGNATURES` signatures. The reason is kept p
 from __future__ import annotations
 
 import contextlib
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -35,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from gpupool.torch import autocast
@@ -78,6 +89,52 @@ def _tracing() -> Iterator[None]:
         finally:
             RemoteTensor.device = device  # type: ignore[method-assign]
             torch.compiler.is_compiling = is_compiling
+
+
+class _Calls(torch.nn.Module):
+    """A compiled function as AOTAutograd takes a module: the modules it names are children,
+    so that their parameters and buffers are lifted as the graph's inputs."""
+
+    def __init__(self, function: Callable[..., Any], modules: list[torch.nn.Module]) -> None:
+        super().__init__()
+        self.function = function
+        self.named = torch.nn.ModuleList(modules)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def _no_side_effects() -> Iterator[None]:
+    """While tracing: what the graphs would leave out declines the trace, before it happens.
+    `backward()` inside the call would fill `.grad` of the fake stand-ins, not of the weights;
+    `torch.autograd.grad` from the program's code is refused too (torch's own calls, AOTAutograd's
+    that make the backward graph among them, go through); an optimizer's step would update
+    the weights outside any graph. AOTAutograd holds the tracing thread, and _TRACE_LOCK
+    keeps traces apart; another thread calling backward meanwhile would be refused too, so
+    the trace stays short (one per signature)."""
+    autograd = torch.autograd
+    backward, grad = autograd.backward, autograd.grad
+
+    def no_backward(*args: Any, **kwargs: Any) -> Any:
+        raise Declined("the call runs backward() inside it")
+
+    def only_aot_grad(*args: Any, **kwargs: Any) -> Any:
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if not caller.startswith("torch."):
+            raise Declined("the call runs torch.autograd.grad inside it")
+        return grad(*args, **kwargs)
+
+    def no_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        raise Declined(f"the call steps a {type(optimizer).__name__} inside it")
+
+    hook = register_optimizer_step_pre_hook(no_step)
+    autograd.backward, autograd.grad = no_backward, only_aot_grad
+    try:
+        yield
+    finally:
+        autograd.backward, autograd.grad = backward, grad
+        hook.remove()
 
 
 class _Flat(torch.nn.Module):
@@ -176,10 +233,11 @@ def _distinct_tensors(values: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
 
 
 class TrainingGraphs:
-    """One compiled module's training calls, traced per signature (see the module docstring)."""
+    """One compiled module's or function's training calls, traced per signature (see the
+    module docstring). `target`: the module, or the function."""
 
-    def __init__(self, module: torch.nn.Module) -> None:
-        self.module = module
+    def __init__(self, target: torch.nn.Module | Callable[..., Any]) -> None:
+        self.target = target
         self._traced: dict[Any, _Traced] = {}
         self._declined: dict[Any, str] = {}
         self._seen: set[Any] = set()
@@ -199,14 +257,21 @@ class TrainingGraphs:
         modules: list[torch.nn.Module],
         state: list[Any],
         fallback: Callable[..., Any],
+        roots: list[torch.nn.Module] | None = None,
+        named: list[Any] | None = None,
     ) -> Any:
-        """The call through the traced graphs, or through `fallback` (the module, eagerly)
-        where they cannot stand for it. A signature's first call takes the fallback: it runs the
-        module's Python for real, so the caller sees whether it changes Python state before
-        a trace that would run it on fakes."""
+        """The call through the traced graphs, or through `fallback` (the module or function,
+        eagerly) where they cannot stand for it. A signature's first call takes the fallback: it
+        runs the Python for real, so the caller sees whether it changes Python state before
+        a trace that would run it on fakes. `modules`: every module the call may use (each
+        submodule listed), for the signature; `roots`: a function's named modules, whose
+        parameters and buffers its graphs take in; `named`: everything the function names."""
         leaves, spec = tree_flatten((args, kwargs))
         key, why = self._key(leaves, spec, modules, state)
+        if why is None and any(isinstance(value, torch.Tensor) for value in named or ()):
+            why = "the function closes over a tensor (the graphs would hold it as a constant)"
         if why is not None:
+            self._declined.setdefault(why, why)
             return fallback(*args, **kwargs)
         traced = self._traced.get(key)
         if traced is None:
@@ -219,7 +284,7 @@ class TrainingGraphs:
                 self._declined[key] = f"more than {MAX_SIGNATURES} signatures"
                 return fallback(*args, **kwargs)
             try:
-                traced = self._trace(leaves, spec)
+                traced = self._trace(leaves, spec, roots or [])
             except Exception as error:  # the trace stands for nothing: eager calls
                 self._declined[key] = f"{type(error).__name__}: {error}"
                 return fallback(*args, **kwargs)
@@ -273,12 +338,14 @@ class TrainingGraphs:
             return None, "unhashable Python state"
         return key, None
 
-    def _trace(self, leaves: list[Any], spec: Any) -> _Traced:
+    def _trace(self, leaves: list[Any], spec: Any, roots: list[torch.nn.Module]) -> _Traced:
         from torch._functorch import config as functorch_config
         from torch._functorch.aot_autograd import aot_module_simplified
         from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-        flat = _Flat(self.module, leaves, spec)
+        target = self.target
+        module = target if isinstance(target, torch.nn.Module) else _Calls(target, roots)
+        flat = _Flat(module, leaves, spec)
         steps: list[CapturedStep] = []
         compiler = _graph_compiler(steps)
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
@@ -294,7 +361,7 @@ class TrainingGraphs:
             if hasattr(functorch_config, "force_non_lazy_backward_lowering")
             else contextlib.nullcontext()
         )
-        with _tracing(), casts, eager_backward:
+        with _tracing(), _no_side_effects(), casts, eager_backward:
             call = aot_module_simplified(
                 flat,  # type: ignore[arg-type]  # typed for Dynamo's graphs; takes any module
                 tensors,
