@@ -293,9 +293,11 @@ def test_a_page_left_while_it_loaded_does_not_draw_over_the_next(
     late.value.finished()
     page.unroute(first_url)
     # The page shown refreshes itself (every 3 s) after the late answer came: its scripts
-    # have run past that answer by the time this refresh's answer is in.
+    # have run past that answer by the time this refresh's answer is in, and once it is drawn
+    # (the response arrives before the script draws it) the name has been written again.
     with page.expect_response(lambda r: second["uuid"] in r.url and "/dashboard/gpus/" in r.url):
         pass
+    page.wait_for_function("() => window.names.length > 0")
     written = page.evaluate("() => window.names")
     assert written and not [w for w in written if f"{first['node']}/{first['index']} " in w], (
         written

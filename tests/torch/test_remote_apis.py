@@ -1007,6 +1007,7 @@ def test_a_compiled_whole_training_step_runs_eagerly_with_the_reason_kept(
     ]
 
 
+@pytest.mark.timeout(600)  # the worker compiles two GPT-2 graphs with Inductor: 40 s idle
 @pytest.mark.parametrize("amp", [False, True], ids=["float32", "bf16-autocast"])
 def test_a_compiled_transformers_model_trains_with_its_forward_compiled_on_the_worker(
     attach: Callable[..., Any], amp: bool
