@@ -161,7 +161,7 @@ class _WorkerRoute:
         named = self._named()
         watched = self._flattened(named)
         modules = [m for m in watched if isinstance(m, torch.nn.Module)]
-        route = self._route(args, kwargs, watched)
+        route = self._route(args, kwargs, watched, modules)
         if route is None:
             return self.dynamo(*args, **kwargs)
         before = _python_state(watched)
@@ -172,9 +172,7 @@ class _WorkerRoute:
             # CUDA its fake cuda tensors (a mask made with torch.arange(device=...)) fail in
             # autograd.
             if self.module is None:
-                result = self.training(
-                    args, kwargs, modules, before, self.target, _distinct_modules(named), named
-                )
+                result = self.training(args, kwargs, modules, before, self.target, named)
             else:
                 result = self.training(args, kwargs, modules, before, self.module)
         else:
@@ -201,13 +199,17 @@ class _WorkerRoute:
         return out
 
     def _route(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], watched: list[Any]
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        watched: list[Any],
+        modules: list[torch.nn.Module],
     ) -> str | None:
         """Where the call goes: "inference" (a captured step), "training" (the traced forward
-        and backward graphs) or None (Dynamo's path). `watched`: _flattened()'s list."""
+        and backward graphs) or None (Dynamo's path). `watched`: _flattened()'s list;
+        `modules`: the modules among it."""
         tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         tensors += [t for t in watched if isinstance(t, torch.Tensor)]  # a function's closure
-        modules = [m for m in watched if isinstance(m, torch.nn.Module)]
         if _hooked(modules):  # the module's, or those the function names
             return None
         for m in modules:
@@ -218,17 +220,6 @@ class _WorkerRoute:
         if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors):
             return "inference"
         return "training" if self.training is not None else None
-
-
-def _distinct_modules(values: list[Any]) -> list[torch.nn.Module]:
-    """The modules among `values`, each once."""
-    seen: set[int] = set()
-    out: list[torch.nn.Module] = []
-    for value in values:
-        if isinstance(value, torch.nn.Module) and id(value) not in seen:
-            seen.add(id(value))
-            out.append(value)
-    return out
 
 
 _SCALARS = (int, float, bool, str, bytes, type(None))

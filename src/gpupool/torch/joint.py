@@ -110,23 +110,26 @@ def _no_side_effects() -> Iterator[None]:
     `backward()` inside the call would fill `.grad` of the fake stand-ins, not of the weights;
     `torch.autograd.grad` from the program's code is refused too (torch's own calls, AOTAutograd's
     that make the backward graph among them, go through); an optimizer's step would update
-    the weights outside any graph. AOTAutograd holds the tracing thread, and _TRACE_LOCK
-    keeps traces apart; another thread calling backward meanwhile would be refused too, so
-    the trace stays short (one per signature)."""
+    the weights outside any graph. Only the tracing thread is refused: another thread's
+    backward and steps meanwhile run as ever (the swapped functions are process-wide)."""
     autograd = torch.autograd
     backward, grad = autograd.backward, autograd.grad
+    tracing = threading.get_ident()
 
     def no_backward(*args: Any, **kwargs: Any) -> Any:
-        raise Declined("the call runs backward() inside it")
+        if threading.get_ident() == tracing:
+            raise Declined("the call runs backward() inside it")
+        return backward(*args, **kwargs)
 
     def only_aot_grad(*args: Any, **kwargs: Any) -> Any:
         caller = sys._getframe(1).f_globals.get("__name__", "")
-        if not caller.startswith("torch."):
+        if threading.get_ident() == tracing and not caller.startswith("torch."):
             raise Declined("the call runs torch.autograd.grad inside it")
         return grad(*args, **kwargs)
 
     def no_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-        raise Declined(f"the call steps a {type(optimizer).__name__} inside it")
+        if threading.get_ident() == tracing:
+            raise Declined(f"the call steps a {type(optimizer).__name__} inside it")
 
     hook = register_optimizer_step_pre_hook(no_step)
     autograd.backward, autograd.grad = no_backward, only_aot_grad
@@ -232,6 +235,17 @@ def _distinct_tensors(values: list[Any]) -> tuple[list[Any], tuple[int, ...]]:
     return unique, tuple(places)
 
 
+def _distinct_modules(values: list[Any]) -> list[torch.nn.Module]:
+    """The modules among `values`, each once."""
+    seen: set[int] = set()
+    out: list[torch.nn.Module] = []
+    for value in values:
+        if isinstance(value, torch.nn.Module) and id(value) not in seen:
+            seen.add(id(value))
+            out.append(value)
+    return out
+
+
 class TrainingGraphs:
     """One compiled module's or function's training calls, traced per signature (see the
     module docstring). `target`: the module, or the function."""
@@ -257,15 +271,14 @@ class TrainingGraphs:
         modules: list[torch.nn.Module],
         state: list[Any],
         fallback: Callable[..., Any],
-        roots: list[torch.nn.Module] | None = None,
         named: list[Any] | None = None,
     ) -> Any:
         """The call through the traced graphs, or through `fallback` (the module or function,
         eagerly) where they cannot stand for it. A signature's first call takes the fallback: it
         runs the Python for real, so the caller sees whether it changes Python state before
         a trace that would run it on fakes. `modules`: every module the call may use (each
-        submodule listed), for the signature; `roots`: a function's named modules, whose
-        parameters and buffers its graphs take in; `named`: everything the function names."""
+        submodule listed), for the signature; `named`: everything a function names (the
+        modules among it are those whose parameters and buffers its graphs take in)."""
         leaves, spec = tree_flatten((args, kwargs))
         key, why = self._key(leaves, spec, modules, state)
         if why is None and any(isinstance(value, torch.Tensor) for value in named or ()):
@@ -284,7 +297,7 @@ class TrainingGraphs:
                 self._declined[key] = f"more than {MAX_SIGNATURES} signatures"
                 return fallback(*args, **kwargs)
             try:
-                traced = self._trace(leaves, spec, roots or [])
+                traced = self._trace(leaves, spec, _distinct_modules(named or []))
             except Exception as error:  # the trace stands for nothing: eager calls
                 self._declined[key] = f"{type(error).__name__}: {error}"
                 return fallback(*args, **kwargs)
