@@ -96,6 +96,40 @@ def test_one_client_at_a_time(worker: tuple[subprocess.Popen[str], str, Path]) -
     gpupool.torch.detach()
 
 
+def test_a_new_client_waits_for_the_last_call_of_a_client_that_was_killed(
+    worker: tuple[subprocess.Popen[str], str, Path],
+) -> None:
+    """A killed program leaves its worker running what it queued (here seconds of matmuls; in
+    CI it was a GPT-2 Inductor compile). The next client learns the worker is finishing for a
+    client that has gone and waits for it, instead of failing after the few seconds a live
+    client's reconnect needs (one timeout then failed every later test on that worker)."""
+    _, address, status = worker
+    program = f"""
+import os, threading, torch, gpupool.torch
+gpupool.torch.attach(workers=[{address!r}], token={TOKEN!r}, lease="lease-w")
+x = torch.randn(2048, 2048, device="cuda")
+y = x
+for _ in range(50):
+    y = (y @ x) * 0.01
+threading.Timer(0.5, lambda: os._exit(0)).start()
+y.sum().item()
+"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    killed = subprocess.run([sys.executable, "-c", program], env=env, timeout=scaled(60))
+    assert killed.returncode == 0, "the program ends while its last call still runs"
+    connected = json.loads(status.read_text())["client_connected"]
+    assert connected, "the worker is still busy with the killed program's matmuls"
+    sock, head = hello(address)
+    sock.close()
+    assert head[0] == Kind.ERROR and head[2]["kind"] == ErrorKind.BUSY  # type: ignore[index]
+    assert head[2].get("gone") is True, head  # type: ignore[index]
+    gpupool.torch.attach(workers=[address], token=TOKEN, lease="lease-w")
+    try:
+        assert torch.ones(2, device="cuda").sum().item() == 2.0
+    finally:
+        gpupool.torch.detach()
+
+
 def test_a_connection_without_the_lease_token_is_refused(
     worker: tuple[subprocess.Popen[str], str, Path],
 ) -> None:

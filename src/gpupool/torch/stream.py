@@ -6,6 +6,7 @@ import builtins
 import contextlib
 import ctypes
 import itertools
+import logging
 import mmap
 import os
 import socket
@@ -80,6 +81,8 @@ CLOSE_SEND_WAIT_S = 30.0
 fast_pack: Callable[[Any, list[Any]], bytes | None] | None = None
 """gpupool.torch._fastpath.pack_records while the compiled hot path is on (dispatch.use_fastpath
 sets it): the same bytes as msgpack, or None for a kind it leaves to msgpack."""
+
+log = logging.getLogger("gpupool.torch.stream")
 
 
 flags_snapshot: Callable[[], dict[str, Any]] | None = None
@@ -958,6 +961,10 @@ def remote_exception(body: ErrorBody) -> BaseException:
 
 BUSY_RETRY_S = 3.0
 """A worker frees itself a moment after its previous client left; wait that long for it."""
+GONE_CLIENT_WAIT_S = 600.0
+"""How long to wait for a worker that is finishing the last call of a client that has gone
+(a killed program's compile or long kernel): that worker will be free, so waiting is
+better than failing; the bound keeps a call that never ends from hanging the program."""
 
 
 def open_stream(
@@ -965,6 +972,7 @@ def open_stream(
 ) -> DeviceStream:
     """Connect, authenticate with the lease's token, and learn the device's facts."""
     deadline = time.monotonic() + BUSY_RETRY_S
+    gone_since: float | None = None
     hops = 0
     while True:
         try:
@@ -977,8 +985,23 @@ def open_stream(
             if hops > MAX_MOVED_HOPS:
                 raise AttachError(f"lease {lease} keeps moving; last at {moved.address}") from None
             address = parse_address(moved.address)
-        except _Busy:
-            if time.monotonic() > deadline:
+        except _Busy as busy:
+            now = time.monotonic()
+            if busy.client_gone and gone_since is None:
+                gone_since = now
+                deadline = max(deadline, now + GONE_CLIENT_WAIT_S)
+                log.warning(
+                    "the worker at %s is finishing the last call of a client that has left; "
+                    "waiting up to %.0f s for it",
+                    address,
+                    GONE_CLIENT_WAIT_S,
+                )
+            if now > deadline:
+                if gone_since is not None:
+                    raise AttachError(
+                        f"the worker at {address} was still finishing the last call of a "
+                        f"client that left {now - gone_since:.0f} s ago"
+                    ) from None
                 raise AttachError(
                     f"the worker at {address} already serves another client"
                 ) from None
@@ -986,7 +1009,9 @@ def open_stream(
 
 
 class _Busy(Exception):
-    pass
+    def __init__(self, client_gone: bool) -> None:
+        super().__init__()
+        self.client_gone = client_gone
 
 
 class _Moved(Exception):
@@ -1035,7 +1060,7 @@ def _open_stream(
             client_arena.close()
         body = ErrorBody.from_wire(head[2] if len(head) > 2 else None)
         if body.kind == ErrorKind.BUSY:
-            raise _Busy()
+            raise _Busy(body.client_gone)
         if body.kind == ErrorKind.MOVED:
             raise _Moved(body.message)
         raise AttachError(f"worker at {address} refused lease {lease}: {body.message}")

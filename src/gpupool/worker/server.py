@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import platform
+import select
 import socket
 import ssl
 import stat
@@ -401,7 +402,15 @@ class Worker:
         # A client that reconnects right after its connection ended may arrive before that
         # connection's thread has let go; a second client at the same time is refused.
         if not self._session_lock.acquire(timeout=BUSY_WAIT_S):
-            self._refuse(sock, ErrorBody(ErrorKind.BUSY, "this worker already serves a client"))
+            if self._client_gone():
+                busy = ErrorBody(
+                    ErrorKind.BUSY,
+                    "this worker is finishing the last call of a client that has left",
+                    client_gone=True,
+                )
+            else:
+                busy = ErrorBody(ErrorKind.BUSY, "this worker already serves a client")
+            self._refuse(sock, busy)
             for fd in fds:
                 os.close(fd)
             return
@@ -435,6 +444,21 @@ class Worker:
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(WORKER_EXIT_DEVICE_BROKEN)
+
+    def _client_gone(self) -> bool:
+        """Whether the client being served has closed its end, seen without reading from its
+        socket (the serving thread owns that): the worker is busy only with a call it still
+        runs for nobody."""
+        active = self._active
+        if active is None:
+            return False
+        hung_up = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
+        try:
+            poller = select.poll()
+            poller.register(active.sock.fileno(), hung_up)
+            return any(events & hung_up for _, events in poller.poll(0))
+        except (OSError, ValueError):  # closed meanwhile: the worker is about to be free
+            return False
 
     def _reset_after_client(self) -> str | None:
         """Forget the client's state; on a CUDA worker, first check the context still works

@@ -215,7 +215,8 @@ class ErrorKind(IntEnum):
     AUTH = 2
     """no valid token for this lease: the connection is refused."""
     BUSY = 3
-    """the worker already serves a client."""
+    """the worker already serves a client (`ErrorBody.client_gone`: one that has left, whose
+    last call the worker is still finishing)."""
     OP = 4
     """a streamed op failed; reported at the next read."""
     OUT_OF_MEMORY = 5
@@ -232,14 +233,21 @@ class ErrorBody:
     message: str
     op: str | None = None
     exc_type: str = "RuntimeError"
+    client_gone: bool = False
+    """BUSY only: the client being served has closed its connection, and the worker frees
+    itself when the call it runs for that client ends (an Inductor compile can take minutes),
+    so a new client waits for that rather than giving up after a moment."""
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "kind": int(self.kind),
             "message": self.message,
             "op": self.op,
             "exc": self.exc_type,
         }
+        if self.client_gone:
+            wire["gone"] = True
+        return wire
 
     @classmethod
     def from_wire(cls, body: object) -> ErrorBody:
@@ -250,7 +258,11 @@ class ErrorBody:
         except ValueError:
             kind = ErrorKind.PROTOCOL
         return cls(
-            kind, str(body.get("message", "")), body.get("op"), str(body.get("exc", "RuntimeError"))
+            kind,
+            str(body.get("message", "")),
+            body.get("op"),
+            str(body.get("exc", "RuntimeError")),
+            body.get("gone") is True,
         )
 
 
