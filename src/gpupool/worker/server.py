@@ -237,6 +237,10 @@ class Worker:
         self._listener: socket.socket | None = None
         self._tls: ssl.SSLContext | None = None
         self._active: Connection | None = None
+        self._client_left = False
+        """Set from the end of a client's stream until the worker is free again: the reset
+        after it (a CUDA synchronize waits for every kernel the client queued) runs for
+        nobody."""
         self._lanes: Lanes | None = None
         """The current client session's lanes, which lane connections join."""
         self._threads: list[threading.Thread] = []
@@ -422,11 +426,13 @@ class Worker:
             # Free the worker before the client sees its connection close, so that it can
             # connect again at once.
             self._active = self._lanes = None
+            self._client_left = True
             try:
                 self.elastic.client_left()
                 broken = self._reset_after_client()
             finally:
                 self.activity.client_connected, self.activity.client_peer = False, None
+                self._client_left = False
                 self._session_lock.release()
         if problem is not None:
             with contextlib.suppress(DataPlaneError, OSError):
@@ -447,10 +453,12 @@ class Worker:
 
     def _client_gone(self) -> bool:
         """Whether the client being served has closed its end, seen without reading from its
-        socket (the serving thread owns that): the worker is busy only with a call it still
-        runs for nobody."""
+        socket (the serving thread owns that), or its stream has ended and the worker is
+        resetting: the worker is busy only with work it still does for nobody."""
         active = self._active
-        if active is None:
+        if self._client_left:
+            return True
+        if active is None:  # a client's stream is being set up
             return False
         hung_up = select.POLLHUP | select.POLLERR | getattr(select, "POLLRDHUP", 0)
         try:
